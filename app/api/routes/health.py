@@ -1,0 +1,46 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from app.api.deps import get_settings
+from app.api.schemas import Health
+from app.core.config import Settings
+from app.core.keys import Keys
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    """The process is alive."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+async def readyz(request: Request, settings: Settings = Depends(get_settings)) -> JSONResponse:
+    """Redis answers, and every stage of the default model's pipeline has a live worker."""
+    redis = request.app.state.redis
+    keys = Keys(settings.namespace)
+    checks: dict[str, object] = {}
+    try:
+        started = time.perf_counter()
+        await redis.ping()
+        checks["redis"] = {"ok": True, "latency_ms": round((time.perf_counter() - started) * 1000, 2)}
+        now = time.time()
+        stages = {}
+        for stage in range(settings.stages):
+            live = await redis.zrangebyscore(keys.workers(settings.default_model, stage),
+                                             now - settings.heartbeat_ttl_s, "+inf")
+            stages[str(stage)] = len(live)
+        checks["workers"] = {"model": settings.default_model, "live_per_stage": stages}
+        ready = all(n > 0 for n in stages.values())
+    except Exception as exc:  # Redis down: not ready, and say why
+        checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        ready = False
+    body = Health(status="ready" if ready else "not_ready", checks=checks)
+    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

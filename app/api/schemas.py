@@ -1,0 +1,132 @@
+"""Request and response bodies of the public API."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Priority = Literal["high", "normal", "low"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class JobCreate(BaseModel):
+    """A generation job: either a raw `prompt` or chat `messages` (rendered by the model's template)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0,
+        }]},
+    )
+
+    model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
+    prompt: str | None = Field(default=None, description="Raw completion prompt.")
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Tokens to generate at most; the server's default when omitted.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables the top-k cut.")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
+    priority: Priority = "normal"
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobCreate:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class InferenceRequest(JobCreate):
+    stream: bool = Field(default=False, description="Answer with the job's server-sent events.")
+
+
+class JobUrls(BaseModel):
+    self: str
+    events: str
+
+
+class JobAccepted(BaseModel):
+    id: str
+    status: str
+    urls: JobUrls
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    created_at: float | None = None
+    scheduled_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class BatchInfo(BaseModel):
+    id: str
+    size: int
+
+
+class JobPublic(BaseModel):
+    id: str
+    status: str
+    model: str
+    priority: str
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
+    batch: BatchInfo | None
+    error: ErrorInfo | None
+
+    @classmethod
+    def from_record(cls, record: dict[str, str]) -> JobPublic:
+        def ts(name: str) -> float | None:
+            return float(record[name]) if record.get(name) else None
+
+        return cls(
+            id=record["id"],
+            status=record["status"],
+            model=record["model"],
+            priority=record.get("priority", "normal"),
+            text=record.get("text", ""),
+            finish_reason=record.get("finish_reason") or None,
+            usage=Usage(prompt_tokens=int(record.get("prompt_tokens", 0)),
+                        completion_tokens=int(record.get("completion_tokens", 0))),
+            timings=Timings(**{name: ts(name) for name in Timings.model_fields}),
+            batch=BatchInfo(id=record["batch_id"], size=int(record["batch_size"]))
+            if record.get("batch_id") else None,
+            error=ErrorInfo(**json.loads(record["error"])) if record.get("error") else None,
+        )
+
+
+class ErrorBody(BaseModel):
+    error: dict[str, Any]
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, Any] = Field(default_factory=dict)

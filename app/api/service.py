@@ -1,0 +1,126 @@
+"""What the routes do, without HTTP: submit a job, read it, follow its events, wait for its end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.concurrency import run_in_threadpool
+
+from app.api.catalog import Catalog
+from app.api.events import EventHub
+from app.api.schemas import JobCreate
+from app.batching.intake import intake_fields
+from app.core.config import Settings
+from app.core.errors import ContextLengthExceeded, InvalidRequest, JobNotFound, MaxTokensExceeded
+from app.core.jobs import JobStatus, decode_record
+from app.core.keys import Keys
+
+FINAL_EVENTS = frozenset({"done", "error"})
+POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    event: str
+    data: dict[str, Any]
+
+
+class JobService:
+    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.catalog = catalog
+        self.hub = hub
+        self.keys = Keys(settings.namespace)
+
+    async def submit(self, request: JobCreate) -> dict[str, str]:
+        model = await run_in_threadpool(self.catalog.get, request.model or self.settings.default_model)
+        max_tokens = request.max_tokens or min(self.settings.default_max_tokens, self.settings.max_tokens_limit)
+        if max_tokens > self.settings.max_tokens_limit:
+            raise MaxTokensExceeded(
+                f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
+                limit=self.settings.max_tokens_limit)
+        stop = request.stop_list()
+        self._check_stop(stop)
+        if request.messages is not None:
+            prompt_ids = model.encode_chat([m.model_dump() for m in request.messages])
+        else:
+            prompt_ids = model.encode_prompt(request.prompt or "")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) + max_tokens > model.context_length:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the context of "
+                f"{model.name} is {model.context_length} tokens", limit=model.context_length,
+                prompt_tokens=len(prompt_ids))
+
+        job_id = uuid.uuid4().hex
+        params = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                  "top_k": request.top_k, "seed": request.seed, "stop": stop}
+        record = {
+            "id": job_id, "status": str(JobStatus.QUEUED), "model": model.name, "priority": request.priority,
+            "created_at": repr(time.time()), "request": json.dumps(params), "prompt_ids": json.dumps(prompt_ids),
+            "prompt_tokens": str(len(prompt_ids)), "completion_tokens": "0", "text": "", "attempts": "0",
+        }
+        pipe = self.redis.pipeline(transaction=True)  # the record and its queue entry land together
+        pipe.hset(self.keys.job(job_id), mapping=record)
+        pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
+        pipe.xadd(self.keys.intake(request.priority), intake_fields(
+            job_id=job_id, model=model.name, prompt_tokens=len(prompt_ids), priority=request.priority))
+        await pipe.execute()
+        return record
+
+    def _check_stop(self, stop: list[str]) -> None:
+        if len(stop) > self.settings.max_stop_strings:
+            raise InvalidRequest(f"at most {self.settings.max_stop_strings} stop strings are allowed",
+                                 limit=self.settings.max_stop_strings)
+        if any(not s or len(s) > self.settings.max_stop_length for s in stop):
+            raise InvalidRequest(f"stop strings must be 1 to {self.settings.max_stop_length} characters long",
+                                 limit=self.settings.max_stop_length)
+
+    async def get(self, job_id: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(self.keys.job(job_id))
+        if not raw:
+            raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
+        return decode_record(raw)
+
+    async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[Event]:
+        """The job's events after entry id `after`: the backlog first, then the live tail, until the end."""
+        stream = self.keys.events(job_id)
+        async with self.hub.watch(job_id) as woke:
+            while True:
+                woke.clear()
+                entries = await self.redis.xrange(stream, min=f"({after}" if after else "-", max="+", count=512)
+                for entry_id, fields in entries:
+                    after = entry_id.decode()
+                    event = fields[b"event"].decode()
+                    yield Event(after, event, json.loads(fields[b"data"]))
+                    if event in FINAL_EVENTS:
+                        return
+                if not entries:
+                    try:
+                        await asyncio.wait_for(woke.wait(), POLL_FALLBACK_S)
+                    except TimeoutError:
+                        await self.get(job_id)  # raises once the job has expired: end the stream
+
+    async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
+        """The job's record once it has finished (or as it is when the timeout passes)."""
+        deadline = time.monotonic() + timeout_s
+        async with self.hub.watch(job_id) as woke:
+            while True:
+                woke.clear()
+                record = await self.get(job_id)
+                remaining = deadline - time.monotonic()
+                if JobStatus(record["status"]).is_finished or remaining <= 0:
+                    return record
+                try:
+                    await asyncio.wait_for(woke.wait(), min(remaining, POLL_FALLBACK_S))
+                except TimeoutError:
+                    pass

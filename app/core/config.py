@@ -1,0 +1,83 @@
+"""The one place that reads the environment.
+
+Every process builds a `Settings` at start-up (never at import) and passes it down explicitly.
+Each field is a tunable with a default and a reason; the README's configuration table lists them.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+
+    # Redis: broker, job store, token streams. Unset means "start the embedded server".
+    redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
+    embedded_redis_port: int = 6390  # away from 6379 so a system Redis is never shadowed
+    namespace: str = "conveyor"  # prefix of every Redis key and Celery queue; lets stacks share a Redis
+
+    home: Path = Path(".conveyor")  # models, embedded Redis data, logs
+    default_model: str = DEFAULT_MODEL
+    # Extra models by name -> local Hugging Face model directory (JSON in the environment).
+    models: dict[str, Path] = Field(default_factory=dict)
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    flower_port: int = 5555
+    flower: bool = True
+
+    # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_stop_strings: int = 4
+    max_stop_length: int = 64
+
+    # Batcher: the seed's window is 50 ms; 8 is what batching needs on a CPU to pay for itself.
+    max_batch_size: int = 32
+    max_wait_ms: float = 50.0
+    # Batches in flight per pipeline; None means stages + 1, enough to keep every stage busy.
+    max_inflight_batches: int | None = None
+    # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
+    length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    # At most this many intake entries held by the batcher at once (the rest wait in Redis).
+    batcher_max_pending: int = 1024
+
+    # Stage workers.
+    stages: int = 1
+    torch_threads: int | None = None  # None: torch's default (all cores)
+    heartbeat_interval_s: float = 2.0
+    heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
+
+    # Record lifetimes: a finished job stays readable (poll, SSE replay) for a day.
+    job_ttl_s: int = 86_400
+    sse_ping_s: float = 15.0  # comment lines keep proxies from closing an idle stream
+    sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
+
+    celery_events: bool = True  # task events for Flower
+
+    @cached_property
+    def model_home(self) -> Path:
+        return self.home / "models"
+
+    def model_path(self, name: str) -> Path | None:
+        """Where the model called `name` lives, or None when no such model is configured or pulled."""
+        if name in self.models:
+            return Path(self.models[name])
+        candidate = self.model_home / name
+        return candidate if (candidate / "config.json").exists() else None
+
+    def model_names(self) -> list[str]:
+        names = set(self.models)
+        if self.model_home.is_dir():
+            names.update(p.name for p in self.model_home.iterdir() if (p / "config.json").exists())
+        return sorted(names)
+
+    def inflight_limit(self, stages: int) -> int:
+        return self.max_inflight_batches or stages + 1

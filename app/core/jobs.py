@@ -1,0 +1,159 @@
+"""The job lifecycle (DESIGN.md §3): one enum, one transition table, one place that applies a move.
+
+A transition runs as one Lua script on the job's hash, so the check ("is the job in a state this
+move may leave?") and the write (new status plus its timestamp) are atomic across processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.errors import IllegalTransition
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})
+
+S = JobStatus
+TRANSITIONS: Mapping[JobStatus, frozenset[JobStatus]] = {
+    S.QUEUED: frozenset({S.SCHEDULED, S.CANCELLED, S.EXPIRED, S.FAILED}),
+    S.SCHEDULED: frozenset({S.RUNNING, S.QUEUED, S.CANCELLED, S.EXPIRED, S.FAILED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.RECOVERING}),
+    S.RECOVERING: frozenset({S.SCHEDULED, S.FAILED, S.CANCELLED}),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.EXPIRED: frozenset(),
+}
+
+# The record field stamped when a job enters a state (the poll view shows them as timings).
+TIMESTAMP_FIELD: Mapping[JobStatus, str] = {
+    S.QUEUED: "queued_at",
+    S.SCHEDULED: "scheduled_at",
+    S.RUNNING: "started_at",
+    S.RECOVERING: "recovered_at",
+    **{s: "finished_at" for s in TERMINAL},
+}
+
+
+def predecessors(target: JobStatus) -> list[str]:
+    return [str(src) for src, targets in TRANSITIONS.items() if target in targets]
+
+
+# KEYS[1] = job hash. ARGV = target, n, n allowed predecessors, then field/value pairs to write.
+# Returns {1, previous} when applied, {0, current-or-empty} when refused.
+TRANSITION_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return {0, ''} end
+local n = tonumber(ARGV[2])
+for i = 3, 2 + n do
+  if cur == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1])
+    for j = 3 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    return {1, cur}
+  end
+end
+return {0, cur}
+"""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One requested move of one job, with the extra fields written when it applies."""
+
+    job_id: str
+    target: JobStatus
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def script_args(self, now: float) -> list[str]:
+        allowed = predecessors(self.target)
+        writes: dict[str, Any] = {TIMESTAMP_FIELD[self.target]: now, **self.fields}
+        args = [str(self.target), str(len(allowed)), *allowed]
+        for name, value in writes.items():
+            args += [name, encode_field(value)]
+        return args
+
+
+def check_result(transition: Transition, result: list[Any], *, strict: bool) -> bool:
+    applied, current = int(result[0]), _text(result[1])
+    if applied:
+        return True
+    if strict:
+        raise IllegalTransition(transition.job_id, current or None, transition.target)
+    return False
+
+
+def encode_field(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool | int | float):
+        return repr(value) if isinstance(value, float) else str(int(value))
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def decode_record(raw: Mapping[Any, Any]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+class JobStore:
+    """Synchronous job-record operations for the batcher and the stage workers."""
+
+    def __init__(self, redis: Any, keys: Any, *, ttl_s: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._script = redis.register_script(TRANSITION_LUA)
+
+    def apply(self, transitions: Iterable[Transition], *, strict: bool = True) -> list[str]:
+        """Apply moves in one round trip; returns the ids whose move applied.
+
+        With strict=True an illegal move raises (a bug); with strict=False it is skipped, which is
+        what at-least-once consumers want for a move that a duplicate delivery already made.
+        """
+        transitions = list(transitions)
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        for t in transitions:
+            self.enqueue(pipe, t, now)
+        results = pipe.execute()
+        return [t.job_id for t, r in zip(transitions, results, strict=True) if check_result(t, r, strict=strict)]
+
+    def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
+        """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""
+        self._script(keys=[self.keys.job(transition.job_id)], args=transition.script_args(now), client=pipe)
+
+    def get(self, job_id: str) -> dict[str, str] | None:
+        raw = self.redis.hgetall(self.keys.job(job_id))
+        return decode_record(raw) if raw else None
+
+    def get_many(self, job_ids: list[str], *fields: str) -> list[dict[str, str]]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.keys.job(job_id), list(fields))
+        return [
+            {name: _text(v) for name, v in zip(fields, values, strict=True) if v is not None}
+            for values in pipe.execute()
+        ]

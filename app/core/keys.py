@@ -1,0 +1,64 @@
+"""Every Redis key, channel and queue name Conveyor uses, built in one place.
+
+All names start with the namespace, so several stacks (or test runs) can share one Redis.
+Every per-job key expires (`Settings.job_ttl_s`); the intake streams and the batch log are capped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIORITIES = ("high", "normal", "low")  # drain order: high first
+BATCHER_GROUP = "batcher"
+BATCH_LOG_MAXLEN = 10_000
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record (status, request, timings, text)."""
+        return f"{self.namespace}:job:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Stream: token / done / error events of one job, replayable by entry id."""
+        return f"{self.namespace}:job:{job_id}:events"
+
+    def announce(self, job_id: str) -> str:
+        """Pub/sub channel: 'a new event is in the stream' (a wake-up, never the data itself)."""
+        return f"{self.namespace}:announce:{job_id}"
+
+    def announce_pattern(self) -> str:
+        return f"{self.namespace}:announce:*"
+
+    def job_id_from_announce(self, channel: str) -> str:
+        return channel.rsplit(":", 1)[1]
+
+    def intake(self, priority: str) -> str:
+        """Stream, one per priority class, read by the batcher's consumer group."""
+        return f"{self.namespace}:intake:{priority}"
+
+    def control(self) -> str:
+        """Stream: workers tell the batcher that a batch has finished."""
+        return f"{self.namespace}:batcher:control"
+
+    def batch_log(self) -> str:
+        """Stream: one entry per dispatched batch (id, model, size, bucket), capped."""
+        return f"{self.namespace}:batches"
+
+    def inflight(self, model: str) -> str:
+        """Hash: batch id -> job ids, for batches dispatched and not yet finished."""
+        return f"{self.namespace}:inflight:{model}"
+
+    def workers(self, model: str, stage: int) -> str:
+        """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
+        return f"{self.namespace}:workers:{model}:{stage}"
+
+    def stage_queue(self, model: str, stage: int) -> str:
+        """Celery queue shared by every replica of a stage: prefill steps land here."""
+        return f"{self.namespace}.stage.{model}.{stage}"
+
+    def direct_queue(self, model: str, stage: int, worker: str) -> str:
+        """Celery queue of one replica: steps of batches whose KV cache that replica holds."""
+        return f"{self.namespace}.stage.{model}.{stage}.{worker}"

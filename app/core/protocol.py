@@ -1,0 +1,53 @@
+"""The stage message (DESIGN.md §4): what one stage hands to the next.
+
+A batch is prefilled once (`kind="prefill"`, step 0), then decoded one token per step. Forward
+messages carry hidden states from stage k to k+1; the last stage samples and sends the new token
+ids back to stage 0 as the next `decode` step, until every sequence is done; then `release` frees
+the KV caches held by the earlier stages.
+
+Sequences are named by job id, in row order. A stage keeps its own per-batch state (KV cache,
+attention mask) and, when a step lists fewer sequences than the previous one, keeps only those rows.
+The message is plain data (msgpack); tensors are encoded by `app.partitions.codecs`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+Kind = Literal["prefill", "decode", "release"]
+STEP_TASK = "conveyor.stage.step"
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    batch_id: str
+    model: str
+    stage: int  # the stage this message is addressed to
+    num_stages: int
+    kind: Kind
+    step: int
+    seq_ids: list[str]
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # routes[k]: the direct queue of the stage-k replica that holds this batch's KV cache.
+    routes: list[str | None] = field(default_factory=list)
+    sent_at: float = 0.0
+    v: int = PROTOCOL_VERSION
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(replace(self, sent_at=time.time()))
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> StepMessage:
+        if wire.get("v") != PROTOCOL_VERSION:
+            raise ValueError(f"unsupported stage protocol version {wire.get('v')!r}")
+        return cls(**wire)
+
+    def forward(self, **changes: Any) -> StepMessage:
+        return replace(self, **changes)

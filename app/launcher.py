@@ -1,0 +1,130 @@
+"""`conveyor up`: start the whole stack in the foreground and supervise it.
+
+Children: Redis (embedded, when no REDIS_URL is given), the api, the batcher, one worker per
+stage, and Flower. Each child's output is prefixed with its name. A child that exits on its own is
+reported and restarted with backoff; one that keeps dying (more than `MAX_RESTARTS` times within
+`RESTART_WINDOW_S`) brings the stack down with a non-zero exit, and so does the embedded Redis
+dying. Ctrl-C or SIGTERM stops every child: api first, Redis last, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    restart: bool = True
+    process: subprocess.Popen[bytes] | None = None
+    restarts: deque[float] = field(default_factory=deque)
+
+
+class Supervisor:
+    def __init__(self, env: dict[str, str], *, out: IO[str] = sys.stdout) -> None:
+        self.env = env
+        self.out = out
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            self.out.write(f"[conveyor] {line}\n")
+            self.out.flush()
+
+    def add(self, child: Child, process: subprocess.Popen[bytes] | None = None) -> None:
+        """Register a child; start it unless an already running process is handed over."""
+        self.children.append(child)
+        if process is not None:
+            child.process = process
+        else:
+            self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        # Its own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
+        child.process = subprocess.Popen(
+            child.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        threading.Thread(target=self._relay, args=(child.name, child.process), daemon=True).start()
+
+    def _relay(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            with self._lock:
+                self.out.write(f"[{name}] {raw.decode(errors='replace').rstrip()}\n")
+                self.out.flush()
+
+    def run(self) -> int:
+        """Supervise until a stop signal (exit 0) or a child that cannot be kept up (exit 1)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        code = 0
+        while not self.stopping.wait(0.5):
+            failed = self._check()
+            if failed:
+                self.say(f"{failed} keeps failing; stopping the stack")
+                code = 1
+                break
+        self.shutdown()
+        return code
+
+    def _check(self) -> str | None:
+        for child in self.children:
+            assert child.process is not None
+            rc = child.process.poll()
+            if rc is None:
+                continue
+            self.say(f"{child.name} exited with code {rc}")
+            now = time.monotonic()
+            while child.restarts and now - child.restarts[0] > RESTART_WINDOW_S:
+                child.restarts.popleft()
+            if not child.restart or len(child.restarts) >= MAX_RESTARTS:
+                return child.name
+            child.restarts.append(now)
+            delay = min(8.0, 0.5 * 2 ** (len(child.restarts) - 1))
+            self.say(f"restarting {child.name} in {delay:g} s")
+            time.sleep(delay)
+            self._spawn(child)
+        return None
+
+    def shutdown(self) -> None:
+        """SIGTERM to the services in start order (the api first), then to Redis; SIGKILL after the grace."""
+        services = [c for c in self.children if c.restart]
+        infrastructure = [c for c in self.children if not c.restart]
+        for group in (services, infrastructure):
+            live = [c for c in group if c.process is not None and c.process.poll() is None]
+            for child in live:
+                self.say(f"stopping {child.name}")
+                _signal(child.process, signal.SIGTERM)  # type: ignore[arg-type]
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in live:
+                assert child.process is not None
+                try:
+                    child.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.say(f"{child.name} did not stop in time; killing it")
+                    _signal(child.process, signal.SIGKILL)
+                    child.process.wait()
+        self.say("stopped")
+
+
+def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

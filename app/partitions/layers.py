@@ -1,0 +1,132 @@
+"""A decoder language model cut on layer boundaries: one stage runs layers [start, stop).
+
+The first stage owns the token embedding, the last one the final norm and the LM head; a model
+that fits one device is the one-stage case of the same code. Per batch, a stage keeps its own
+KV cache and attention mask (`BatchState`); positions are derived from the mask, never counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    start: int
+    stop: int  # exclusive
+
+    @classmethod
+    def even_split(cls, num_layers: int, stages: int, stage: int) -> LayerRange:
+        if not 0 <= stage < stages <= num_layers:
+            raise ValueError(f"cannot cut {num_layers} layers into {stages} stages (stage {stage})")
+        bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+        return cls(bounds[stage], bounds[stage + 1])
+
+
+class BatchState:
+    """What one stage remembers about one batch between steps."""
+
+    def __init__(self, config: PretrainedConfig, seq_ids: list[str], attention_mask: torch.Tensor) -> None:
+        self.cache = DynamicCache(config=config)
+        self.seq_ids = list(seq_ids)
+        self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
+
+    def keep(self, seq_ids: list[str]) -> None:
+        """Drop the rows of sequences that have finished (the TGI `filter` rule)."""
+        if seq_ids == self.seq_ids:
+            return
+        position = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
+        missing = [s for s in seq_ids if s not in position]
+        if missing:
+            raise KeyError(f"sequences not in this batch: {missing}")
+        rows = torch.tensor([position[s] for s in seq_ids], dtype=torch.long)
+        self.cache.batch_select_indices(rows)
+        self.attention_mask = self.attention_mask[rows]
+        self.seq_ids = list(seq_ids)
+
+    def extend(self, new_tokens: int) -> None:
+        ones = torch.ones(self.attention_mask.shape[0], new_tokens, dtype=self.attention_mask.dtype)
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+
+
+class StagePartition(nn.Module):
+    """Layers [start, stop) of a Llama-family causal LM, plus embedding / head when at an end."""
+
+    def __init__(self, model: nn.Module, layers: LayerRange) -> None:
+        super().__init__()
+        self.config = model.config
+        self.range = layers
+        self.is_first = layers.start == 0
+        self.is_last = layers.stop == self.config.num_hidden_layers
+        body = model.model
+        self.embed_tokens = body.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(body.layers[layers.start : layers.stop])
+        self.rotary_emb = body.rotary_emb
+        self.norm = body.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    @classmethod
+    def load(cls, path: Path, layers: LayerRange | None = None, *, dtype: torch.dtype = torch.float32,
+             device: str = "cpu") -> StagePartition:
+        config = AutoConfig.from_pretrained(path)
+        layers = layers or LayerRange(0, config.num_hidden_layers)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model.eval()
+        return cls(model, layers)
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.rotary_emb.inv_freq.dtype if self.embed_tokens is None else self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, state: BatchState, x: torch.Tensor) -> torch.Tensor:
+        """Run one step over this stage's layers.
+
+        x: token ids [B, S] on the first stage, hidden states [B, S, D] on the others; the caller
+        has already extended `state.attention_mask` to cover these S new positions.
+        Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V].
+        """
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
+        new = hidden.shape[1]
+        mask = state.attention_mask
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]  # [B, S]
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=state.cache,
+            position_ids=position_ids,
+            # Layers keep their global index: size the mask from this stage's first cache slot.
+            layer_idx=self.range.start,
+        )
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                cache=state.cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, S] left-padded to the longest, and their attention mask [B, S]."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask

@@ -1,0 +1,47 @@
+"""The Celery app factory. The app is always passed explicitly; nothing here runs at import."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from app.core.config import Settings
+from app.core.protocol import STEP_TASK
+
+VISIBILITY_TIMEOUT_S = 3600
+
+
+def create_celery_app(settings: Settings, broker_url: str) -> Celery:
+    app = Celery("conveyor", broker=broker_url, set_as_current=False)
+    transport = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+    app.conf.update(
+        # msgpack carries tensor bytes as they are; json is what Flower's control commands use.
+        # pickle is refused, so a broker cannot run code in a worker.
+        task_serializer="msgpack",
+        accept_content=["msgpack", "json"],
+        result_serializer="msgpack",
+        task_ignore_result=True,
+        # A step is acknowledged after it ran, and a step whose worker died goes back to the queue.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        visibility_timeout=VISIBILITY_TIMEOUT_S,
+        broker_connection_retry_on_startup=True,
+        worker_send_task_events=settings.celery_events,
+        task_send_sent_event=False,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        task_default_queue=f"{settings.namespace}.default",
+    )
+    return app
+
+
+def register_step_task(app: Celery, handle: Callable[[dict[str, Any]], None]) -> None:
+    """The stage task is a thin adapter: decode nothing, decide nothing, hand the message on."""
+
+    @app.task(name=STEP_TASK, ignore_result=True)
+    def step(message: dict[str, Any]) -> None:
+        handle(message)

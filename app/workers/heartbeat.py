@@ -1,0 +1,48 @@
+"""Worker liveness in Redis: each stage replica scores itself in its stage's sorted set."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, redis: Any, key: str, member: str, *, interval_s: float, ttl_s: float) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.redis = redis
+        self.key = key
+        self.member = member
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self._stop = threading.Event()
+
+    def beat(self) -> None:
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.key, {self.member: now})
+        pipe.zremrangebyscore(self.key, 0, now - 10 * self.ttl_s)  # forget long-dead replicas
+        pipe.expire(self.key, int(10 * self.ttl_s))
+        pipe.execute()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except Exception:  # Redis away for a moment: the next beat retries
+                log.warning("heartbeat to Redis failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.redis.zrem(self.key, self.member)
+        except Exception:
+            log.debug("could not withdraw heartbeat", exc_info=True)
+
+
+def live_members(redis: Any, key: str, *, ttl_s: float, now: float | None = None) -> list[str]:
+    now = time.time() if now is None else now
+    return [m.decode() if isinstance(m, bytes) else m for m in redis.zrangebyscore(key, now - ttl_s, "+inf")]

@@ -1,0 +1,116 @@
+"""Entry point of a stage worker process: load the partition, then serve Celery's stage queues."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from app.core.config import Settings
+from app.core.errors import ModelNotFound
+from app.core.jobs import JobStore
+from app.core.keys import Keys
+from app.core.protocol import STEP_TASK, StepMessage
+from app.core.redis import sync_client
+from app.partitions.layers import LayerRange, StagePartition
+from app.workers.celery_app import create_celery_app, register_step_task
+from app.workers.heartbeat import Heartbeat
+from app.workers.publisher import Publisher
+from app.workers.stage import StageIdentity, StageRuntime
+
+log = logging.getLogger(__name__)
+
+
+def eos_token_ids(path: str, config: object) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (config, _generation_config(path)):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return frozenset(ids)
+
+
+def _generation_config(path: str) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, loglevel: str = "INFO") -> None:
+    path = settings.model_path(model)
+    if path is None:
+        raise ModelNotFound(f"model {model!r} is not available; run `conveyor model pull`", model=model)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    keys = Keys(settings.namespace)
+    worker = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    identity = StageIdentity(
+        model=model, stage=stage, num_stages=num_stages, worker=worker,
+        shared_queue=keys.stage_queue(model, stage),
+        direct_queue=keys.direct_queue(model, stage, worker),
+        next_queue=keys.stage_queue(model, stage + 1) if stage + 1 < num_stages else None,
+        first_queue=keys.stage_queue(model, 0),
+    )
+
+    # Weights load here, at worker start, never at import.
+    layers = LayerRange.even_split(_num_layers(path), num_stages, stage)
+    partition = StagePartition.load(path, layers)
+    tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
+    log.info("stage %d/%d of %s: layers %d-%d loaded", stage, num_stages, model, layers.start, layers.stop - 1)
+
+    redis_url = settings.redis_url or ""
+    redis = sync_client(redis_url)
+    jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
+    celery = create_celery_app(settings, redis_url)
+
+    def send(message: StepMessage, queue: str) -> None:
+        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue)
+
+    runtime = StageRuntime(
+        identity=identity, partition=partition, tokenizer=tokenizer, jobs=jobs,
+        publisher=Publisher(redis, keys, jobs, ttl_s=settings.job_ttl_s,
+                            stream_maxlen=settings.max_tokens_limit + 16),
+        redis=redis, keys=keys, send=send,
+        eos_ids=eos_token_ids(str(path), partition.config),
+        pad_id=_pad_id(partition.config),
+    )
+    register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
+
+    # One line per decode step would drown the log; Flower and the metrics show the tasks.
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    heartbeat = Heartbeat(redis, keys.workers(model, stage), worker,
+                          interval_s=settings.heartbeat_interval_s, ttl_s=settings.heartbeat_ttl_s)
+    heartbeat.beat()
+    heartbeat.start()
+    try:
+        celery.worker_main([
+            "worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}",
+            f"--hostname=stage{stage}-{model}-{worker}@%h",
+            "--queues", f"{identity.shared_queue},{identity.direct_queue}",
+            "--without-mingle", "--without-gossip",
+            *(["--events"] if settings.celery_events else []),
+        ])
+    finally:
+        heartbeat.stop()
+
+
+def _num_layers(path: object) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path).num_hidden_layers)
+
+
+def _pad_id(config: object) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0

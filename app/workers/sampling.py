@@ -1,0 +1,68 @@
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible per sequence with a seed.
+
+Pure functions of logits, parameters and per-sequence generators; unit-tested without services.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    generator = torch.Generator()
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask out tokens outside each row's top-k and nucleus (top-p) set.
+
+    logits: [B, V]; top_k: [B] (0 = off); top_p: [B] in (0, 1]. Returns logits with -inf holes.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = rank >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p; the first always stays.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    """Next token per row. logits: [B, V] -> token ids [B]."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    index = torch.tensor(rows)
+    temperature = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
+    scaled = logits[index].float() / temperature[:, None]  # [R, V]
+    filtered = filter_logits(
+        scaled,
+        top_k=torch.tensor([params[i].top_k for i in rows]),
+        top_p=torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
+    )
+    probs = filtered.softmax(dim=-1)
+    for j, row in enumerate(rows):
+        tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
+    return tokens

@@ -1,0 +1,197 @@
+"""One stage of a model pipeline: run a step over this stage's layers and pass the result on.
+
+`StageRuntime.handle` is called by the Celery task for every stage message. It does not know about
+Celery: messages go out through the injected `send(message, queue)`. The last stage samples,
+publishes tokens and sends the next decode step back to stage 0 until the batch is done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.keys import Keys
+from app.core.protocol import StepMessage
+from app.partitions.codecs import decode_tensor, encode_tensor
+from app.partitions.layers import BatchState, StagePartition, left_pad
+from app.workers.publisher import Publisher, TokenOut
+from app.workers.sampling import SamplingParams, make_generator, sample
+from app.workers.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[StepMessage, str], None]
+
+
+@dataclass
+class Sequence:
+    """What the last stage tracks for one job while it generates."""
+
+    job_id: str
+    params: SamplingParams
+    generator: torch.Generator
+    max_tokens: int
+    text: TextStream
+    generated: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class StageIdentity:
+    model: str
+    stage: int
+    num_stages: int
+    worker: str  # unique per process; names this replica's direct queue
+    shared_queue: str
+    direct_queue: str
+    next_queue: str | None  # shared queue of stage + 1, None on the last stage
+    first_queue: str  # shared queue of stage 0
+
+
+@dataclass
+class StageRuntime:
+    identity: StageIdentity
+    partition: StagePartition
+    tokenizer: Any  # only used on the last stage
+    jobs: JobStore
+    publisher: Publisher
+    redis: Any
+    keys: Keys
+    send: Send
+    eos_ids: frozenset[int] = frozenset()
+    pad_id: int = 0
+    batches: dict[str, BatchState] = field(default_factory=dict)
+    sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)  # batch id -> job id -> state
+
+    def handle(self, msg: StepMessage) -> None:
+        """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
+        if msg.kind == "release":
+            self._drop(msg.batch_id)
+            return
+        try:
+            self._step(msg)
+        except Exception as exc:  # the worker's error boundary
+            log.exception("batch %s step %d failed on stage %d", msg.batch_id, msg.step, self.identity.stage)
+            self._fail(msg, exc)
+
+    def _step(self, msg: StepMessage) -> None:
+        if msg.kind == "prefill":
+            msg, state, x = self._begin(msg)
+            if not msg.seq_ids:
+                self._finish_batch(msg)
+                return
+        else:
+            state = self.batches[msg.batch_id]
+            state.keep(msg.seq_ids)
+            state.extend(1)
+            x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
+        out = self.partition(state, x)
+        if self.partition.is_last:
+            self._sample(msg, out)
+        else:
+            self._forward(msg, state, out)
+
+    def _begin(self, msg: StepMessage) -> tuple[StepMessage, BatchState, torch.Tensor]:
+        """Prefill: build this stage's state for a new batch."""
+        routes = list(msg.routes) or [None] * msg.num_stages
+        routes[self.identity.stage] = self.identity.direct_queue
+        if self.partition.is_first:
+            started = set(self.jobs.apply([Transition(j, JobStatus.RUNNING) for j in msg.seq_ids], strict=False))
+            seq_ids = [j for j in msg.seq_ids if j in started]  # a job cancelled meanwhile drops out
+            msg = msg.forward(seq_ids=seq_ids, routes=routes)
+            if not seq_ids:
+                return msg, BatchState(self.partition.config, [], torch.zeros(0, 0)), torch.zeros(0)
+            records = self.jobs.get_many(seq_ids, "prompt_ids")
+            x, mask = left_pad([json.loads(r["prompt_ids"]) for r in records], self.pad_id)
+        else:
+            msg = msg.forward(routes=routes)
+            x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
+            mask = decode_tensor(msg.tensors["attention_mask"]).long()
+        state = BatchState(self.partition.config, msg.seq_ids, mask)
+        self.batches[msg.batch_id] = state
+        if self.partition.is_last:
+            self.sequences[msg.batch_id] = self._load_sequences(msg.seq_ids)
+        return msg, state, x
+
+    def _load_sequences(self, job_ids: list[str]) -> dict[str, Sequence]:
+        sequences = {}
+        for job_id, record in zip(job_ids, self.jobs.get_many(job_ids, "request"), strict=True):
+            request = json.loads(record["request"])
+            params = SamplingParams(
+                temperature=request["temperature"], top_p=request["top_p"],
+                top_k=request["top_k"], seed=request.get("seed"),
+            )
+            sequences[job_id] = Sequence(
+                job_id=job_id, params=params, generator=make_generator(params),
+                max_tokens=request["max_tokens"], text=TextStream(self.tokenizer, request.get("stop") or []),
+            )
+        return sequences
+
+    def _forward(self, msg: StepMessage, state: BatchState, hidden: torch.Tensor) -> None:
+        tensors = {"hidden": encode_tensor(hidden)}  # [B, S, D]
+        if msg.kind == "prefill":
+            tensors["attention_mask"] = encode_tensor(state.attention_mask.to(torch.int8))
+        nxt = msg.forward(stage=msg.stage + 1, tensors=tensors)
+        queue = nxt.routes[nxt.stage] if nxt.kind == "decode" else None
+        self.send(nxt, queue or self.identity.next_queue or "")
+
+    def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
+        sequences = self.sequences[msg.batch_id]
+        rows = [sequences[j] for j in msg.seq_ids]
+        tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
+        outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
+        self.publisher.tokens(outs)
+        alive = [(s.job_id, t) for s, t in zip(rows, tokens, strict=True) if s.finish_reason is None]
+        for seq in rows:
+            if seq.finish_reason is not None:
+                del sequences[seq.job_id]
+        if not alive:
+            self._finish_batch(msg)
+            return
+        ids = torch.tensor([t for _, t in alive], dtype=torch.long)[:, None]  # [B', 1]
+        nxt = msg.forward(stage=0, kind="decode", step=msg.step + 1, seq_ids=[j for j, _ in alive],
+                          tensors={"input_ids": encode_tensor(ids)})
+        self.send(nxt, nxt.routes[0] or self.identity.first_queue)
+
+    def _advance(self, seq: Sequence, token: int) -> TokenOut:
+        """Account one sampled token to its sequence and decide whether the sequence ends."""
+        index = seq.generated
+        if token in self.eos_ids:
+            seq.finish_reason = "stop"
+            tail = seq.text.finish()
+            return TokenOut(seq.job_id, index, token, tail, seq.text.released, "stop", emit=bool(tail))
+        seq.generated += 1
+        text = seq.text.push(token)
+        if seq.text.stopped:
+            seq.finish_reason = "stop"
+        elif seq.generated >= seq.max_tokens:
+            seq.finish_reason = "length"
+            text += seq.text.finish()
+        return TokenOut(seq.job_id, index, token, text, seq.text.released, seq.finish_reason)
+
+    def _finish_batch(self, msg: StepMessage) -> None:
+        for stage, queue in enumerate(msg.routes[: msg.num_stages - 1]):
+            if queue and stage != self.identity.stage:
+                self.send(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), queue)
+        self._drop(msg.batch_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hdel(self.keys.inflight(msg.model), msg.batch_id)
+        pipe.xadd(self.keys.control(), {"type": "batch_done", "model": msg.model, "batch_id": msg.batch_id},
+                  maxlen=1000, approximate=True)
+        pipe.execute()
+
+    def _fail(self, msg: StepMessage, exc: Exception) -> None:
+        job_ids = list(self.batches[msg.batch_id].seq_ids) if msg.batch_id in self.batches else list(msg.seq_ids)
+        self.publisher.fail(job_ids, code="worker_error",
+                            message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}")
+        self._finish_batch(msg)
+
+    def _drop(self, batch_id: str) -> None:
+        self.batches.pop(batch_id, None)
+        self.sequences.pop(batch_id, None)
