@@ -39,6 +39,7 @@ class JobCreate(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     priority: Priority = "normal"
+    ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens (for benchmarks).")
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

@@ -63,7 +63,8 @@ class JobService:
 
         job_id = uuid.uuid4().hex
         params = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-                  "top_k": request.top_k, "seed": request.seed, "stop": stop}
+                  "top_k": request.top_k, "seed": request.seed, "stop": stop,
+                  "ignore_eos": request.ignore_eos}
         record = {
             "id": job_id, "status": str(JobStatus.QUEUED), "model": model.name, "priority": request.priority,
             "created_at": repr(time.time()), "request": json.dumps(params), "prompt_ids": json.dumps(prompt_ids),

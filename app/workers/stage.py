@@ -38,6 +38,7 @@ class Sequence:
     generator: torch.Generator
     max_tokens: int
     text: TextStream
+    ignore_eos: bool = False
     generated: int = 0
     finish_reason: str | None = None
 
@@ -130,6 +131,7 @@ class StageRuntime:
             sequences[job_id] = Sequence(
                 job_id=job_id, params=params, generator=make_generator(params),
                 max_tokens=request["max_tokens"], text=TextStream(self.tokenizer, request.get("stop") or []),
+                ignore_eos=bool(request.get("ignore_eos")),
             )
         return sequences
 
@@ -162,7 +164,7 @@ class StageRuntime:
     def _advance(self, seq: Sequence, token: int) -> TokenOut:
         """Account one sampled token to its sequence and decide whether the sequence ends."""
         index = seq.generated
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.ignore_eos:
             seq.finish_reason = "stop"
             tail = seq.text.finish()
             return TokenOut(seq.job_id, index, token, tail, seq.text.released, "stop", emit=bool(tail))

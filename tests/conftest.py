@@ -1,0 +1,137 @@
+"""Shared fixtures: a real Redis (REDIS_URL, or the embedded server), the tiny model, whole stacks.
+
+Nothing here fakes Redis or Celery: integration and e2e tests run real processes started the way
+`conveyor up` starts them. The only fake is the model (a tiny random Llama, see tiny.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as redis_lib
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The configured Redis (REDIS_URL), or an embedded one when none is configured."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    from app.core.redis import start_embedded
+
+    process, url = start_embedded(tmp_path_factory.mktemp("redis"), free_port())
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture()
+def redis(redis_url: str) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real model, pulled into the project's .conveyor/models once (as `make run` does)."""
+    from app.core.modelstore import pull_smollm2
+
+    return pull_smollm2(ROOT / ".conveyor" / "models" / SMOLLM2)
+
+
+@dataclass
+class Stack:
+    url: str
+    namespace: str
+    redis_url: str | None
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_stack(tmp: Path, *, redis_url: str | None, models: dict[str, Path], default_model: str,
+                flower: bool = False, extra_env: dict[str, str] | None = None,
+                ready_timeout_s: float = 120.0) -> Stack:
+    """`conveyor up` as a user runs it, in its own home, namespace and ports."""
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
+    env.update({
+        "CONVEYOR_HOME": str(tmp / "home"),
+        "CONVEYOR_NAMESPACE": namespace,
+        "CONVEYOR_API_PORT": str(port),
+        "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),
+        "CONVEYOR_FLOWER_PORT": str(free_port()),
+        "CONVEYOR_FLOWER": "true" if flower else "false",
+        "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
+        "CONVEYOR_DEFAULT_MODEL": default_model,
+        **(extra_env or {}),
+    })
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    log = tmp / "stack.log"
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=ROOT, env=env,
+                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    stack = Stack(f"http://127.0.0.1:{port}", namespace, redis_url, process, log)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the stack exited early:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{stack.url}/readyz", timeout=2).status_code == 200:
+                return stack
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stack.stop()
+    raise RuntimeError(f"the stack did not become ready:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
+    """One stack on the real Redis with the tiny model, shared by the integration tests."""
+    s = start_stack(tmp_path_factory.mktemp("stack"), redis_url=redis_url, models={"tiny": tiny_model},
+                    default_model="tiny", extra_env={"CONVEYOR_TORCH_THREADS": "1"})
+    yield s
+    s.stop()

@@ -1,0 +1,84 @@
+"""Bad input gets a clear 4xx with a machine-readable body, never a 500."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
+    ({"prompt": "hi", "temperature": -1}, 422, "invalid_request"),
+    ({"prompt": "hi", "priority": "urgent"}, 422, "invalid_request"),
+    ({}, 422, "invalid_request"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 422, "invalid_request"),
+    ({"prompt": "hi", "max_tokens": 0}, 422, "invalid_request"),
+    ({"prompt": "hi", "unknown_field": 1}, 422, "invalid_request"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "invalid_request"),
+    ({"prompt": ""}, 422, "invalid_request"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 422, "invalid_request"),
+])
+def test_invalid_submissions(stack, body, status, code):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.post("/v1/jobs", json=body)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["code"] == code
+    assert answer.json()["error"]["message"]
+
+
+def test_max_tokens_over_the_limit_states_the_limit(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 100_000})
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["code"] == "max_tokens_exceeded"
+    assert "1024" in error["message"] and error["details"]["limit"] == 1024
+
+
+def test_prompt_longer_than_context_states_the_limit(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:  # the tiny model's context is 512 tokens, one byte per token
+        answer = client.post("/v1/jobs", json={"prompt": "x" * 600, "max_tokens": 8})
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "512" in error["message"]
+
+
+def test_malformed_json_is_422_not_500(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert answer.status_code == 422
+    assert answer.json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/nope", "/v1/jobs/nope/events"])
+def test_unknown_job_is_404(stack, path):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.get(path)
+    assert answer.status_code == 404
+    assert answer.json()["error"]["code"] == "job_not_found"
+
+
+def test_bad_last_event_id_is_422(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        job = client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1}).json()
+        answer = client.get(job["urls"]["events"], headers={"Last-Event-ID": "garbage"})
+    assert answer.status_code == 422
+
+
+def test_accepted_job_has_location_and_urls(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 1, "priority": "high"})
+        assert answer.status_code == 202
+        body = answer.json()
+        assert answer.headers["location"] == body["urls"]["self"]
+        assert body["status"] == "queued"
+        assert client.get(body["urls"]["self"]).json()["priority"] == "high"
+
+
+def test_health_and_readiness(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        assert client.get("/healthz").json() == {"status": "ok", "checks": {}}
+        ready = client.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json()["checks"]["workers"]["live_per_stage"] == {"0": 1}
+        assert client.get("/openapi.json").status_code == 200

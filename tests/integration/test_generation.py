@@ -1,0 +1,130 @@
+"""Jobs through the real pipeline: api -> Redis intake -> batcher -> Celery worker -> Redis -> client."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clients import events, submit, tokens, wait
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "A somewhat longer prompt, so that the batch needs left padding: " + "la " * 12,
+    "Short one.",
+]
+
+
+def reference_tokens(model_dir: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([tokenizer(prompt).input_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
+    return [t for t in out if t != tokenizer.eos_token_id]
+
+
+def run_greedy(client, prompt: str, max_tokens: int) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
+    job = submit(client, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    stream = events(client, job["urls"]["events"])
+    return stream[-1].data, stream
+
+
+def test_greedy_batch_equals_generate_token_for_token(stack, tiny_model):  # type: ignore[no-untyped-def]
+    with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: run_greedy(client, p, 24), PROMPTS))
+    for prompt, (job, stream) in zip(PROMPTS, results, strict=True):
+        assert job["status"] == "succeeded", job
+        got = [e.data["token_id"] for e in tokens(stream)]
+        assert got == reference_tokens(tiny_model, prompt, 24), prompt
+        assert job["usage"]["completion_tokens"] == len(got)
+    assert max(job["batch"]["size"] for job, _ in results) > 1, "prompts submitted together share a batch"
+
+
+def test_tokens_concatenated_equal_final_text_and_indices_have_no_gap(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        job = submit(client, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                     max_tokens=20, temperature=0)
+        stream = events(client, job["urls"]["events"])
+    assert stream[-1].event == "done"
+    final = stream[-1].data
+    assert final["status"] == "succeeded"
+    toks = tokens(stream)
+    assert "".join(e.data["text"] for e in toks) == final["text"]
+    assert [e.data["index"] for e in toks] == list(range(len(toks)))
+    assert len({e.id for e in stream}) == len(stream), "event ids are unique"
+    timings = final["timings"]
+    assert timings["created_at"] <= timings["scheduled_at"] <= timings["first_token_at"] <= timings["finished_at"]
+
+
+def test_sse_resume_with_last_event_id_receives_exactly_the_rest(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        job = submit(client, prompt="Resume me", max_tokens=30, temperature=0, ignore_eos=True)
+        first = events(client, job["urls"]["events"], max_tokens=5)
+        assert [e.data["index"] for e in first] == [0, 1, 2, 3, 4]
+        rest = events(client, job["urls"]["events"], last_event_id=first[-1].id)
+        whole = events(client, job["urls"]["events"])
+    assert [e.data["index"] for e in tokens(rest)] == list(range(5, 30))
+    assert rest[-1].event == "done"
+    assert [e.id for e in first + rest] == [e.id for e in whole], "no gap, no duplicate"
+    assert "".join(e.data["text"] for e in tokens(first + rest)) == rest[-1].data["text"]
+
+
+def test_32_concurrent_jobs_all_succeed_in_multi_job_batches(stack, redis):  # type: ignore[no-untyped-def]
+    with stack.client() as client, ThreadPoolExecutor(32) as pool:
+        accepted = list(pool.map(lambda i: submit(client, prompt=f"job number {i}", max_tokens=16,
+                                                  temperature=0.8, seed=i), range(32)))
+        jobs = list(pool.map(lambda a: wait(client, a["id"]), accepted))
+    assert [j["status"] for j in jobs] == ["succeeded"] * 32
+    assert all(j["usage"]["completion_tokens"] >= 1 for j in jobs)
+    sizes = {j["batch"]["id"]: j["batch"]["size"] for j in jobs}
+    assert max(sizes.values()) > 1, f"the batcher formed only single-job batches: {sizes}"
+    assert len(sizes) < 32
+    log = redis.xrange(f"{stack.namespace}:batches")
+    assert max(int(fields[b"size"]) for _, fields in log) > 1
+
+
+def test_same_seed_same_text(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        body = {"prompt": "Sample me", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+                "ignore_eos": True}
+        a = wait(client, submit(client, seed=7, **body)["id"])
+        b = wait(client, submit(client, seed=7, **body)["id"])
+    assert a["status"] == b["status"] == "succeeded"
+    assert a["text"] == b["text"]
+
+
+def test_stop_string_ends_the_job_and_is_not_in_the_text(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        plain = wait(client, submit(client, prompt="Stop test", max_tokens=30, temperature=0,
+                                    ignore_eos=True)["id"])
+        text = plain["text"]
+        stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+        job = submit(client, prompt="Stop test", max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+        stream = events(client, job["urls"]["events"])
+    final = stream[-1].data
+    assert final["finish_reason"] == "stop"
+    assert final["text"] == text[: text.index(stop)]
+    assert "".join(e.data["text"] for e in tokens(stream)) == final["text"]
+
+
+def test_max_tokens_ends_with_length(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        job = wait(client, submit(client, prompt="Count", max_tokens=7, temperature=0, ignore_eos=True)["id"])
+    assert job["finish_reason"] == "length"
+    assert job["usage"]["completion_tokens"] == 7
+
+
+def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # type: ignore[no-untyped-def]
+    body = {"prompt": "Synchronous", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with stack.client() as client:
+        answer = client.post("/v1/inference", json=body)
+        assert answer.status_code == 200, answer.text
+        job = answer.json()
+        stream = events(client, "/v1/inference", method="POST", json_body={**body, "stream": True})
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 8
+    assert stream[-1].event == "done"
+    assert "".join(e.data["text"] for e in tokens(stream)) == stream[-1].data["text"] == job["text"]

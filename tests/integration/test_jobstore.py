@@ -1,0 +1,46 @@
+"""The lifecycle script against the real Redis: legal moves apply atomically, illegal ones raise."""
+
+import uuid
+
+import pytest
+
+from app.core.errors import IllegalTransition
+from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.keys import Keys
+
+
+@pytest.fixture()
+def store(redis):  # type: ignore[no-untyped-def]
+    return JobStore(redis, Keys(f"test-{uuid.uuid4().hex[:8]}"), ttl_s=60)
+
+
+def new_job(store: JobStore) -> str:
+    job_id = uuid.uuid4().hex
+    store.redis.hset(store.keys.job(job_id), mapping={"id": job_id, "status": "queued"})
+    store.redis.expire(store.keys.job(job_id), 60)
+    return job_id
+
+
+def test_legal_moves_apply_and_stamp_their_time(store):  # type: ignore[no-untyped-def]
+    job = new_job(store)
+    assert store.apply([Transition(job, JobStatus.SCHEDULED, {"batch_id": "b1"})]) == [job]
+    record = store.get(job)
+    assert record["status"] == "scheduled" and record["batch_id"] == "b1" and float(record["scheduled_at"]) > 0
+    store.apply([Transition(job, JobStatus.RUNNING)])
+    store.apply([Transition(job, JobStatus.SUCCEEDED)])
+    assert store.get(job)["status"] == "succeeded"
+
+
+def test_illegal_move_raises_and_changes_nothing(store):  # type: ignore[no-untyped-def]
+    job = new_job(store)
+    with pytest.raises(IllegalTransition) as info:
+        store.apply([Transition(job, JobStatus.SUCCEEDED)])
+    assert info.value.details == {"job_id": job, "current": "queued", "target": "succeeded"}
+    assert store.get(job)["status"] == "queued"
+
+
+def test_non_strict_skips_duplicates_and_missing_jobs(store):  # type: ignore[no-untyped-def]
+    job = new_job(store)
+    assert store.apply([Transition(job, JobStatus.SCHEDULED)], strict=False) == [job]
+    assert store.apply([Transition(job, JobStatus.SCHEDULED), Transition("missing", JobStatus.SCHEDULED)],
+                       strict=False) == []

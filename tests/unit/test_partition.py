@@ -1,0 +1,64 @@
+"""A model cut into stages gives the same greedy tokens as the whole model's generate()."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.partitions.layers import BatchState, LayerRange, StagePartition, left_pad
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):  # type: ignore[no-untyped-def]
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval(), AutoTokenizer.from_pretrained(tiny_model)
+
+
+def greedy(parts, config, prompts, steps):  # type: ignore[no-untyped-def]
+    x, mask = left_pad(prompts, pad_id=0)
+    states = [BatchState(config, [str(i) for i in range(len(prompts))], mask.clone()) for _ in parts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        h = x
+        for part, state in zip(parts, states, strict=True):
+            if step:
+                state.extend(1)
+            h = part(state, h)
+        nxt = h.argmax(-1)
+        for row, token in enumerate(nxt.tolist()):
+            out[row].append(token)
+        x = nxt[:, None]
+    return out
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_stages_match_generate(model_and_tokenizer, stages):  # type: ignore[no-untyped-def]
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer(p).input_ids for p in ["a", "hello there", "a much longer prompt than the others"]]
+    layers = model.config.num_hidden_layers
+    parts = [StagePartition(model, LayerRange.even_split(layers, stages, s)) for s in range(stages)]
+    got = greedy(parts, model.config, prompts, 10)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                             min_new_tokens=10)[0, len(prompt):].tolist()
+        assert tokens == ref
+
+
+def test_keep_drops_finished_rows(model_and_tokenizer):  # type: ignore[no-untyped-def]
+    model, _ = model_and_tokenizer
+    part = StagePartition(model, LayerRange(0, model.config.num_hidden_layers))
+    x, mask = left_pad([[1, 2, 3], [4, 5]], pad_id=0)
+    state = BatchState(model.config, ["a", "b"], mask)
+    part(state, x)
+    state.keep(["b"])
+    assert state.seq_ids == ["b"] and state.attention_mask.shape == (1, 3)
+    assert state.cache.layers[0].keys.shape[0] == 1
+    with pytest.raises(KeyError):
+        state.keep(["zzz"])
+
+
+def test_even_split_covers_every_layer_once():
+    ranges = [LayerRange.even_split(30, 4, s) for s in range(4)]
+    assert ranges[0].start == 0 and ranges[-1].stop == 30
+    assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    with pytest.raises(ValueError):
+        LayerRange.even_split(2, 3, 0)

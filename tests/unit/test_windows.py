@@ -1,0 +1,55 @@
+from app.batching.windows import Item, Limits, length_bucket, next_deadline, plan
+
+LIMITS = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64, 128, 256))
+
+
+def item(i: int, *, tokens: int = 10, priority: int = 1, arrived: float = 0.0, model: str = "m") -> Item:
+    return Item(job_id=f"j{i}", model=model, prompt_tokens=tokens, priority=priority, arrived=arrived)
+
+
+def ids(batches):  # type: ignore[no-untyped-def]
+    return [[it.job_id for it in b.items] for b in batches]
+
+
+def test_length_bucket_bounds_and_overflow():
+    assert length_bucket(1, LIMITS.length_buckets) == 64
+    assert length_bucket(64, LIMITS.length_buckets) == 64
+    assert length_bucket(65, LIMITS.length_buckets) == 128
+    assert length_bucket(300, LIMITS.length_buckets) == 512
+
+
+def test_idle_pipeline_gets_work_at_once():
+    batches = plan([item(0)], inflight={"m": 0}, capacity={"m": 2}, limits=LIMITS, now=0.0)
+    assert ids(batches) == [["j0"]]
+
+
+def test_busy_pipeline_waits_for_the_window_or_a_full_batch():
+    pending = [item(0), item(1)]
+    assert plan(pending, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.01) == []
+    assert ids(plan(pending, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.05)) == [["j0", "j1"]]
+    full = [item(i) for i in range(5)]
+    assert ids(plan(full, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [["j0", "j1", "j2", "j3"]]
+
+
+def test_no_dispatch_beyond_capacity():
+    pending = [item(i, arrived=0.0) for i in range(12)]
+    assert plan(pending, inflight={"m": 2}, capacity={"m": 2}, limits=LIMITS, now=1.0) == []
+    assert len(plan(pending, inflight={"m": 0}, capacity={"m": 2}, limits=LIMITS, now=1.0)) == 2
+
+
+def test_high_priority_is_served_first_and_leads_its_batch():
+    pending = [item(0, priority=2, arrived=0.0), item(1, priority=1, arrived=0.01), item(2, priority=0, arrived=0.02)]
+    batches = plan(pending, inflight={"m": 0}, capacity={"m": 1}, limits=Limits(2, 0.05, (64,)), now=0.1)
+    assert ids(batches) == [["j2", "j1"]]
+
+
+def test_buckets_separate_prompt_lengths_and_models():
+    pending = [item(0, tokens=10), item(1, tokens=200), item(2, tokens=12, model="other")]
+    batches = plan(pending, inflight={}, capacity={"m": 3, "other": 1}, limits=LIMITS, now=1.0)
+    assert sorted(ids(batches)) == [["j0"], ["j1"], ["j2"]]
+    assert {(b.model, b.bucket) for b in batches} == {("m", 64), ("m", 256), ("other", 64)}
+
+
+def test_next_deadline_is_the_oldest_window():
+    assert next_deadline([], LIMITS) is None
+    assert next_deadline([item(0, arrived=1.0), item(1, arrived=0.5)], LIMITS) == 0.55
