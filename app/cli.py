@@ -14,14 +14,19 @@ import typer
 
 from app.core.config import DEFAULT_MODEL, Settings
 
-cli = typer.Typer(help="Conveyor: message-queue driven asynchronous LLM inference.", no_args_is_help=True,
-                  add_completion=False)
+cli = typer.Typer(
+    help="Conveyor: message-queue driven asynchronous LLM inference.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 model_cli = typer.Typer(help="Manage local models.", no_args_is_help=True)
 cli.add_typer(model_cli, name="model")
 
 
 def _logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout
+    )
 
 
 def _settings(**overrides: object) -> Settings:
@@ -60,11 +65,25 @@ def up(
     supervisor.add(Child("api", [*me, "api"]))
     supervisor.add(Child("batcher", [*me, "batcher"]))
     for stage in range(settings.stages):
-        supervisor.add(Child(f"stage{stage}", [*me, "worker", "--stage", str(stage),
-                                               "--stages", str(settings.stages)]))
+        supervisor.add(
+            Child(f"stage{stage}", [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)])
+        )
     if settings.flower:
-        supervisor.add(Child("flower", [sys.executable, "-m", "celery", "--broker", url, "flower",
-                                        f"--port={settings.flower_port}", "--address=127.0.0.1"]))
+        supervisor.add(
+            Child(
+                "flower",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "--broker",
+                    url,
+                    "flower",
+                    f"--port={settings.flower_port}",
+                    "--address=127.0.0.1",
+                ],
+            )
+        )
     supervisor.say(f"api     http://{settings.api_host}:{settings.api_port}  (docs at /docs)")
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
@@ -91,8 +110,13 @@ def api() -> None:
 
     _logging()
     settings = _settings()
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port, log_level="info",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.api_host,
+        port=settings.api_port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
 
 
 @cli.command()
@@ -122,7 +146,9 @@ def worker(
 def submit(
     prompt: Annotated[str, typer.Argument(help="The user message (or raw prompt with --raw).")],
     stream: Annotated[bool, typer.Option(help="Print tokens as they are generated.")] = False,
-    raw: Annotated[bool, typer.Option(help="Send a raw completion prompt instead of a chat message.")] = False,
+    raw: Annotated[
+        bool, typer.Option(help="Send a raw completion prompt instead of a chat message.")
+    ] = False,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     priority: Annotated[str, typer.Option(help="high, normal or low.")] = "normal",

@@ -57,8 +57,12 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         # Its own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
         child.process = subprocess.Popen(
-            child.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            child.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         threading.Thread(target=self._relay, args=(child.name, child.process), daemon=True).start()
 

@@ -35,8 +35,15 @@ def wait(client: httpx.Client, job_id: str, timeout_s: float = 120.0) -> dict[st
     raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
 
 
-def events(client: httpx.Client, url: str, *, last_event_id: str | None = None,
-           max_tokens: int | None = None, method: str = "GET", json_body: Any = None) -> list[SseEvent]:
+def events(
+    client: httpx.Client,
+    url: str,
+    *,
+    last_event_id: str | None = None,
+    max_tokens: int | None = None,
+    method: str = "GET",
+    json_body: Any = None,
+) -> list[SseEvent]:
     """Read a job's event stream until done/error, or until `max_tokens` token events, then disconnect."""
     headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
     out: list[SseEvent] = []

@@ -90,29 +90,43 @@ class Stack:
         return self.process.returncode
 
 
-def start_stack(tmp: Path, *, redis_url: str | None, models: dict[str, Path], default_model: str,
-                flower: bool = False, extra_env: dict[str, str] | None = None,
-                ready_timeout_s: float = 120.0) -> Stack:
+def start_stack(
+    tmp: Path,
+    *,
+    redis_url: str | None,
+    models: dict[str, Path],
+    default_model: str,
+    flower: bool = False,
+    extra_env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+) -> Stack:
     """`conveyor up` as a user runs it, in its own home, namespace and ports."""
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
-    env.update({
-        "CONVEYOR_HOME": str(tmp / "home"),
-        "CONVEYOR_NAMESPACE": namespace,
-        "CONVEYOR_API_PORT": str(port),
-        "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),
-        "CONVEYOR_FLOWER_PORT": str(free_port()),
-        "CONVEYOR_FLOWER": "true" if flower else "false",
-        "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
-        "CONVEYOR_DEFAULT_MODEL": default_model,
-        **(extra_env or {}),
-    })
+    env.update(
+        {
+            "CONVEYOR_HOME": str(tmp / "home"),
+            "CONVEYOR_NAMESPACE": namespace,
+            "CONVEYOR_API_PORT": str(port),
+            "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),
+            "CONVEYOR_FLOWER_PORT": str(free_port()),
+            "CONVEYOR_FLOWER": "true" if flower else "false",
+            "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
+            "CONVEYOR_DEFAULT_MODEL": default_model,
+            **(extra_env or {}),
+        }
+    )
     if redis_url:
         env["REDIS_URL"] = redis_url
     log = tmp / "stack.log"
-    process = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=ROOT, env=env,
-                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "up"],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     stack = Stack(f"http://127.0.0.1:{port}", namespace, redis_url, process, log)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
@@ -131,7 +145,12 @@ def start_stack(tmp: Path, *, redis_url: str | None, models: dict[str, Path], de
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
     """One stack on the real Redis with the tiny model, shared by the integration tests."""
-    s = start_stack(tmp_path_factory.mktemp("stack"), redis_url=redis_url, models={"tiny": tiny_model},
-                    default_model="tiny", extra_env={"CONVEYOR_TORCH_THREADS": "1"})
+    s = start_stack(
+        tmp_path_factory.mktemp("stack"),
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        extra_env={"CONVEYOR_TORCH_THREADS": "1"},
+    )
     yield s
     s.stop()

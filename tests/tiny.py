@@ -24,8 +24,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>",
-                                        pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -34,10 +35,18 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def make_tiny_model(path: Path, *, layers: int = 4, seed: int = 0, context: int = 512) -> Path:
     tokenizer = make_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        tie_word_embeddings=True, initializer_range=0.5,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()

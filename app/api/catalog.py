@@ -25,8 +25,9 @@ class ModelInfo:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest(f"model {self.name!r} has no chat template; send 'prompt' instead",
-                                 model=self.name)
+            raise InvalidRequest(
+                f"model {self.name!r} has no chat template; send 'prompt' instead", model=self.name
+            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -44,13 +45,16 @@ class Catalog:
             return self._models[name]
         path = self.settings.model_path(name)
         if path is None:
-            raise ModelNotFound(f"model {name!r} does not exist; available: {self.settings.model_names()}",
-                                model=name)
+            raise ModelNotFound(
+                f"model {name!r} does not exist; available: {self.settings.model_names()}", model=name
+            )
         with self._lock:
             if name not in self._models:
                 config = AutoConfig.from_pretrained(path)
                 self._models[name] = ModelInfo(
-                    name=name, path=path, tokenizer=AutoTokenizer.from_pretrained(path),
+                    name=name,
+                    path=path,
+                    tokenizer=AutoTokenizer.from_pretrained(path),
                     context_length=int(getattr(config, "max_position_embeddings", 2048)),
                 )
         return self._models[name]

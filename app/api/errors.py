@@ -14,8 +14,13 @@ from app.core.errors import ConveyorError
 
 log = logging.getLogger(__name__)
 
-HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-              415: "unsupported_media_type"}
+HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+}
 
 
 def problem(status: int, code: str, message: str, **details: object) -> JSONResponse:
@@ -34,12 +39,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-                  for e in exc.errors()]
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return problem(422, "invalid_request", f"{where}: {first['msg']}" if where else str(first["msg"]),
-                       errors=errors)
+        return problem(
+            422, "invalid_request", f"{where}: {first['msg']}" if where else str(first["msg"]), errors=errors
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

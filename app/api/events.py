@@ -57,7 +57,8 @@ class EventHub:
                     if message["type"] == "pmessage":
                         channel = message["channel"]
                         job_id = self.keys.job_id_from_announce(
-                            channel.decode() if isinstance(channel, bytes) else channel)
+                            channel.decode() if isinstance(channel, bytes) else channel
+                        )
                         for watcher in self._watchers.get(job_id, ()):
                             watcher.set()
             except asyncio.CancelledError:

@@ -22,17 +22,23 @@ class JobCreate(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
-        json_schema_extra={"examples": [{
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 32, "temperature": 0,
-        }]},
+        json_schema_extra={
+            "examples": [
+                {
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_tokens": 32,
+                    "temperature": 0,
+                }
+            ]
+        },
     )
 
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     prompt: str | None = Field(default=None, description="Raw completion prompt.")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, description="Tokens to generate at most; the server's default when omitted.")
+        default=None, description="Tokens to generate at most; the server's default when omitted."
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 disables the top-k cut.")
@@ -115,11 +121,14 @@ class JobPublic(BaseModel):
             priority=record.get("priority", "normal"),
             text=record.get("text", ""),
             finish_reason=record.get("finish_reason") or None,
-            usage=Usage(prompt_tokens=int(record.get("prompt_tokens", 0)),
-                        completion_tokens=int(record.get("completion_tokens", 0))),
+            usage=Usage(
+                prompt_tokens=int(record.get("prompt_tokens", 0)),
+                completion_tokens=int(record.get("completion_tokens", 0)),
+            ),
             timings=Timings(**{name: ts(name) for name in Timings.model_fields}),
             batch=BatchInfo(id=record["batch_id"], size=int(record["batch_size"]))
-            if record.get("batch_id") else None,
+            if record.get("batch_id")
+            else None,
             error=ErrorInfo(**json.loads(record["error"])) if record.get("error") else None,
         )
 

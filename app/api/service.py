@@ -42,11 +42,14 @@ class JobService:
 
     async def submit(self, request: JobCreate) -> dict[str, str]:
         model = await run_in_threadpool(self.catalog.get, request.model or self.settings.default_model)
-        max_tokens = request.max_tokens or min(self.settings.default_max_tokens, self.settings.max_tokens_limit)
+        max_tokens = request.max_tokens or min(
+            self.settings.default_max_tokens, self.settings.max_tokens_limit
+        )
         if max_tokens > self.settings.max_tokens_limit:
             raise MaxTokensExceeded(
                 f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
-                limit=self.settings.max_tokens_limit)
+                limit=self.settings.max_tokens_limit,
+            )
         stop = request.stop_list()
         self._check_stop(stop)
         if request.messages is not None:
@@ -58,33 +61,57 @@ class JobService:
         if len(prompt_ids) + max_tokens > model.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the context of "
-                f"{model.name} is {model.context_length} tokens", limit=model.context_length,
-                prompt_tokens=len(prompt_ids))
+                f"{model.name} is {model.context_length} tokens",
+                limit=model.context_length,
+                prompt_tokens=len(prompt_ids),
+            )
 
         job_id = uuid.uuid4().hex
-        params = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-                  "top_k": request.top_k, "seed": request.seed, "stop": stop,
-                  "ignore_eos": request.ignore_eos}
+        params = {
+            "max_tokens": max_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": request.top_k,
+            "seed": request.seed,
+            "stop": stop,
+            "ignore_eos": request.ignore_eos,
+        }
         record = {
-            "id": job_id, "status": str(JobStatus.QUEUED), "model": model.name, "priority": request.priority,
-            "created_at": repr(time.time()), "request": json.dumps(params), "prompt_ids": json.dumps(prompt_ids),
-            "prompt_tokens": str(len(prompt_ids)), "completion_tokens": "0", "text": "", "attempts": "0",
+            "id": job_id,
+            "status": str(JobStatus.QUEUED),
+            "model": model.name,
+            "priority": request.priority,
+            "created_at": repr(time.time()),
+            "request": json.dumps(params),
+            "prompt_ids": json.dumps(prompt_ids),
+            "prompt_tokens": str(len(prompt_ids)),
+            "completion_tokens": "0",
+            "text": "",
+            "attempts": "0",
         }
         pipe = self.redis.pipeline(transaction=True)  # the record and its queue entry land together
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
-        pipe.xadd(self.keys.intake(request.priority), intake_fields(
-            job_id=job_id, model=model.name, prompt_tokens=len(prompt_ids), priority=request.priority))
+        pipe.xadd(
+            self.keys.intake(request.priority),
+            intake_fields(
+                job_id=job_id, model=model.name, prompt_tokens=len(prompt_ids), priority=request.priority
+            ),
+        )
         await pipe.execute()
         return record
 
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
-            raise InvalidRequest(f"at most {self.settings.max_stop_strings} stop strings are allowed",
-                                 limit=self.settings.max_stop_strings)
+            raise InvalidRequest(
+                f"at most {self.settings.max_stop_strings} stop strings are allowed",
+                limit=self.settings.max_stop_strings,
+            )
         if any(not s or len(s) > self.settings.max_stop_length for s in stop):
-            raise InvalidRequest(f"stop strings must be 1 to {self.settings.max_stop_length} characters long",
-                                 limit=self.settings.max_stop_length)
+            raise InvalidRequest(
+                f"stop strings must be 1 to {self.settings.max_stop_length} characters long",
+                limit=self.settings.max_stop_length,
+            )
 
     async def get(self, job_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.job(job_id))
@@ -98,7 +125,9 @@ class JobService:
         async with self.hub.watch(job_id) as woke:
             while True:
                 woke.clear()
-                entries = await self.redis.xrange(stream, min=f"({after}" if after else "-", max="+", count=512)
+                entries = await self.redis.xrange(
+                    stream, min=f"({after}" if after else "-", max="+", count=512
+                )
                 for entry_id, fields in entries:
                     after = entry_id.decode()
                     event = fields[b"event"].decode()

@@ -39,8 +39,9 @@ def ensure_groups(client: redis.Redis, keys: Keys) -> None:
                 raise
 
 
-def read(client: redis.Redis, keys: Keys, consumer: str, *, count: int, block_ms: int | None,
-         backlog: bool = False) -> Iterator[IntakeEntry]:
+def read(
+    client: redis.Redis, keys: Keys, consumer: str, *, count: int, block_ms: int | None, backlog: bool = False
+) -> Iterator[IntakeEntry]:
     """Read new entries (or, with backlog=True, this consumer's unacknowledged ones)."""
     streams = {keys.intake(p): "0" if backlog else ">" for p in PRIORITIES}
     streams[keys.control()] = "0" if backlog else ">"

@@ -27,8 +27,15 @@ MAX_BLOCK_MS = 1000
 
 
 class Batcher:
-    def __init__(self, settings: Settings, *, redis: Any, send: Send, consumer: str = "batcher-0",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        redis: Any,
+        send: Send,
+        consumer: str = "batcher-0",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.redis = redis
         self.send = send
@@ -46,8 +53,16 @@ class Batcher:
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
-        self._take(intake.read(self.redis, self.keys, self.consumer, count=self.settings.batcher_max_pending,
-                               block_ms=None, backlog=True))
+        self._take(
+            intake.read(
+                self.redis,
+                self.keys,
+                self.consumer,
+                count=self.settings.batcher_max_pending,
+                block_ms=None,
+                backlog=True,
+            )
+        )
         log.info("batcher up: %d jobs recovered from a previous run", len(self.pending))
         while not stop.is_set():
             try:
@@ -59,16 +74,18 @@ class Batcher:
     def tick(self) -> None:
         """One round: wait for work or a window to close, then dispatch what the plan says."""
         room = self.settings.batcher_max_pending - len(self.pending)
-        self._take(intake.read(self.redis, self.keys, self.consumer, count=max(room, 1),
-                               block_ms=self._block_ms()))
+        self._take(
+            intake.read(self.redis, self.keys, self.consumer, count=max(room, 1), block_ms=self._block_ms())
+        )
         self.dispatch_ready()
 
     def dispatch_ready(self) -> None:
         models = {it.model for it in self.pending}
         inflight = {m: self.redis.hlen(self.keys.inflight(m)) for m in models}
         capacity = {m: self.settings.inflight_limit(self.stages) for m in models}
-        for batch in windows.plan(self.pending, inflight=inflight, capacity=capacity, limits=self.limits,
-                                  now=self.clock()):
+        for batch in windows.plan(
+            self.pending, inflight=inflight, capacity=capacity, limits=self.limits, now=self.clock()
+        ):
             self._dispatch(batch)
 
     def _block_ms(self) -> int:
@@ -84,11 +101,17 @@ class Batcher:
                 done.append((entry.stream, entry.entry_id))  # a batch finished: the next plan sees room
                 continue
             f = entry.fields
-            self.pending.append(windows.Item(
-                job_id=f["job_id"], model=f["model"], prompt_tokens=int(f["prompt_tokens"]),
-                priority=PRIORITIES.index(f["priority"]), arrived=self.clock(),
-                stream=entry.stream, entry_id=entry.entry_id,
-            ))
+            self.pending.append(
+                windows.Item(
+                    job_id=f["job_id"],
+                    model=f["model"],
+                    prompt_tokens=int(f["prompt_tokens"]),
+                    priority=PRIORITIES.index(f["priority"]),
+                    arrived=self.clock(),
+                    stream=entry.stream,
+                    entry_id=entry.entry_id,
+                )
+            )
         if done:
             intake.ack(self.redis, self.keys, done)
 
@@ -96,18 +119,30 @@ class Batcher:
         batch_id = uuid.uuid4().hex
         job_ids = [it.job_id for it in batch.items]
         scheduled = self.jobs.apply(
-            [Transition(j, JobStatus.SCHEDULED, {"batch_id": batch_id, "batch_size": len(job_ids)})
-             for j in job_ids],
+            [
+                Transition(j, JobStatus.SCHEDULED, {"batch_id": batch_id, "batch_size": len(job_ids)})
+                for j in job_ids
+            ],
             strict=False,  # a duplicate delivery of an already scheduled job is skipped, not re-run
         )
         if scheduled:
-            message = StepMessage(batch_id=batch_id, model=batch.model, stage=0, num_stages=self.stages,
-                                  kind="prefill", step=0, seq_ids=scheduled)
+            message = StepMessage(
+                batch_id=batch_id,
+                model=batch.model,
+                stage=0,
+                num_stages=self.stages,
+                kind="prefill",
+                step=0,
+                seq_ids=scheduled,
+            )
             pipe = self.redis.pipeline(transaction=False)
             pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(scheduled))
-            pipe.xadd(self.keys.batch_log(), {"batch_id": batch_id, "model": batch.model,
-                                              "size": len(scheduled), "bucket": batch.bucket},
-                      maxlen=BATCH_LOG_MAXLEN, approximate=True)
+            pipe.xadd(
+                self.keys.batch_log(),
+                {"batch_id": batch_id, "model": batch.model, "size": len(scheduled), "bucket": batch.bucket},
+                maxlen=BATCH_LOG_MAXLEN,
+                approximate=True,
+            )
             pipe.execute()
             try:
                 self.send(message, self.keys.stage_queue(batch.model, 0))
@@ -116,8 +151,9 @@ class Batcher:
                 self.redis.hdel(self.keys.inflight(batch.model), batch_id)
                 self.jobs.apply([Transition(j, JobStatus.QUEUED) for j in scheduled], strict=False)
                 raise
-            log.info("batch %s: %d jobs of %s (bucket %d)", batch_id[:8], len(scheduled), batch.model,
-                     batch.bucket)
+            log.info(
+                "batch %s: %d jobs of %s (bucket %d)", batch_id[:8], len(scheduled), batch.model, batch.bucket
+            )
         intake.ack(self.redis, self.keys, [(it.stream, it.entry_id) for it in batch.items])
         taken = {id(it) for it in batch.items}
         self.pending = [it for it in self.pending if id(it) not in taken]

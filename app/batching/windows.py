@@ -62,8 +62,14 @@ def buckets(pending: Sequence[Item], limits: Limits) -> dict[tuple[str, int], li
     return groups
 
 
-def plan(pending: Sequence[Item], *, inflight: Mapping[str, int], capacity: Mapping[str, int],
-         limits: Limits, now: float) -> list[Batch]:
+def plan(
+    pending: Sequence[Item],
+    *,
+    inflight: Mapping[str, int],
+    capacity: Mapping[str, int],
+    limits: Limits,
+    now: float,
+) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs."""
     groups = buckets(pending, limits)
     free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _ in groups}
@@ -75,7 +81,7 @@ def plan(pending: Sequence[Item], *, inflight: Mapping[str, int], capacity: Mapp
             waited = now - min(it.arrived for it in items) >= limits.max_wait_s
             if not (full or waited or model in idle):
                 break
-            take, items = items[: limits.max_batch_size], items[limits.max_batch_size:]
+            take, items = items[: limits.max_batch_size], items[limits.max_batch_size :]
             batches.append(Batch(model, bucket, tuple(take)))
             free[model] -= 1
             idle.discard(model)

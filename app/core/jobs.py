@@ -139,7 +139,9 @@ class JobStore:
         for t in transitions:
             self.enqueue(pipe, t, now)
         results = pipe.execute()
-        return [t.job_id for t, r in zip(transitions, results, strict=True) if check_result(t, r, strict=strict)]
+        return [
+            t.job_id for t, r in zip(transitions, results, strict=True) if check_result(t, r, strict=strict)
+        ]
 
     def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
         """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""

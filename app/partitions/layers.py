@@ -72,8 +72,14 @@ class StagePartition(nn.Module):
         self.lm_head = model.lm_head if self.is_last else None
 
     @classmethod
-    def load(cls, path: Path, layers: LayerRange | None = None, *, dtype: torch.dtype = torch.float32,
-             device: str = "cpu") -> StagePartition:
+    def load(
+        cls,
+        path: Path,
+        layers: LayerRange | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> StagePartition:
         config = AutoConfig.from_pretrained(path)
         layers = layers or LayerRange(0, config.num_hidden_layers)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -127,6 +133,6 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         if seq:
-            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[row, width - len(seq):] = 1
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
     return ids, mask

@@ -41,7 +41,9 @@ def _generation_config(path: str) -> GenerationConfig | None:
         return None
 
 
-def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, loglevel: str = "INFO") -> None:
+def run_worker(
+    settings: Settings, *, model: str, stage: int, num_stages: int, loglevel: str = "INFO"
+) -> None:
     path = settings.model_path(model)
     if path is None:
         raise ModelNotFound(f"model {model!r} is not available; run `conveyor model pull`", model=model)
@@ -50,7 +52,10 @@ def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, l
     keys = Keys(settings.namespace)
     worker = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     identity = StageIdentity(
-        model=model, stage=stage, num_stages=num_stages, worker=worker,
+        model=model,
+        stage=stage,
+        num_stages=num_stages,
+        worker=worker,
         shared_queue=keys.stage_queue(model, stage),
         direct_queue=keys.direct_queue(model, stage, worker),
         next_queue=keys.stage_queue(model, stage + 1) if stage + 1 < num_stages else None,
@@ -61,7 +66,9 @@ def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, l
     layers = LayerRange.even_split(_num_layers(path), num_stages, stage)
     partition = StagePartition.load(path, layers)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
-    log.info("stage %d/%d of %s: layers %d-%d loaded", stage, num_stages, model, layers.start, layers.stop - 1)
+    log.info(
+        "stage %d/%d of %s: layers %d-%d loaded", stage, num_stages, model, layers.start, layers.stop - 1
+    )
 
     redis_url = settings.redis_url or ""
     redis = sync_client(redis_url)
@@ -72,10 +79,16 @@ def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, l
         celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue)
 
     runtime = StageRuntime(
-        identity=identity, partition=partition, tokenizer=tokenizer, jobs=jobs,
-        publisher=Publisher(redis, keys, jobs, ttl_s=settings.job_ttl_s,
-                            stream_maxlen=settings.max_tokens_limit + 16),
-        redis=redis, keys=keys, send=send,
+        identity=identity,
+        partition=partition,
+        tokenizer=tokenizer,
+        jobs=jobs,
+        publisher=Publisher(
+            redis, keys, jobs, ttl_s=settings.job_ttl_s, stream_maxlen=settings.max_tokens_limit + 16
+        ),
+        redis=redis,
+        keys=keys,
+        send=send,
         eos_ids=eos_token_ids(str(path), partition.config),
         pad_id=_pad_id(partition.config),
     )
@@ -84,18 +97,30 @@ def run_worker(settings: Settings, *, model: str, stage: int, num_stages: int, l
     # One line per decode step would drown the log; Flower and the metrics show the tasks.
     for name in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    heartbeat = Heartbeat(redis, keys.workers(model, stage), worker,
-                          interval_s=settings.heartbeat_interval_s, ttl_s=settings.heartbeat_ttl_s)
+    heartbeat = Heartbeat(
+        redis,
+        keys.workers(model, stage),
+        worker,
+        interval_s=settings.heartbeat_interval_s,
+        ttl_s=settings.heartbeat_ttl_s,
+    )
     heartbeat.beat()
     heartbeat.start()
     try:
-        celery.worker_main([
-            "worker", "--pool=solo", "--concurrency=1", f"--loglevel={loglevel}",
-            f"--hostname=stage{stage}-{model}-{worker}@%h",
-            "--queues", f"{identity.shared_queue},{identity.direct_queue}",
-            "--without-mingle", "--without-gossip",
-            *(["--events"] if settings.celery_events else []),
-        ])
+        celery.worker_main(
+            [
+                "worker",
+                "--pool=solo",
+                "--concurrency=1",
+                f"--loglevel={loglevel}",
+                f"--hostname=stage{stage}-{model}-{worker}@%h",
+                "--queues",
+                f"{identity.shared_queue},{identity.direct_queue}",
+                "--without-mingle",
+                "--without-gossip",
+                *(["--events"] if settings.celery_events else []),
+            ]
+        )
     finally:
         heartbeat.stop()
 

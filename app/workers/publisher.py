@@ -45,8 +45,9 @@ class Publisher:
         for out in outs:
             if not out.emit:
                 continue
-            self._append(pipe, out.job_id, "token",
-                         {"index": out.index, "text": out.text, "token_id": out.token_id})
+            self._append(
+                pipe, out.job_id, "token", {"index": out.index, "text": out.text, "token_id": out.token_id}
+            )
             fields: dict[str, Any] = {"text": out.completion_text, "completion_tokens": out.index + 1}
             if out.index == 0:
                 fields["first_token_at"] = repr(now)
@@ -54,10 +55,19 @@ class Publisher:
         for out in outs:
             if not out.finish_reason:
                 continue
-            self.jobs.enqueue(pipe, Transition(out.job_id, JobStatus.SUCCEEDED, {
-                "finish_reason": out.finish_reason, "text": out.completion_text,
-                "completion_tokens": out.index + int(out.emit),
-            }), now)
+            self.jobs.enqueue(
+                pipe,
+                Transition(
+                    out.job_id,
+                    JobStatus.SUCCEEDED,
+                    {
+                        "finish_reason": out.finish_reason,
+                        "text": out.completion_text,
+                        "completion_tokens": out.index + int(out.emit),
+                    },
+                ),
+                now,
+            )
             self._append(pipe, out.job_id, "done", {})
         pipe.execute()
 

@@ -48,7 +48,9 @@ def filter_logits(logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Ten
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
     """Next token per row. logits: [B, V] -> token ids [B]."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -103,7 +103,9 @@ class StageRuntime:
         routes = list(msg.routes) or [None] * msg.num_stages
         routes[self.identity.stage] = self.identity.direct_queue
         if self.partition.is_first:
-            started = set(self.jobs.apply([Transition(j, JobStatus.RUNNING) for j in msg.seq_ids], strict=False))
+            started = set(
+                self.jobs.apply([Transition(j, JobStatus.RUNNING) for j in msg.seq_ids], strict=False)
+            )
             seq_ids = [j for j in msg.seq_ids if j in started]  # a job cancelled meanwhile drops out
             msg = msg.forward(seq_ids=seq_ids, routes=routes)
             if not seq_ids:
@@ -125,12 +127,17 @@ class StageRuntime:
         for job_id, record in zip(job_ids, self.jobs.get_many(job_ids, "request"), strict=True):
             request = json.loads(record["request"])
             params = SamplingParams(
-                temperature=request["temperature"], top_p=request["top_p"],
-                top_k=request["top_k"], seed=request.get("seed"),
+                temperature=request["temperature"],
+                top_p=request["top_p"],
+                top_k=request["top_k"],
+                seed=request.get("seed"),
             )
             sequences[job_id] = Sequence(
-                job_id=job_id, params=params, generator=make_generator(params),
-                max_tokens=request["max_tokens"], text=TextStream(self.tokenizer, request.get("stop") or []),
+                job_id=job_id,
+                params=params,
+                generator=make_generator(params),
+                max_tokens=request["max_tokens"],
+                text=TextStream(self.tokenizer, request.get("stop") or []),
                 ignore_eos=bool(request.get("ignore_eos")),
             )
         return sequences
@@ -157,8 +164,13 @@ class StageRuntime:
             self._finish_batch(msg)
             return
         ids = torch.tensor([t for _, t in alive], dtype=torch.long)[:, None]  # [B', 1]
-        nxt = msg.forward(stage=0, kind="decode", step=msg.step + 1, seq_ids=[j for j, _ in alive],
-                          tensors={"input_ids": encode_tensor(ids)})
+        nxt = msg.forward(
+            stage=0,
+            kind="decode",
+            step=msg.step + 1,
+            seq_ids=[j for j, _ in alive],
+            tensors={"input_ids": encode_tensor(ids)},
+        )
         self.send(nxt, nxt.routes[0] or self.identity.first_queue)
 
     def _advance(self, seq: Sequence, token: int) -> TokenOut:
@@ -184,14 +196,23 @@ class StageRuntime:
         self._drop(msg.batch_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hdel(self.keys.inflight(msg.model), msg.batch_id)
-        pipe.xadd(self.keys.control(), {"type": "batch_done", "model": msg.model, "batch_id": msg.batch_id},
-                  maxlen=1000, approximate=True)
+        pipe.xadd(
+            self.keys.control(),
+            {"type": "batch_done", "model": msg.model, "batch_id": msg.batch_id},
+            maxlen=1000,
+            approximate=True,
+        )
         pipe.execute()
 
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
-        job_ids = list(self.batches[msg.batch_id].seq_ids) if msg.batch_id in self.batches else list(msg.seq_ids)
-        self.publisher.fail(job_ids, code="worker_error",
-                            message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}")
+        job_ids = (
+            list(self.batches[msg.batch_id].seq_ids) if msg.batch_id in self.batches else list(msg.seq_ids)
+        )
+        self.publisher.fail(
+            job_ids,
+            code="worker_error",
+            message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}",
+        )
         self._finish_batch(msg)
 
     def _drop(self, batch_id: str) -> None:

@@ -44,7 +44,7 @@ class TextStream:
     def _release(self, text: str) -> str:
         if len(text) <= len(self.released):
             return ""
-        new = text[len(self.released):]
+        new = text[len(self.released) :]
         self.released = text
         return new
 

@@ -8,15 +8,19 @@ import time
 import httpx
 import psutil
 import pytest
-
 from clients import events, submit, tokens, wait
 from conftest import SMOLLM2, start_stack
 
 
 @pytest.fixture(scope="module")
 def embedded_stack(tmp_path_factory, tiny_model):  # type: ignore[no-untyped-def]
-    stack = start_stack(tmp_path_factory.mktemp("e2e"), redis_url=None, models={"tiny": tiny_model},
-                        default_model="tiny", flower=True)
+    stack = start_stack(
+        tmp_path_factory.mktemp("e2e"),
+        redis_url=None,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        flower=True,
+    )
     yield stack
     stack.stop()
 
@@ -35,8 +39,13 @@ def children(stack) -> dict[str, psutil.Process]:  # type: ignore[no-untyped-def
 
 
 def test_embedded_stack_serves_a_chat_job_and_flower(embedded_stack):  # type: ignore[no-untyped-def]
-    assert set(children(embedded_stack)) == {"redis-server", "app.cli api", "app.cli batcher",
-                                             "app.cli worker", "flower"}
+    assert set(children(embedded_stack)) == {
+        "redis-server",
+        "app.cli api",
+        "app.cli batcher",
+        "app.cli worker",
+        "flower",
+    }
     with embedded_stack.client() as client:
         job = submit(client, messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0)
         stream = events(client, job["urls"]["events"])
@@ -88,8 +97,12 @@ def test_smollm2_knows_the_capital_of_france(tmp_path, smollm2_dir):  # type: ig
     stack = start_stack(tmp_path, redis_url=None, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
     try:
         with stack.client() as client:
-            job = submit(client, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                         temperature=0, max_tokens=32)
+            job = submit(
+                client,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                temperature=0,
+                max_tokens=32,
+            )
             stream = events(client, job["urls"]["events"])
     finally:
         stack.stop()

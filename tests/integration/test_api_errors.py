@@ -5,18 +5,21 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize(("body", "status", "code"), [
-    ({"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
-    ({"prompt": "hi", "temperature": -1}, 422, "invalid_request"),
-    ({"prompt": "hi", "priority": "urgent"}, 422, "invalid_request"),
-    ({}, 422, "invalid_request"),
-    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 422, "invalid_request"),
-    ({"prompt": "hi", "max_tokens": 0}, 422, "invalid_request"),
-    ({"prompt": "hi", "unknown_field": 1}, 422, "invalid_request"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "invalid_request"),
-    ({"prompt": ""}, 422, "invalid_request"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 422, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
+        ({"prompt": "hi", "temperature": -1}, 422, "invalid_request"),
+        ({"prompt": "hi", "priority": "urgent"}, 422, "invalid_request"),
+        ({}, 422, "invalid_request"),
+        ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 422, "invalid_request"),
+        ({"prompt": "hi", "max_tokens": 0}, 422, "invalid_request"),
+        ({"prompt": "hi", "unknown_field": 1}, 422, "invalid_request"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "invalid_request"),
+        ({"prompt": ""}, 422, "invalid_request"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 422, "invalid_request"),
+    ],
+)
 def test_invalid_submissions(stack, body, status, code):  # type: ignore[no-untyped-def]
     with stack.client() as client:
         answer = client.post("/v1/jobs", json=body)

@@ -6,9 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from clients import events, submit, tokens, wait
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     "Hi",
@@ -22,8 +21,9 @@ def reference_tokens(model_dir: Path, prompt: str, max_new_tokens: int) -> list[
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([tokenizer(prompt).input_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
+    )[0, ids.shape[1] :].tolist()
     return [t for t in out if t != tokenizer.eos_token_id]
 
 
@@ -46,8 +46,12 @@ def test_greedy_batch_equals_generate_token_for_token(stack, tiny_model):  # typ
 
 def test_tokens_concatenated_equal_final_text_and_indices_have_no_gap(stack):  # type: ignore[no-untyped-def]
     with stack.client() as client:
-        job = submit(client, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                     max_tokens=20, temperature=0)
+        job = submit(
+            client,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=20,
+            temperature=0,
+        )
         stream = events(client, job["urls"]["events"])
     assert stream[-1].event == "done"
     final = stream[-1].data
@@ -57,7 +61,12 @@ def test_tokens_concatenated_equal_final_text_and_indices_have_no_gap(stack):  #
     assert [e.data["index"] for e in toks] == list(range(len(toks)))
     assert len({e.id for e in stream}) == len(stream), "event ids are unique"
     timings = final["timings"]
-    assert timings["created_at"] <= timings["scheduled_at"] <= timings["first_token_at"] <= timings["finished_at"]
+    assert (
+        timings["created_at"]
+        <= timings["scheduled_at"]
+        <= timings["first_token_at"]
+        <= timings["finished_at"]
+    )
 
 
 def test_sse_resume_with_last_event_id_receives_exactly_the_rest(stack):  # type: ignore[no-untyped-def]
@@ -75,8 +84,12 @@ def test_sse_resume_with_last_event_id_receives_exactly_the_rest(stack):  # type
 
 def test_32_concurrent_jobs_all_succeed_in_multi_job_batches(stack, redis):  # type: ignore[no-untyped-def]
     with stack.client() as client, ThreadPoolExecutor(32) as pool:
-        accepted = list(pool.map(lambda i: submit(client, prompt=f"job number {i}", max_tokens=16,
-                                                  temperature=0.8, seed=i), range(32)))
+        accepted = list(
+            pool.map(
+                lambda i: submit(client, prompt=f"job number {i}", max_tokens=16, temperature=0.8, seed=i),
+                range(32),
+            )
+        )
         jobs = list(pool.map(lambda a: wait(client, a["id"]), accepted))
     assert [j["status"] for j in jobs] == ["succeeded"] * 32
     assert all(j["usage"]["completion_tokens"] >= 1 for j in jobs)
@@ -89,8 +102,14 @@ def test_32_concurrent_jobs_all_succeed_in_multi_job_batches(stack, redis):  # t
 
 def test_same_seed_same_text(stack):  # type: ignore[no-untyped-def]
     with stack.client() as client:
-        body = {"prompt": "Sample me", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
-                "ignore_eos": True}
+        body = {
+            "prompt": "Sample me",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "top_k": 50,
+            "ignore_eos": True,
+        }
         a = wait(client, submit(client, seed=7, **body)["id"])
         b = wait(client, submit(client, seed=7, **body)["id"])
     assert a["status"] == b["status"] == "succeeded"
@@ -99,10 +118,11 @@ def test_same_seed_same_text(stack):  # type: ignore[no-untyped-def]
 
 def test_stop_string_ends_the_job_and_is_not_in_the_text(stack):  # type: ignore[no-untyped-def]
     with stack.client() as client:
-        plain = wait(client, submit(client, prompt="Stop test", max_tokens=30, temperature=0,
-                                    ignore_eos=True)["id"])
+        plain = wait(
+            client, submit(client, prompt="Stop test", max_tokens=30, temperature=0, ignore_eos=True)["id"]
+        )
         text = plain["text"]
-        stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+        stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
         job = submit(client, prompt="Stop test", max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
         stream = events(client, job["urls"]["events"])
     final = stream[-1].data

@@ -25,7 +25,9 @@ def test_legal_moves_apply_and_stamp_their_time(store):  # type: ignore[no-untyp
     job = new_job(store)
     assert store.apply([Transition(job, JobStatus.SCHEDULED, {"batch_id": "b1"})]) == [job]
     record = store.get(job)
-    assert record["status"] == "scheduled" and record["batch_id"] == "b1" and float(record["scheduled_at"]) > 0
+    assert (
+        record["status"] == "scheduled" and record["batch_id"] == "b1" and float(record["scheduled_at"]) > 0
+    )
     store.apply([Transition(job, JobStatus.RUNNING)])
     store.apply([Transition(job, JobStatus.SUCCEEDED)])
     assert store.get(job)["status"] == "succeeded"
@@ -42,5 +44,9 @@ def test_illegal_move_raises_and_changes_nothing(store):  # type: ignore[no-unty
 def test_non_strict_skips_duplicates_and_missing_jobs(store):  # type: ignore[no-untyped-def]
     job = new_job(store)
     assert store.apply([Transition(job, JobStatus.SCHEDULED)], strict=False) == [job]
-    assert store.apply([Transition(job, JobStatus.SCHEDULED), Transition("missing", JobStatus.SCHEDULED)],
-                       strict=False) == []
+    assert (
+        store.apply(
+            [Transition(job, JobStatus.SCHEDULED), Transition("missing", JobStatus.SCHEDULED)], strict=False
+        )
+        == []
+    )

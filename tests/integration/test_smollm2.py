@@ -6,10 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from clients import events, submit, tokens
 from conftest import SMOLLM2, start_stack
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -25,19 +24,22 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
     expected = []
     for question in QUESTIONS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
-        expected.append([t for t in out[0, ids.shape[1]:].tolist() if t != tokenizer.eos_token_id])
+        expected.append([t for t in out[0, ids.shape[1] :].tolist() if t != tokenizer.eos_token_id])
     del model
 
     stack = start_stack(tmp_path, redis_url=redis_url, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
     try:
         with stack.client() as client, ThreadPoolExecutor(len(QUESTIONS)) as pool:
+
             def run(question: str) -> list:  # type: ignore[type-arg]
-                job = submit(client, messages=[{"role": "user", "content": question}], max_tokens=24,
-                             temperature=0)
+                job = submit(
+                    client, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+                )
                 return events(client, job["urls"]["events"])
 
             streams = list(pool.map(run, QUESTIONS))

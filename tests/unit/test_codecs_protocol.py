@@ -23,8 +23,17 @@ def test_unknown_codec_or_dtype_is_refused():
 
 def test_step_message_survives_msgpack():
     hidden = torch.randn(2, 4, 8)
-    msg = StepMessage(batch_id="b", model="m", stage=1, num_stages=2, kind="prefill", step=0,
-                      seq_ids=["a", "b"], tensors={"hidden": encode_tensor(hidden)}, routes=["q0", None])
+    msg = StepMessage(
+        batch_id="b",
+        model="m",
+        stage=1,
+        num_stages=2,
+        kind="prefill",
+        step=0,
+        seq_ids=["a", "b"],
+        tensors={"hidden": encode_tensor(hidden)},
+        routes=["q0", None],
+    )
     back = StepMessage.from_wire(msgpack.unpackb(msgpack.packb(msg.to_wire())))
     assert back.seq_ids == ["a", "b"] and back.routes == ["q0", None] and back.is_last_stage
     assert torch.equal(decode_tensor(back.tensors["hidden"]), hidden)

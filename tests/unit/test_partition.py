@@ -38,8 +38,9 @@ def test_stages_match_generate(model_and_tokenizer, stages):  # type: ignore[no-
     got = greedy(parts, model.config, prompts, 10)
     for prompt, tokens in zip(prompts, got, strict=True):
         ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
-                             min_new_tokens=10)[0, len(prompt):].tolist()
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10, min_new_tokens=10
+        )[0, len(prompt) :].tolist()
         assert tokens == ref
 
 

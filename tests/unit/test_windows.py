@@ -28,7 +28,9 @@ def test_busy_pipeline_waits_for_the_window_or_a_full_batch():
     assert plan(pending, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.01) == []
     assert ids(plan(pending, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.05)) == [["j0", "j1"]]
     full = [item(i) for i in range(5)]
-    assert ids(plan(full, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [["j0", "j1", "j2", "j3"]]
+    assert ids(plan(full, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [
+        ["j0", "j1", "j2", "j3"]
+    ]
 
 
 def test_no_dispatch_beyond_capacity():
@@ -38,7 +40,11 @@ def test_no_dispatch_beyond_capacity():
 
 
 def test_high_priority_is_served_first_and_leads_its_batch():
-    pending = [item(0, priority=2, arrived=0.0), item(1, priority=1, arrived=0.01), item(2, priority=0, arrived=0.02)]
+    pending = [
+        item(0, priority=2, arrived=0.0),
+        item(1, priority=1, arrived=0.01),
+        item(2, priority=0, arrived=0.02),
+    ]
     batches = plan(pending, inflight={"m": 0}, capacity={"m": 1}, limits=Limits(2, 0.05, (64,)), now=0.1)
     assert ids(batches) == [["j2", "j1"]]
 

@@ -34,8 +34,9 @@ async def readyz(request: Request, settings: Settings = Depends(get_settings)) -
         now = time.time()
         stages = {}
         for stage in range(settings.stages):
-            live = await redis.zrangebyscore(keys.workers(settings.default_model, stage),
-                                             now - settings.heartbeat_ttl_s, "+inf")
+            live = await redis.zrangebyscore(
+                keys.workers(settings.default_model, stage), now - settings.heartbeat_ttl_s, "+inf"
+            )
             stages[str(stage)] = len(live)
         checks["workers"] = {"model": settings.default_model, "live_per_stage": stages}
         ready = all(n > 0 for n in stages.values())

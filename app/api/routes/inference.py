@@ -17,14 +17,18 @@ router = APIRouter(tags=["inference"])
 
 
 @router.post("/v1/inference", response_model=JobPublic, responses={**ERRORS, 504: ERRORS[404]})
-async def inference(body: InferenceRequest, jobs: JobService = Depends(get_jobs),
-                    settings: Settings = Depends(get_settings)) -> JobPublic | EventSourceResponse:
+async def inference(
+    body: InferenceRequest, jobs: JobService = Depends(get_jobs), settings: Settings = Depends(get_settings)
+) -> JobPublic | EventSourceResponse:
     """Run a job to its end and return it; with `stream: true`, answer with its server-sent events."""
     record = await jobs.submit(JobCreate.model_validate(body.model_dump(exclude={"stream"})))
     if body.stream:
         return event_stream(jobs, record["id"], settings, after=None)
     record = await jobs.wait(record["id"], settings.sync_timeout_s)
     if not JobStatus(record["status"]).is_finished:
-        raise SyncTimeout(f"job {record['id']} did not finish within {settings.sync_timeout_s:g} s; "
-                          f"poll /v1/jobs/{record['id']}", job_id=record["id"])
+        raise SyncTimeout(
+            f"job {record['id']} did not finish within {settings.sync_timeout_s:g} s; "
+            f"poll /v1/jobs/{record['id']}",
+            job_id=record["id"],
+        )
     return JobPublic.from_record(record)

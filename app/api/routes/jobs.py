@@ -24,15 +24,20 @@ ERRORS: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}, 422: {"mod
 
 def accepted(request: Request, record: dict[str, str]) -> JobAccepted:
     job_id = record["id"]
-    return JobAccepted(id=job_id, status=record["status"], urls=JobUrls(
-        self=str(request.url_for("get_job", job_id=job_id)),
-        events=str(request.url_for("job_events", job_id=job_id)),
-    ))
+    return JobAccepted(
+        id=job_id,
+        status=record["status"],
+        urls=JobUrls(
+            self=str(request.url_for("get_job", job_id=job_id)),
+            events=str(request.url_for("job_events", job_id=job_id)),
+        ),
+    )
 
 
 @router.post("", status_code=202, response_model=JobAccepted, responses=ERRORS)
-async def create_job(body: JobCreate, request: Request, response: Response,
-                     jobs: JobService = Depends(get_jobs)) -> JobAccepted:
+async def create_job(
+    body: JobCreate, request: Request, response: Response, jobs: JobService = Depends(get_jobs)
+) -> JobAccepted:
     """Queue a generation job. Poll `urls.self` or follow `urls.events`."""
     out = accepted(request, await jobs.submit(body))
     response.headers["Location"] = out.urls.self
@@ -44,11 +49,17 @@ async def get_job(job_id: str, jobs: JobService = Depends(get_jobs)) -> JobPubli
     return JobPublic.from_record(await jobs.get(job_id))
 
 
-@router.get("/{job_id}/events", responses=ERRORS,
-            response_description="Server-sent events: `token`, then `done` or `error`.")
-async def job_events(job_id: str, jobs: JobService = Depends(get_jobs),
-                     settings: Settings = Depends(get_settings),
-                     last_event_id: str | None = Header(default=None)) -> EventSourceResponse:
+@router.get(
+    "/{job_id}/events",
+    responses=ERRORS,
+    response_description="Server-sent events: `token`, then `done` or `error`.",
+)
+async def job_events(
+    job_id: str,
+    jobs: JobService = Depends(get_jobs),
+    settings: Settings = Depends(get_settings),
+    last_event_id: str | None = Header(default=None),
+) -> EventSourceResponse:
     """Token events of a job; reconnect with `Last-Event-ID` to receive exactly the rest."""
     await jobs.get(job_id)  # 404 before the stream starts
     return event_stream(jobs, job_id, settings, after=_checked_event_id(last_event_id))
@@ -58,11 +69,15 @@ def _checked_event_id(value: str | None) -> str | None:
     if value is None or value == "":
         return None
     if not EVENT_ID.match(value):
-        raise InvalidRequest("Last-Event-ID must be an event id received from this stream, like '1700000000000-0'")
+        raise InvalidRequest(
+            "Last-Event-ID must be an event id received from this stream, like '1700000000000-0'"
+        )
     return value
 
 
-def event_stream(jobs: JobService, job_id: str, settings: Settings, *, after: str | None) -> EventSourceResponse:
+def event_stream(
+    jobs: JobService, job_id: str, settings: Settings, *, after: str | None
+) -> EventSourceResponse:
     async def generate() -> AsyncIterator[dict[str, str]]:
         async for event in jobs.events(job_id, after):
             if event.event in ("done", "error"):
