@@ -148,3 +148,25 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
     assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 8
     assert stream[-1].event == "done"
     assert "".join(e.data["text"] for e in tokens(stream)) == stream[-1].data["text"] == job["text"]
+
+
+def test_two_stage_pipeline_hands_hidden_states_on_and_matches_generate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    from conftest import start_stack
+
+    two = start_stack(
+        tmp_path,
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        extra_env={"CONVEYOR_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
+    )
+    try:
+        with two.client() as client:
+            assert client.get("/readyz").json()["checks"]["workers"]["live_per_stage"] == {"0": 1, "1": 1}
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                results = list(pool.map(lambda p: run_greedy(client, p, 16), PROMPTS))
+    finally:
+        two.stop()
+    for prompt, (job, stream) in zip(PROMPTS, results, strict=True):
+        assert job["status"] == "succeeded", job
+        assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, prompt, 16)
