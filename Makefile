@@ -22,6 +22,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check app tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

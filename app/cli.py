@@ -189,12 +189,12 @@ def submit(
 
 
 def _sse(lines):  # type: ignore[no-untyped-def]
-    event, data = "message", []
+    event, data = "message", list[str]()
     for line in lines:
         if not line:
             if data:
                 yield event, "\n".join(data)
-            event, data = "message", []
+            event, data = "message", list[str]()
         elif line.startswith("event:"):
             event = line[6:].strip()
         elif line.startswith("data:"):

@@ -43,7 +43,7 @@ def read(
     client: redis.Redis, keys: Keys, consumer: str, *, count: int, block_ms: int | None, backlog: bool = False
 ) -> Iterator[IntakeEntry]:
     """Read new entries (or, with backlog=True, this consumer's unacknowledged ones)."""
-    streams = {keys.intake(p): "0" if backlog else ">" for p in PRIORITIES}
+    streams: dict[Any, Any] = {keys.intake(p): "0" if backlog else ">" for p in PRIORITIES}
     streams[keys.control()] = "0" if backlog else ">"
     reply: Any = client.xreadgroup(BATCHER_GROUP, consumer, streams, count=count, block=block_ms)
     for stream, entries in reply or []:

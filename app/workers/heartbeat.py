@@ -42,7 +42,3 @@ class Heartbeat(threading.Thread):
         except Exception:
             log.debug("could not withdraw heartbeat", exc_info=True)
 
-
-def live_members(redis: Any, key: str, *, ttl_s: float, now: float | None = None) -> list[str]:
-    now = time.time() if now is None else now
-    return [m.decode() if isinstance(m, bytes) else m for m in redis.zrangebyscore(key, now - ttl_s, "+inf")]

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import uuid
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -65,6 +66,7 @@ def run_worker(
     # Weights load here, at worker start, never at import.
     layers = LayerRange.even_split(_num_layers(path), num_stages, stage)
     partition = StagePartition.load(path, layers)
+    partition.warmup()
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
     log.info(
         "stage %d/%d of %s: layers %d-%d loaded", stage, num_stages, model, layers.start, layers.stop - 1
@@ -125,7 +127,7 @@ def run_worker(
         heartbeat.stop()
 
 
-def _num_layers(path: object) -> int:
+def _num_layers(path: Path) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(path).num_hidden_layers)
