@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,6 +47,11 @@ class Settings(BaseSettings):
     max_inflight_batches: int | None = None
     # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
     length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    # continuous: a batch prefilled while another runs joins it at the next step (Orca, OSDI'22);
+    # request: every batch runs alone until its last sequence ends.
+    batching: Literal["continuous", "request"] = "continuous"
+    # Sequences in one running batch, joiners included; past it a new batch runs on its own.
+    max_running_sequences: int = 64
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 

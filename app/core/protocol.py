@@ -5,6 +5,11 @@ messages carry hidden states from stage k to k+1; the last stage samples and sen
 ids back to stage 0 as the next `decode` step, until every sequence is done; then `release` frees
 the KV caches held by the earlier stages.
 
+Iteration-level batching: a batch that was prefilled while another one of the same pipeline was
+running joins it at the next step boundary. The last stage decides; the running batch's next
+decode message lists the joining batch in `merge`, and every stage appends that batch's rows to
+the running batch's state when the message reaches it (it has prefilled the joiner by then).
+
 Sequences are named by job id, in row order. A stage keeps its own per-batch state (KV cache,
 attention mask) and, when a step lists fewer sequences than the previous one, keeps only those rows.
 The message is plain data (msgpack); tensors are encoded by `app.partitions.codecs`.
@@ -33,6 +38,8 @@ class StepMessage:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     # routes[k]: the direct queue of the stage-k replica that holds this batch's KV cache.
     routes: list[str | None] = field(default_factory=list)
+    # Batches whose rows join this one at this step (after this batch's own rows, in order).
+    merge: list[str] = field(default_factory=list)
     sent_at: float = 0.0
     v: int = PROTOCOL_VERSION
 

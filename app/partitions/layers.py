@@ -51,6 +51,30 @@ class BatchState:
         self.attention_mask = self.attention_mask[rows]
         self.seq_ids = list(seq_ids)
 
+    def absorb(self, other: BatchState) -> None:
+        """Append another batch's rows (iteration-level batching: a batch joins a running one).
+
+        The shorter history is left-padded with masked zeros, so both caches have one length T;
+        positions come from the mask, so the joined rows keep theirs.
+        """
+        length = max(self.length, other.length)
+        layers: list[tuple[Any, Any]] = list(zip(self.cache.layers, other.cache.layers, strict=True))
+        for mine, theirs in layers:
+            if mine.get_seq_length() == 0 and theirs.get_seq_length() == 0:
+                continue  # a layer this stage does not hold
+            mine.keys = torch.cat([_left_pad_time(mine.keys, length), _left_pad_time(theirs.keys, length)])
+            mine.values = torch.cat(
+                [_left_pad_time(mine.values, length), _left_pad_time(theirs.values, length)]
+            )
+        self.attention_mask = torch.cat(
+            [_left_pad_time(self.attention_mask, length), _left_pad_time(other.attention_mask, length)]
+        )
+        self.seq_ids += other.seq_ids
+
+    @property
+    def length(self) -> int:
+        return int(self.attention_mask.shape[1])
+
     def extend(self, new_tokens: int) -> None:
         ones = torch.ones(self.attention_mask.shape[0], new_tokens, dtype=self.attention_mask.dtype)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
@@ -144,6 +168,17 @@ class StagePartition(nn.Module):
         if self.lm_head is None or self.norm is None:
             return hidden
         return self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
+
+
+def _left_pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad the time axis to `length`: dim 1 of a mask [B, T], dim 2 of keys/values [B, H, T, D]."""
+    axis = 1 if x.dim() == 2 else 2
+    missing = length - x.shape[axis]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=axis)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

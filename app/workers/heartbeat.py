@@ -41,4 +41,3 @@ class Heartbeat(threading.Thread):
             self.redis.zrem(self.key, self.member)
         except Exception:
             log.debug("could not withdraw heartbeat", exc_info=True)
-

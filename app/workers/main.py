@@ -93,6 +93,8 @@ def run_worker(
         send=send,
         eos_ids=eos_token_ids(str(path), partition.config),
         pad_id=_pad_id(partition.config),
+        continuous=settings.batching == "continuous",
+        max_running=settings.max_running_sequences,
     )
     register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from app.core.jobs import JobStatus, JobStore, Transition
-from app.core.keys import Keys
+from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
@@ -43,6 +43,14 @@ class Sequence:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class Join:
+    """A batch prefilled while another was running, waiting at the last stage to join it."""
+
+    msg: StepMessage
+    alive: list[tuple[str, int]]  # (job id, first sampled token) of its unfinished sequences
+
+
 @dataclass
 class StageIdentity:
     model: str
@@ -67,13 +75,19 @@ class StageRuntime:
     send: Send
     eos_ids: frozenset[int] = frozenset()
     pad_id: int = 0
+    continuous: bool = True  # let new batches join running ones at step boundaries
+    max_running: int = 64  # sequences in one running batch, joiners included
     batches: dict[str, BatchState] = field(default_factory=dict)
-    sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)  # batch id -> job id -> state
+    # Last stage only: per batch, its sequences, its routes, and the batches waiting to join it.
+    sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)
+    routes: dict[str, list[str | None]] = field(default_factory=dict)
+    joins: dict[str, list[Join]] = field(default_factory=dict)
 
     def handle(self, msg: StepMessage) -> None:
         """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
         if msg.kind == "release":
-            self._drop(msg.batch_id)
+            for batch_id in (msg.batch_id, *msg.merge):
+                self._drop(batch_id)
             return
         try:
             self._step(msg)
@@ -88,15 +102,27 @@ class StageRuntime:
                 self._finish_batch(msg)
                 return
         else:
-            state = self.batches[msg.batch_id]
-            state.keep(msg.seq_ids)
-            state.extend(1)
+            state = self._resume(msg)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
         out = self.partition(state, x)
         if self.partition.is_last:
             self._sample(msg, out)
         else:
             self._forward(msg, state, out)
+
+    def _resume(self, msg: StepMessage) -> BatchState:
+        """Decode: drop finished rows, append the rows of joining batches, make room for one token."""
+        state = self.batches[msg.batch_id]
+        joining = [self.batches.pop(batch_id) for batch_id in msg.merge]
+        for part in (state, *joining):
+            mine = set(part.seq_ids)
+            part.keep([s for s in msg.seq_ids if s in mine])
+        for other in joining:
+            state.absorb(other)
+        if state.seq_ids != msg.seq_ids:
+            raise RuntimeError(f"batch {msg.batch_id}: rows out of step with the message")
+        state.extend(1)
+        return state
 
     def _begin(self, msg: StepMessage) -> tuple[StepMessage, BatchState, torch.Tensor]:
         """Prefill: build this stage's state for a new batch."""
@@ -120,6 +146,7 @@ class StageRuntime:
         self.batches[msg.batch_id] = state
         if self.partition.is_last:
             self.sequences[msg.batch_id] = self._load_sequences(msg.seq_ids)
+            self.routes[msg.batch_id] = msg.routes
         return msg, state, x
 
     def _load_sequences(self, job_ids: list[str]) -> dict[str, Sequence]:
@@ -160,6 +187,45 @@ class StageRuntime:
         for seq in rows:
             if seq.finish_reason is not None:
                 del sequences[seq.job_id]
+        if msg.kind == "prefill" and alive and self._join_running(msg, alive):
+            return
+        self._continue(msg, alive)
+
+    def _join_running(self, msg: StepMessage, alive: list[tuple[str, int]]) -> bool:
+        """Park a just-prefilled batch on a running one (Orca's iteration-level batching)."""
+        host = self._host_for(msg, len(alive))
+        if host is None:
+            return False
+        self.joins.setdefault(host, []).append(Join(msg, alive))
+        self._notify_done(msg.model, msg.batch_id)  # it no longer takes a pipeline slot of its own
+        self.redis.xadd(
+            self.keys.batch_log(),
+            {"batch_id": msg.batch_id, "model": msg.model, "size": len(alive), "joined": host},
+            maxlen=BATCH_LOG_MAXLEN,
+            approximate=True,
+        )
+        return True
+
+    def _host_for(self, msg: StepMessage, size: int) -> str | None:
+        if not self.continuous:
+            return None
+        waiting = {join.msg.batch_id for joins in self.joins.values() for join in joins}
+        for batch_id, routes in self.routes.items():
+            if batch_id == msg.batch_id or batch_id in waiting or routes != msg.routes:
+                continue  # same replicas only: they hold the joiner's KV cache
+            running = len(self.sequences[batch_id]) + sum(len(j.alive) for j in self.joins.get(batch_id, []))
+            if running + size <= self.max_running:
+                return batch_id
+        return None
+
+    def _continue(self, msg: StepMessage, alive: list[tuple[str, int]]) -> None:
+        """Send the next decode step of this batch, with any batches that join it now."""
+        joins = self.joins.pop(msg.batch_id, [])
+        sequences = self.sequences[msg.batch_id]
+        for join in joins:
+            sequences.update(self.sequences.pop(join.msg.batch_id))
+            self.routes.pop(join.msg.batch_id, None)
+            alive = alive + join.alive
         if not alive:
             self._finish_batch(msg)
             return
@@ -170,6 +236,7 @@ class StageRuntime:
             step=msg.step + 1,
             seq_ids=[j for j, _ in alive],
             tensors={"input_ids": encode_tensor(ids)},
+            merge=[join.msg.batch_id for join in joins],
         )
         self.send(nxt, nxt.routes[0] or self.identity.first_queue)
 
@@ -190,24 +257,28 @@ class StageRuntime:
         return TokenOut(seq.job_id, index, token, text, seq.text.released, seq.finish_reason)
 
     def _finish_batch(self, msg: StepMessage) -> None:
-        for stage, queue in enumerate(msg.routes[: msg.num_stages - 1]):
+        """The batch is over here: free its state on every other stage and tell the batcher."""
+        for stage, queue in enumerate(msg.routes):
             if queue and stage != self.identity.stage:
                 self.send(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), queue)
-        self._drop(msg.batch_id)
+        for batch_id in (msg.batch_id, *msg.merge):
+            self._drop(batch_id)
+        self._notify_done(msg.model, msg.batch_id)
+
+    def _notify_done(self, model: str, batch_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hdel(self.keys.inflight(msg.model), msg.batch_id)
+        pipe.hdel(self.keys.inflight(model), batch_id)
         pipe.xadd(
             self.keys.control(),
-            {"type": "batch_done", "model": msg.model, "batch_id": msg.batch_id},
+            {"type": "batch_done", "model": model, "batch_id": batch_id},
             maxlen=1000,
             approximate=True,
         )
         pipe.execute()
 
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
-        job_ids = (
-            list(self.batches[msg.batch_id].seq_ids) if msg.batch_id in self.batches else list(msg.seq_ids)
-        )
+        held = self.batches[msg.batch_id].seq_ids if msg.batch_id in self.batches else []
+        job_ids = list(dict.fromkeys([*msg.seq_ids, *held]))
         self.publisher.fail(
             job_ids,
             code="worker_error",
@@ -218,3 +289,7 @@ class StageRuntime:
     def _drop(self, batch_id: str) -> None:
         self.batches.pop(batch_id, None)
         self.sequences.pop(batch_id, None)
+        self.routes.pop(batch_id, None)
+        for join in self.joins.pop(batch_id, []):  # the host is gone: the joiner goes on alone
+            self.redis.hset(self.keys.inflight(join.msg.model), join.msg.batch_id, "[]")
+            self._continue(join.msg, join.alive)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import redis as redis_lib
 import torch
 from clients import events, submit, tokens, wait
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,6 +43,34 @@ def test_greedy_batch_equals_generate_token_for_token(stack, tiny_model):  # typ
         assert got == reference_tokens(tiny_model, prompt, 24), prompt
         assert job["usage"]["completion_tokens"] == len(got)
     assert max(job["batch"]["size"] for job, _ in results) > 1, "prompts submitted together share a batch"
+
+
+def joins_running_batch(client, redis, namespace: str, model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A long job runs; two jobs submitted meanwhile join its batch; every token equals generate()."""
+    long_prompt, late = "A long running job", ["late joiner number one", "ok"]
+    host = submit(client, prompt=long_prompt, max_tokens=48, temperature=0, ignore_eos=True)
+    assert len(events(client, host["urls"]["events"], max_tokens=3)) == 3  # it is running now
+    with ThreadPoolExecutor(2) as pool:
+        joined = list(pool.map(lambda p: run_greedy(client, p, 12), late))
+    host_stream = events(client, host["urls"]["events"])
+    host_tokens = [e.data["token_id"] for e in tokens(host_stream)]
+    ids = AutoTokenizer.from_pretrained(model_dir)(long_prompt).input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48, min_new_tokens=48)
+    assert host_tokens == ref[0, len(ids) :].tolist()
+    for prompt, (job, stream) in zip(late, joined, strict=True):
+        assert job["status"] == "succeeded"
+        assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(model_dir, prompt, 12)
+    late_batches = {job["batch"]["id"] for job, _ in joined}
+    log = [{k.decode(): v.decode() for k, v in f.items()} for _, f in redis.xrange(f"{namespace}:batches")]
+    assert any(
+        e.get("joined") == host_stream[-1].data["batch"]["id"] and e["batch_id"] in late_batches for e in log
+    ), "the late jobs joined the running batch"
+
+
+def test_jobs_submitted_while_a_batch_runs_join_it_at_a_step_boundary(stack, redis, tiny_model):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        joins_running_batch(client, redis, stack.namespace, tiny_model)
 
 
 def test_tokens_concatenated_equal_final_text_and_indices_have_no_gap(stack):  # type: ignore[no-untyped-def]
@@ -165,6 +194,7 @@ def test_two_stage_pipeline_hands_hidden_states_on_and_matches_generate(tmp_path
             assert client.get("/readyz").json()["checks"]["workers"]["live_per_stage"] == {"0": 1, "1": 1}
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 results = list(pool.map(lambda p: run_greedy(client, p, 16), PROMPTS))
+            joins_running_batch(client, redis_lib.Redis.from_url(redis_url), two.namespace, tiny_model)
     finally:
         two.stop()
     for prompt, (job, stream) in zip(PROMPTS, results, strict=True):

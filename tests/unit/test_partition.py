@@ -63,3 +63,41 @@ def test_even_split_covers_every_layer_once():
     assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:], strict=False))
     with pytest.raises(ValueError):
         LayerRange.even_split(2, 3, 0)
+
+
+def test_a_batch_joining_a_running_one_keeps_every_row_exact(model_and_tokenizer):  # type: ignore[no-untyped-def]
+    """Batch A decodes 3 steps, then batch B (prefilled alone) joins it: both match generate()."""
+    model, tokenizer = model_and_tokenizer
+    part = StagePartition(model, LayerRange(0, model.config.num_hidden_layers))
+    a_prompts = [tokenizer(p).input_ids for p in ["first prompt", "x"]]
+    b_prompts = [tokenizer(p).input_ids for p in ["a joiner with a longer prompt than A's", "yo"]]
+
+    def start(prompts, ids):  # type: ignore[no-untyped-def]
+        x, mask = left_pad(prompts, pad_id=0)
+        state = BatchState(model.config, ids, mask)
+        return state, part(state, x).argmax(-1)
+
+    a, a_next = start(a_prompts, ["a0", "a1"])
+    out = {"a0": [a_next[0].item()], "a1": [a_next[1].item()]}
+    for _ in range(3):
+        a.extend(1)
+        a_next = part(a, a_next[:, None]).argmax(-1)
+        out["a0"].append(a_next[0].item())
+        out["a1"].append(a_next[1].item())
+    b, b_next = start(b_prompts, ["b0", "b1"])
+    out.update({"b0": [b_next[0].item()], "b1": [b_next[1].item()]})
+    a.keep(["a1"])  # a0 finished meanwhile
+    a.absorb(b)
+    tokens = torch.tensor([a_next[1].item(), b_next[0].item(), b_next[1].item()])
+    for _ in range(4):
+        a.extend(1)
+        tokens = part(a, tokens[:, None]).argmax(-1)
+        for seq_id, token in zip(a.seq_ids, tokens.tolist(), strict=True):
+            out[seq_id].append(token)
+    for seq_id, prompt in zip(["a1", "b0", "b1"], [a_prompts[1], *b_prompts], strict=True):
+        ids = torch.tensor([prompt])
+        n = len(out[seq_id])
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n
+        )[0, len(prompt) :].tolist()
+        assert out[seq_id] == ref, seq_id
