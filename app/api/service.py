@@ -138,7 +138,19 @@ class JobService:
                     try:
                         await asyncio.wait_for(woke.wait(), POLL_FALLBACK_S)
                     except TimeoutError:
-                        await self.get(job_id)  # raises once the job has expired: end the stream
+                        if await self.is_over(job_id, after):
+                            return
+
+    async def is_over(self, job_id: str, after: str | None) -> bool:
+        """True when the job has ended and nothing follows `after` in its stream (its final event
+        was already delivered). Raises JobNotFound once the job has expired."""
+        record = await self.get(job_id)
+        if not JobStatus(record["status"]).is_finished:
+            return False
+        rest = await self.redis.xrange(
+            self.keys.events(job_id), min=f"({after}" if after else "-", max="+", count=1
+        )
+        return not rest
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
         """The job's record once it has finished (or as it is when the timeout passes)."""

@@ -105,6 +105,8 @@ def test_sse_resume_with_last_event_id_receives_exactly_the_rest(stack):  # type
         assert [e.data["index"] for e in first] == [0, 1, 2, 3, 4]
         rest = events(client, job["urls"]["events"], last_event_id=first[-1].id)
         whole = events(client, job["urls"]["events"])
+        after_the_end = client.get(job["urls"]["events"], headers={"Last-Event-ID": rest[-1].id})
+    assert after_the_end.status_code == 204, "a browser reconnecting after `done` is told to stop"
     assert [e.data["index"] for e in tokens(rest)] == list(range(5, 30))
     assert rest[-1].event == "done"
     assert [e.id for e in first + rest] == [e.id for e in whole], "no gap, no duplicate"

@@ -59,10 +59,16 @@ async def job_events(
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
     last_event_id: str | None = Header(default=None),
-) -> EventSourceResponse:
-    """Token events of a job; reconnect with `Last-Event-ID` to receive exactly the rest."""
-    await jobs.get(job_id)  # 404 before the stream starts
-    return event_stream(jobs, job_id, settings, after=_checked_event_id(last_event_id))
+) -> Response:
+    """Token events of a job; reconnect with `Last-Event-ID` to receive exactly the rest.
+
+    A client that reconnects after the final event gets `204 No Content`, which tells a browser's
+    EventSource to stop reconnecting.
+    """
+    after = _checked_event_id(last_event_id)
+    if await jobs.is_over(job_id, after):  # also the 404 for an unknown job, before the stream starts
+        return Response(status_code=204)
+    return event_stream(jobs, job_id, settings, after=after)
 
 
 def _checked_event_id(value: str | None) -> str | None:
