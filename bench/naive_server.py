@@ -1,0 +1,127 @@
+"""The "monolith" baseline: one process loads the model once and serves one request at a time.
+
+`POST /generate` takes {"messages" | "prompt", "max_tokens", "ignore_eos"} and answers with the whole text
+when generation ends (no streaming). A single lock around `model.generate` serialises requests; the
+endpoint is a plain `def`, so waiting requests queue in the thread pool, not in the event loop.
+Generation is greedy, fp32, on the CPU with torch's default threads, prompts rendered with the model's
+chat template exactly as Conveyor's api renders them.
+
+Run (the benchmark does this for you):
+
+    BENCH_MODEL_PATH=.conveyor/models/SmolLM2-135M-Instruct \\
+        .venv/bin/python -m uvicorn --factory bench.naive_server:app_from_env --host 127.0.0.1 --port 8100
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MODEL_PATH_ENV = "BENCH_MODEL_PATH"
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    max_tokens: int = Field(default=128, ge=1, le=1024)
+    ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    generate_s: float
+
+
+class Engine:
+    """The model, its tokenizer and the lock that lets one request at a time use them."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.lock = threading.Lock()
+
+    def encode(self, body: GenerateRequest) -> list[int]:
+        if body.messages is not None:
+            messages = [m.model_dump() for m in body.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(body.prompt).input_ids)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> tuple[list[int], float]:
+        """The generated token ids and the seconds spent generating (not waiting for the lock)."""
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        with self.lock, torch.inference_mode():
+            started = time.perf_counter()
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens if ignore_eos else None,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            elapsed = time.perf_counter() - started
+        return [int(t) for t in output[0, len(prompt_ids) :]], elapsed
+
+
+def create_app(model_path: Path) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.engine = Engine(model_path)  # uvicorn accepts connections only after this
+        yield
+
+    app = FastAPI(title="naive server (benchmark baseline)", lifespan=lifespan)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/generate", response_model=GenerateResponse)
+    def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        engine: Engine = request.app.state.engine
+        prompt_ids = engine.encode(body)
+        if not prompt_ids:
+            raise HTTPException(status_code=422, detail="empty prompt")
+        token_ids, elapsed = engine.generate(prompt_ids, body.max_tokens, body.ignore_eos)
+        return GenerateResponse(
+            text=engine.tokenizer.decode(token_ids, skip_special_tokens=True),
+            token_ids=token_ids,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(token_ids),
+            generate_s=elapsed,
+        )
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory: the model directory comes from $BENCH_MODEL_PATH."""
+    return create_app(Path(os.environ[MODEL_PATH_ENV]))

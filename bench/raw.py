@@ -1,0 +1,115 @@
+"""In-process generation, the reference the servers are measured against.
+
+`run_raw` calls `model.generate` on batches of prompts (left padding, attention mask, greedy, exactly
+`max_tokens` new tokens): a job's latency is its `generate` call and its TTFT the moment that call
+produced its first token. `prefill_s` times one forward pass over one prompt at batch 1, the least a
+first token costs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from bench.load import JobResult, checked
+from bench.prompts import Prompt
+from bench.report import SystemRun
+
+PREFILL_RUNS = 7
+
+
+class FirstTokenClock(BaseStreamer):
+    """Notes when `generate` hands out its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def load_model(path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_tokens: int) -> list[JobResult]:
+    """One `generate` call over `prompts`; every job's latency is the call, its TTFT the first token."""
+    ids, mask = left_pad([p.ids for p in prompts], pad_id)
+    clock = FirstTokenClock()
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                streamer=clock,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=pad_id,
+            )
+    except Exception as exc:  # a failed call fails its jobs; the run goes on
+        elapsed = time.perf_counter() - started
+        return [JobResult(p.index, False, elapsed, None, 0, f"{type(exc).__name__}: {exc}") for p in prompts]
+    elapsed = time.perf_counter() - started
+    ttft = clock.first_token_at - started if clock.first_token_at is not None else None
+    new = output[:, ids.shape[1] :]
+    return [
+        checked(
+            JobResult(p.index, True, elapsed, ttft, int(new.shape[1]), token_ids=new[i].tolist()), max_tokens
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_raw(model: Any, prompts: Sequence[Prompt], pad_id: int, batch: int, max_tokens: int) -> SystemRun:
+    """The prompts in batches of `batch`, one `generate` call after another, after a short warm-up call."""
+    generate_batch(model, prompts[:1], pad_id, 8)  # warm-up
+    jobs: list[JobResult] = []
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        jobs += generate_batch(model, prompts[first : first + batch], pad_id, max_tokens)
+    wall = time.perf_counter() - started
+    return SystemRun(f"raw generate b{batch}", jobs, wall, load=(load, os.getloadavg()[0]))
+
+
+def prefill_s(model: Any, prompt: Prompt, runs: int = PREFILL_RUNS) -> float:
+    """Median time of one forward pass over the prompt at batch 1 (what the first token costs at least).
+
+    Like `generate`'s prefill it keeps the logits of the last position only: the vocabulary projection
+    of every prompt position would add about a fifth to this small model's time.
+    """
+    ids = torch.tensor([prompt.ids], dtype=torch.long)
+    times = []
+    with torch.inference_mode():
+        for run in range(runs + 1):  # the first is a warm-up
+            started = time.perf_counter()
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+            if run:
+                times.append(time.perf_counter() - started)
+    return statistics.median(times)

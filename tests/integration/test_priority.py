@@ -1,0 +1,43 @@
+"""Priority classes: with the pipeline busy, a `high` job that arrives last still runs first."""
+
+from __future__ import annotations
+
+import time
+
+from clients import events, submit, wait
+from conftest import start_stack
+
+
+def test_high_drains_before_normal_and_low(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    # One batch at a time, one job per batch, no joining: the order of dispatch is the order of service.
+    stack = start_stack(
+        tmp_path,
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        extra_env={
+            "CONVEYOR_MAX_INFLIGHT_BATCHES": "1",
+            "CONVEYOR_MAX_BATCH_SIZE": "1",
+            "CONVEYOR_MAX_RUNNING_SEQUENCES": "1",
+            "CONVEYOR_TORCH_THREADS": "1",
+        },
+    )
+    try:
+        with stack.client() as client:
+            busy = submit(client, prompt="keep the pipeline busy", max_tokens=200, ignore_eos=True)
+            events(client, busy["urls"]["events"], max_tokens=1)  # it is running
+            body = {"prompt": "queued", "max_tokens": 2, "ignore_eos": True}
+            low = [submit(client, priority="low", **body) for _ in range(2)]
+            normal = submit(client, priority="normal", **body)
+            time.sleep(0.1)
+            high = submit(client, priority="high", **body)
+            jobs = {
+                name: wait(client, j["id"])
+                for name, j in [("low0", low[0]), ("low1", low[1]), ("normal", normal), ("high", high)]
+            }
+            assert wait(client, busy["id"])["status"] == "succeeded"
+    finally:
+        stack.stop()
+    assert all(j["status"] == "succeeded" for j in jobs.values())
+    order = sorted(jobs, key=lambda name: jobs[name]["timings"]["scheduled_at"])
+    assert order == ["high", "normal", "low0", "low1"]
