@@ -55,7 +55,11 @@ def up(
             raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
         supervisor.say(f"using Redis at {url}")
     else:
-        redis_process, url = start_embedded(settings.home / "redis", settings.embedded_redis_port)
+        try:
+            redis_process, url = start_embedded(settings.home / "redis", settings.embedded_redis_port)
+        except RuntimeError as exc:
+            typer.echo(f"conveyor: {exc}", err=True)
+            raise typer.Exit(1) from exc
         supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
     env["REDIS_URL"] = url
     if redis_process is not None:

@@ -60,7 +60,10 @@ def start_embedded(
     url = f"redis://{host}:{port}/0"
     if not wait_for_redis(url, timeout_s=10.0, process=process):
         process.terminate()
-        raise RuntimeError(f"embedded Redis did not start on {host}:{port}; see {data_dir / 'redis.log'}")
+        raise RuntimeError(
+            f"embedded Redis did not start on {host}:{port} (is the port taken? choose another with "
+            f"CONVEYOR_EMBEDDED_REDIS_PORT); see {data_dir / 'redis.log'}"
+        )
     return process, url
 
 
