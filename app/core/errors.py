@@ -44,11 +44,6 @@ class JobNotFound(ConveyorError):
     status = 404
 
 
-class NotReady(ConveyorError):
-    code = "not_ready"
-    status = 503
-
-
 class SyncTimeout(ConveyorError):
     code = "timeout"
     status = 504

@@ -43,10 +43,6 @@ class StepMessage:
     sent_at: float = 0.0
     v: int = PROTOCOL_VERSION
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.num_stages - 1
-
     def to_wire(self) -> dict[str, Any]:
         return asdict(replace(self, sent_at=time.time()))
 

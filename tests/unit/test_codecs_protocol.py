@@ -35,7 +35,7 @@ def test_step_message_survives_msgpack():
         routes=["q0", None],
     )
     back = StepMessage.from_wire(msgpack.unpackb(msgpack.packb(msg.to_wire())))
-    assert back.seq_ids == ["a", "b"] and back.routes == ["q0", None] and back.is_last_stage
+    assert back.seq_ids == ["a", "b"] and back.routes == ["q0", None] and back.stage == 1
     assert torch.equal(decode_tensor(back.tensors["hidden"]), hidden)
 
 
