@@ -57,7 +57,9 @@ class Settings(BaseSettings):
 
     # Stage workers.
     stages: int = 1
-    torch_threads: int | None = None  # None: torch's default (all cores)
+    plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
+    device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
+    torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 

@@ -55,6 +55,10 @@ class Keys:
         """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
         return f"{self.namespace}:workers:{model}:{stage}"
 
+    def latency(self, model: str) -> str:
+        """Hash: stage -> its measured step latency (JSON), for `conveyor plan --rebalance`."""
+        return f"{self.namespace}:latency:{model}"
+
     def stage_queue(self, model: str, stage: int) -> str:
         """Celery queue shared by every replica of a stage: prefill steps land here."""
         return f"{self.namespace}.stage.{model}.{stage}"

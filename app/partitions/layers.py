@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
+
+from app.partitions.loading import build_on_meta, materialize
 
 
 @dataclass(frozen=True)
@@ -109,12 +111,25 @@ class StagePartition(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
     ) -> StagePartition:
-        config = AutoConfig.from_pretrained(path)
+        """Build this stage alone: its modules on `device`, its tensors read from the checkpoint."""
+        meta = build_on_meta(path, dtype)
+        config = meta.config
         layers = layers or LayerRange(0, config.num_hidden_layers)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        model = model.to(device)
-        model.eval()
-        return cls(model, layers)
+        stage = cls(meta, layers)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        materialize(stage, path, start=layers.start, device=torch.device(device), dtype=dtype, tied_head=tied)
+        if tied and stage.embed_tokens is not None and stage.lm_head is not None:
+            stage.lm_head.weight = stage.embed_tokens.weight  # to_empty() does not keep the tie
+        with torch.device(device):
+            stage.rotary_emb = type(meta.model.rotary_emb)(config=config)  # non-persistent: rebuilt
+        return stage.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.rotary_emb.inv_freq.device  # type: ignore[no-any-return]
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def warmup(self, tokens: int = 16) -> None:
         """One prefill and one decode step on dummy input, so the first real job does not pay
@@ -142,9 +157,10 @@ class StagePartition(nn.Module):
         has already extended `state.attention_mask` to cover these S new positions.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V].
         """
+        x = x.to(self.device)
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
         new = hidden.shape[1]
-        mask = state.attention_mask
+        mask = state.attention_mask.to(self.device)
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]  # [B, S]
         causal_mask = create_causal_mask(
             config=self.config,

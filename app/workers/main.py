@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from app.core.redis import sync_client
 from app.partitions.layers import LayerRange, StagePartition
 from app.workers.celery_app import create_celery_app, register_step_task
 from app.workers.heartbeat import Heartbeat
+from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
 
@@ -63,13 +65,22 @@ def run_worker(
         first_queue=keys.stage_queue(model, 0),
     )
 
-    # Weights load here, at worker start, never at import.
-    layers = LayerRange.even_split(_num_layers(path), num_stages, stage)
-    partition = StagePartition.load(path, layers)
+    # Weights load here, at worker start, never at import: this stage's tensors only.
+    layers = stage_layers(settings, path, stage=stage, num_stages=num_stages)
+    device = resolve_device(settings.device, stage)
+    partition = StagePartition.load(path, layers, device=device)
     partition.warmup()
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
     log.info(
-        "stage %d/%d of %s: layers %d-%d loaded", stage, num_stages, model, layers.start, layers.stop - 1
+        "stage %d/%d of %s: layers %d-%d on %s, %.1f MiB of parameters, %d CPU threads",
+        stage,
+        num_stages,
+        model,
+        layers.start,
+        layers.stop - 1,
+        device,
+        partition.param_bytes() / 2**20,
+        torch.get_num_threads(),
     )
 
     redis_url = settings.redis_url or ""
@@ -95,6 +106,7 @@ def run_worker(
         pad_id=_pad_id(partition.config),
         continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
+        latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
     )
     register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
 
@@ -129,10 +141,26 @@ def run_worker(
         heartbeat.stop()
 
 
-def _num_layers(path: Path) -> int:
+def stage_layers(settings: Settings, path: Path, *, stage: int, num_stages: int) -> LayerRange:
+    """This stage's layers: from the plan file when one is given, else an even cut."""
+    if settings.plan_file is not None:
+        plan = json.loads(Path(settings.plan_file).read_text())
+        ranges = [(s["start"], s["stop"]) for s in plan["stages"]]
+        if len(ranges) != num_stages:
+            raise ValueError(f"plan {settings.plan_file} has {len(ranges)} stages, the pipeline {num_stages}")
+        return LayerRange(*ranges[stage])
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(path).num_hidden_layers)
+    return LayerRange.even_split(int(AutoConfig.from_pretrained(path).num_hidden_layers), num_stages, stage)
+
+
+def resolve_device(setting: str, stage: int) -> str:
+    """`auto`: stage k on GPU k modulo the GPUs present, the CPU when there is none."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available():
+        return f"cuda:{stage % torch.cuda.device_count()}"
+    return "cpu"
 
 
 def _pad_id(config: object) -> int:

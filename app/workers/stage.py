@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
+from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher, TokenOut
 from app.workers.sampling import SamplingParams, make_generator, sample
 from app.workers.textstream import TextStream
@@ -73,6 +75,7 @@ class StageRuntime:
     redis: Any
     keys: Keys
     send: Send
+    latency: StepLatency | None = None
     eos_ids: frozenset[int] = frozenset()
     pad_id: int = 0
     continuous: bool = True  # let new batches join running ones at step boundaries
@@ -104,7 +107,10 @@ class StageRuntime:
         else:
             state = self._resume(msg)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
+        started = time.perf_counter()
         out = self.partition(state, x)
+        if self.latency is not None:
+            self.latency.observe(time.perf_counter() - started)
         if self.partition.is_last:
             self._sample(msg, out)
         else:
@@ -180,6 +186,7 @@ class StageRuntime:
     def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
         sequences = self.sequences[msg.batch_id]
         rows = [sequences[j] for j in msg.seq_ids]
+        logits = logits.float().cpu()  # sampling runs on the CPU with per-sequence generators
         tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
         outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
         self.publisher.tokens(outs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import redis as redis_lib
 import torch
 from clients import events, submit, tokens, wait
@@ -181,7 +182,10 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
     assert "".join(e.data["text"] for e in tokens(stream)) == stream[-1].data["text"] == job["text"]
 
 
-def test_two_stage_pipeline_hands_hidden_states_on_and_matches_generate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [2, 3])
+def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(
+    tmp_path, redis_url, tiny_model, stages
+):  # type: ignore[no-untyped-def]
     from conftest import start_stack
 
     two = start_stack(
@@ -189,11 +193,12 @@ def test_two_stage_pipeline_hands_hidden_states_on_and_matches_generate(tmp_path
         redis_url=redis_url,
         models={"tiny": tiny_model},
         default_model="tiny",
-        extra_env={"CONVEYOR_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
+        extra_env={"CONVEYOR_STAGES": str(stages), "CONVEYOR_TORCH_THREADS": "1"},
     )
     try:
         with two.client() as client:
-            assert client.get("/readyz").json()["checks"]["workers"]["live_per_stage"] == {"0": 1, "1": 1}
+            live = client.get("/readyz").json()["checks"]["workers"]["live_per_stage"]
+            assert live == {str(k): 1 for k in range(stages)}
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 results = list(pool.map(lambda p: run_greedy(client, p, 16), PROMPTS))
             joins_running_batch(client, redis_lib.Redis.from_url(redis_url), two.namespace, tiny_model)

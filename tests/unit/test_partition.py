@@ -101,3 +101,27 @@ def test_a_batch_joining_a_running_one_keeps_every_row_exact(model_and_tokenizer
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n
         )[0, len(prompt) :].tolist()
         assert out[seq_id] == ref, seq_id
+
+
+@pytest.mark.parametrize("cuts", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_loaded_stages_hold_only_their_tensors_and_match_the_whole_model(
+    tiny_model, model_and_tokenizer, cuts
+):  # type: ignore[no-untyped-def]
+    model, tokenizer = model_and_tokenizer
+    whole = StagePartition(model, LayerRange(0, model.config.num_hidden_layers))
+    parts = [StagePartition.load(tiny_model, LayerRange(a, b)) for a, b in cuts]
+    x, mask = left_pad([tokenizer(p).input_ids for p in ["one", "two three four"]], pad_id=0)
+    h = x
+    for part in parts:
+        h = part(BatchState(model.config, ["a", "b"], mask.clone()), h)
+    assert torch.equal(h, whole(BatchState(model.config, ["a", "b"], mask.clone()), x))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    for part, (a, b) in zip(parts, cuts, strict=True):
+        expected = (b - a) * layer + embedding.numel() * embedding.element_size() * (
+            part.is_first or part.is_last
+        )
+        expected += sum(p.numel() * p.element_size() for p in model.model.norm.parameters()) * part.is_last
+        assert part.param_bytes() == expected
+    assert parts[0].param_bytes() <= total
