@@ -37,13 +37,14 @@ def _settings(**overrides: object) -> Settings:
 @cli.command()
 def up(
     stages: Annotated[int | None, typer.Option(help="Pipeline stages (one worker each).")] = None,
+    replicas: Annotated[int | None, typer.Option(help="Workers per stage, sharing its queue.")] = None,
     flower: Annotated[bool | None, typer.Option(help="Run Flower, Celery's dashboard.")] = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor
 
-    settings = _settings(stages=stages, flower=flower)
+    settings = _settings(stages=stages, replicas=replicas, flower=flower)
     _ensure_default_model(settings)
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
@@ -69,9 +70,9 @@ def up(
     supervisor.add(Child("api", [*me, "api"]))
     supervisor.add(Child("batcher", [*me, "batcher"]))
     for stage in range(settings.stages):
-        supervisor.add(
-            Child(f"stage{stage}", [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)])
-        )
+        argv = [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)]
+        for replica in range(settings.replicas):
+            supervisor.add(Child(f"stage{stage}" + (f".{replica}" if settings.replicas > 1 else ""), argv))
     if settings.flower:
         supervisor.add(
             Child(

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     # Batcher: the seed's window is 50 ms; 8 is what batching needs on a CPU to pay for itself.
     max_batch_size: int = 32
     max_wait_ms: float = 50.0
-    # Batches in flight per pipeline; None means stages + 1, enough to keep every stage busy.
+    # Batches in flight per pipeline; None means stages x replicas + 1, enough to keep every worker busy.
     max_inflight_batches: int | None = None
     # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
     length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
@@ -57,6 +57,7 @@ class Settings(BaseSettings):
 
     # Stage workers.
     stages: int = 1
+    replicas: int = 1  # workers per stage, sharing the stage's queue (load balancing)
     plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
     device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
     torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
@@ -88,4 +89,4 @@ class Settings(BaseSettings):
         return sorted(names)
 
     def inflight_limit(self, stages: int) -> int:
-        return self.max_inflight_batches or stages + 1
+        return self.max_inflight_batches or stages * self.replicas + 1

@@ -214,16 +214,23 @@ class StageRuntime:
         return True
 
     def _host_for(self, msg: StepMessage, size: int) -> str | None:
+        """The smallest running batch on the same replicas with room, if the pipeline stays full.
+
+        A pipeline of N stages needs N batches circulating to keep every stage busy, so a new batch
+        joins another only when at least N others run on its replicas (they hold its KV cache).
+        """
         if not self.continuous:
             return None
         waiting = {join.msg.batch_id for joins in self.joins.values() for join in joins}
-        for batch_id, routes in self.routes.items():
-            if batch_id == msg.batch_id or batch_id in waiting or routes != msg.routes:
-                continue  # same replicas only: they hold the joiner's KV cache
-            running = len(self.sequences[batch_id]) + sum(len(j.alive) for j in self.joins.get(batch_id, []))
-            if running + size <= self.max_running:
-                return batch_id
-        return None
+        sizes = {
+            batch_id: len(self.sequences[batch_id]) + sum(len(j.alive) for j in self.joins.get(batch_id, []))
+            for batch_id, routes in self.routes.items()
+            if batch_id != msg.batch_id and batch_id not in waiting and routes == msg.routes
+        }
+        if len(sizes) < msg.num_stages:
+            return None
+        host = min(sizes, key=lambda batch_id: sizes[batch_id])
+        return host if sizes[host] + size <= self.max_running else None
 
     def _continue(self, msg: StepMessage, alive: list[tuple[str, int]]) -> None:
         """Send the next decode step of this batch, with any batches that join it now."""

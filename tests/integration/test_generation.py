@@ -46,27 +46,33 @@ def test_greedy_batch_equals_generate_token_for_token(stack, tiny_model):  # typ
     assert max(job["batch"]["size"] for job, _ in results) > 1, "prompts submitted together share a batch"
 
 
-def joins_running_batch(client, redis, namespace: str, model_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    """A long job runs; two jobs submitted meanwhile join its batch; every token equals generate()."""
-    long_prompt, late = "A long running job", ["late joiner number one", "ok"]
-    host = submit(client, prompt=long_prompt, max_tokens=48, temperature=0, ignore_eos=True)
-    assert len(events(client, host["urls"]["events"], max_tokens=3)) == 3  # it is running now
+def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts: int = 1) -> None:  # type: ignore[no-untyped-def]
+    """Long jobs run, one batch per stage (a pipeline keeps that many circulating); two jobs
+    submitted meanwhile join one of those batches; every token equals generate()."""
+    long_prompts = [f"A long running job {i}" for i in range(hosts)]
+    late = ["late joiner number one", "ok"]
+    running = []
+    for prompt in long_prompts:  # one after another: each gets a batch of its own
+        running.append(submit(client, prompt=prompt, max_tokens=48, temperature=0, ignore_eos=True))
+        assert len(events(client, running[-1]["urls"]["events"], max_tokens=3)) == 3  # it is running now
     with ThreadPoolExecutor(2) as pool:
         joined = list(pool.map(lambda p: run_greedy(client, p, 12), late))
-    host_stream = events(client, host["urls"]["events"])
-    host_tokens = [e.data["token_id"] for e in tokens(host_stream)]
-    ids = AutoTokenizer.from_pretrained(model_dir)(long_prompt).input_ids
+    host_batches = set()
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48, min_new_tokens=48)
-    assert host_tokens == ref[0, len(ids) :].tolist()
+    for prompt, job in zip(long_prompts, running, strict=True):
+        stream = events(client, job["urls"]["events"])
+        host_batches.add(stream[-1].data["batch"]["id"])
+        ids = AutoTokenizer.from_pretrained(model_dir)(prompt).input_ids
+        ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48, min_new_tokens=48)
+        assert [e.data["token_id"] for e in tokens(stream)] == ref[0, len(ids) :].tolist()
     for prompt, (job, stream) in zip(late, joined, strict=True):
         assert job["status"] == "succeeded"
         assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(model_dir, prompt, 12)
     late_batches = {job["batch"]["id"] for job, _ in joined}
     log = [{k.decode(): v.decode() for k, v in f.items()} for _, f in redis.xrange(f"{namespace}:batches")]
-    assert any(
-        e.get("joined") == host_stream[-1].data["batch"]["id"] and e["batch_id"] in late_batches for e in log
-    ), "the late jobs joined the running batch"
+    assert any(e.get("joined") in host_batches and e["batch_id"] in late_batches for e in log), (
+        "the late jobs joined a running batch"
+    )
 
 
 def test_jobs_submitted_while_a_batch_runs_join_it_at_a_step_boundary(stack, redis, tiny_model):  # type: ignore[no-untyped-def]
@@ -201,7 +207,9 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(
             assert live == {str(k): 1 for k in range(stages)}
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 results = list(pool.map(lambda p: run_greedy(client, p, 16), PROMPTS))
-            joins_running_batch(client, redis_lib.Redis.from_url(redis_url), two.namespace, tiny_model)
+            joins_running_batch(
+                client, redis_lib.Redis.from_url(redis_url), two.namespace, tiny_model, hosts=stages
+            )
     finally:
         two.stop()
     for prompt, (job, stream) in zip(PROMPTS, results, strict=True):
