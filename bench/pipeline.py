@@ -1,0 +1,179 @@
+"""Pipelining against replication on one CPU: what a 2-stage pipeline costs and what it buys.
+
+Three Conveyor stacks, one after another, on the same seeded prompts (32 closed-loop clients,
+every job 64 new tokens, SmolLM2-135M-Instruct, fp32):
+
+    pipeline 2x1t    `conveyor up --stages 2`, each stage worker pinned to 1 torch thread
+    replicas 2x1t    `conveyor up --replicas 2`, two whole-model workers of 1 thread each
+    single 1x2t      `conveyor up`, one whole-model worker with torch's default threads (2)
+
+It prints tokens/s, P50/P99 latency, each stage worker's resident memory and parameter bytes, and
+the ratio pipeline / replicas (target >= 0.9: pipelining must cost no more than replication).
+
+    .venv/bin/python -m bench.pipeline [--quick]
+
+Writes bench/results/pipeline.md and bench/results/pipeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from transformers import AutoTokenizer
+
+from bench.load import conveyor_job, run_load
+from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.prompts import Prompt, make_prompts
+from bench.report import SystemRun, fmt, git_commit, report_run, write_results
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
+MAX_TOKENS = 64
+CONCURRENCY = 32
+TARGET_VS_REPLICAS = 0.9
+PARAMS_LINE = re.compile(r"stage (\d+)/\d+ of .*: layers (\d+)-(\d+) on \S+, ([\d.]+) MiB of parameters")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+
+
+LAYOUTS = [
+    Layout("pipeline 2x1t", ["--stages", "2"], {"CONVEYOR_TORCH_THREADS": "1"}),
+    Layout("replicas 2x1t", ["--replicas", "2"], {"CONVEYOR_TORCH_THREADS": "1"}),
+    Layout("single 1x2t", [], {}),
+]
+
+
+def stack_env(layout: Layout, port: int, workdir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CONVEYOR_FLOWER="false",
+        CONVEYOR_API_PORT=str(port),
+        CONVEYOR_NAMESPACE=f"bench-{secrets.token_hex(4)}",
+        CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),
+        CONVEYOR_HOME=str(workdir / "home"),
+        CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
+        **layout.env,
+    )
+    return env
+
+
+def worker_memory(up_pid: int) -> list[dict[str, Any]]:
+    """Resident memory of each stage worker under the `conveyor up` process."""
+    workers = []
+    for child in psutil.Process(up_pid).children():
+        try:
+            line = child.cmdline()
+            if "worker" in line:
+                stage = int(line[line.index("--stage") + 1])
+                workers.append({"stage": stage, "rss_mib": child.memory_info().rss / 2**20})
+        except (psutil.Error, ValueError):
+            continue
+    return sorted(workers, key=lambda w: w["stage"])
+
+
+def parameter_lines(log: Path) -> list[dict[str, Any]]:
+    found = [m.groups() for m in PARAMS_LINE.finditer(log.read_text(errors="replace"))]
+    return [{"stage": int(s), "layers": f"{a}-{b}", "param_mib": float(mib)} for s, a, b, mib in found]
+
+
+def measure(layout: Layout, prompts: list[Prompt], workdir: Path) -> tuple[SystemRun, dict[str, Any]]:
+    port = free_port()
+    log = workdir / f"{layout.name.split()[0]}.log"
+    argv = [sys.executable, "-m", "app.cli", "up", *layout.args]
+    with server_process(layout.name, argv, stack_env(layout, port, workdir), log, stop_timeout_s=60.0) as up:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(f"{base}/readyz", up, 180.0, log)
+        asyncio.run(run_load(base, conveyor_job(8), prompts[:2], 2))  # warm-up, not counted
+        load = os.getloadavg()[0]
+        jobs, wall = asyncio.run(run_load(base, conveyor_job(MAX_TOKENS), prompts, CONCURRENCY))
+        memory = worker_memory(up.pid)
+    shutil.rmtree(workdir / "home", ignore_errors=True)
+    run = SystemRun(layout.name, jobs, wall, load=(load, os.getloadavg()[0]))
+    report_run(run)
+    return run, {"workers": memory, "parameters": parameter_lines(log)}
+
+
+def markdown(runs: list[SystemRun], details: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"# Pipeline against replication ({meta['mode']})",
+        "",
+        f"{MODEL_NAME}, fp32, CPU ({meta['cpus']} cores), {CONCURRENCY} closed-loop clients, "
+        f"{MAX_TOKENS} tokens per job; {meta['started']}, commit {meta['commit']}.",
+        "",
+        "| layout | jobs ok | tokens/s | p50 latency (s) | p99 latency (s) "
+        "| workers: stage, layers, params MiB, RSS MiB |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        s = run.summary()
+        d = details[run.name]
+        params = {p["stage"]: p for p in d["parameters"]}
+        workers = "; ".join(
+            f"{w['stage']}: {params.get(w['stage'], {}).get('layers', '?')}, "
+            f"{params.get(w['stage'], {}).get('param_mib', 0):.0f}, {w['rss_mib']:.0f}"
+            for w in d["workers"]
+        )
+        lines.append(
+            f"| {run.name} | {s['succeeded']}/{s['jobs']} | {s['tokens_per_s']:.1f} | "
+            f"{fmt(s['p50_latency_s'])} | {fmt(s['p99_latency_s'])} | {workers} |"
+        )
+    by_name = {r.name: r.tokens_per_s() for r in runs}
+    ratio = by_name["pipeline 2x1t"] / by_name["replicas 2x1t"] if by_name["replicas 2x1t"] else 0.0
+    single = by_name["pipeline 2x1t"] / by_name["single 1x2t"] if by_name["single 1x2t"] else 0.0
+    verdict = "met" if ratio >= TARGET_VS_REPLICAS else "missed"
+    lines += [
+        "",
+        f"- pipeline / replicas throughput: {ratio:.2f}x (target >= {TARGET_VS_REPLICAS}x, {verdict})",
+        f"- pipeline / single 2-thread process throughput: {single:.2f}x",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="32 jobs per layout instead of 64")
+    quick = parser.parse_args(argv).quick
+    terminate_on_sigterm()
+    if not (MODEL_DIR / "config.json").exists():
+        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+        return 2
+    prompts = make_prompts(AutoTokenizer.from_pretrained(MODEL_DIR), 32 if quick else 64)
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-pipeline-"))
+    meta = {
+        "mode": "quick" if quick else "full",
+        "cpus": os.cpu_count(),
+        "commit": git_commit(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "logs": str(workdir),
+    }
+    runs, details = [], {}
+    for layout in LAYOUTS:
+        run, details[layout.name] = measure(layout, prompts, workdir)
+        runs.append(run)
+    text = markdown(runs, details, meta)
+    print(text)
+    payload = {"meta": meta, "runs": {r.name: r.summary() for r in runs}, "details": details}
+    write_results("pipeline", text, payload)
+    return 0 if all(not r.summary()["failed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
