@@ -38,16 +38,25 @@ def _settings(**overrides: object) -> Settings:
 def up(
     stages: Annotated[int | None, typer.Option(help="Pipeline stages (one worker each).")] = None,
     replicas: Annotated[int | None, typer.Option(help="Workers per stage, sharing its queue.")] = None,
+    plan: Annotated[
+        Path | None, typer.Option(help="A `conveyor plan --out` file: one worker per stage.")
+    ] = None,
     flower: Annotated[bool | None, typer.Option(help="Run Flower, Celery's dashboard.")] = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor
 
-    settings = _settings(stages=stages, replicas=replicas, flower=flower)
+    if plan is not None:
+        from app.partitions.planner import Plan
+
+        stages = len(Plan.from_json(plan.read_text()).stages)
+    settings = _settings(stages=stages, replicas=replicas, flower=flower, plan_file=plan)
     _ensure_default_model(settings)
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
+    if settings.plan_file is not None:
+        env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     supervisor = Supervisor(env)
     redis_process = None
     if settings.redis_url:
@@ -204,6 +213,75 @@ def _sse(lines):  # type: ignore[no-untyped-def]
             event = line[6:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))
+
+
+@cli.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option(help="A model dir, a config.json, or a bundled config name.")] = "",
+    max_mem: Annotated[float | None, typer.Option(help="Memory budget per device, MiB.")] = None,
+    stages: Annotated[int | None, typer.Option(help="A fixed number of stages instead of a budget.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype: float16, bfloat16, float32.")] = "float16",
+    kv_tokens: Annotated[int, typer.Option(help="KV-cache tokens in flight each stage must hold.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Write the plan here (for `conveyor up --plan`).")] = None,
+    rebalance: Annotated[
+        Path | None, typer.Option(help="Propose new cuts for this plan from measured step latency.")
+    ] = None,
+    latency_s: Annotated[
+        str | None,
+        typer.Option(help="Per-stage step latency, comma-separated; default: what workers report."),
+    ] = None,
+) -> None:
+    """Plan stage cut points on the meta device (no weights), or rebalance a plan from measurements."""
+    from app.partitions import planner
+
+    settings = _settings()
+    source = model or str(settings.model_path(settings.default_model) or settings.default_model)
+    try:
+        config = planner.load_config(source)
+        if rebalance is not None:
+            old = planner.Plan.from_json(rebalance.read_text())
+            measured = _latencies(settings, old, latency_s)
+            typer.echo(
+                "measured: " + ", ".join(f"stage {i} {s * 1000:.1f} ms" for i, s in enumerate(measured))
+            )
+            result = planner.rebalance(old, measured, config)
+        else:
+            if (max_mem is None) == (stages is None):
+                stages = stages or (None if max_mem else 1)
+            result = planner.plan_decoder(
+                config,
+                dtype=planner.parse_dtype(dtype),
+                max_mem_mb=max_mem,
+                stages=stages,
+                kv_budget_tokens=kv_tokens,
+                name=Path(source).name if model else settings.default_model,
+            )
+    except (ValueError, OSError) as exc:
+        typer.echo(f"conveyor plan: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(planner.format_table(result))
+    if out is not None:
+        out.write_text(result.to_json())
+        typer.echo(f"plan written to {out}; start it with `conveyor up --plan {out}`")
+
+
+def _latencies(settings: Settings, plan: object, given: str | None) -> list[float]:
+    if given:
+        return [float(x) for x in given.split(",")]
+    from app.core.keys import Keys
+    from app.core.redis import sync_client
+    from app.workers.latency import read_latencies
+
+    if not settings.redis_url:
+        raise ValueError("no --latency-s given and no REDIS_URL to read the workers' reports from")
+    reports = read_latencies(
+        sync_client(settings.redis_url), Keys(settings.namespace), settings.default_model
+    )
+    stages = len(plan.stages)  # type: ignore[attr-defined]
+    missing = [s for s in range(stages) if s not in reports]
+    if missing:
+        raise ValueError(f"no latency reported for stages {missing}; run load through the pipeline first")
+    return [float(reports[s]["ewma_s"]) for s in range(stages)]
 
 
 @model_cli.command("pull")

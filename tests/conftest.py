@@ -99,6 +99,7 @@ def start_stack(
     flower: bool = False,
     extra_env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
+    args: tuple[str, ...] = (),
 ) -> Stack:
     """`conveyor up` as a user runs it, in its own home, namespace and ports."""
     namespace = f"test-{uuid.uuid4().hex[:8]}"
@@ -121,7 +122,7 @@ def start_stack(
         env["REDIS_URL"] = redis_url
     log = tmp / "stack.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "up"],
+        [sys.executable, "-m", "app.cli", "up", *args],
         cwd=ROOT,
         env=env,
         stdout=log.open("wb"),

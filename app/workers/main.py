@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -144,8 +143,9 @@ def run_worker(
 def stage_layers(settings: Settings, path: Path, *, stage: int, num_stages: int) -> LayerRange:
     """This stage's layers: from the plan file when one is given, else an even cut."""
     if settings.plan_file is not None:
-        plan = json.loads(Path(settings.plan_file).read_text())
-        ranges = [(s["start"], s["stop"]) for s in plan["stages"]]
+        from app.partitions.planner import Plan
+
+        ranges = Plan.from_json(Path(settings.plan_file).read_text()).ranges()
         if len(ranges) != num_stages:
             raise ValueError(f"plan {settings.plan_file} has {len(ranges)} stages, the pipeline {num_stages}")
         return LayerRange(*ranges[stage])

@@ -215,3 +215,53 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(
     for prompt, (job, stream) in zip(PROMPTS, results, strict=True):
         assert job["status"] == "succeeded", job
         assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, prompt, 16)
+
+
+def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    """`conveyor plan --out` then `conveyor up --plan`: uneven cuts, still token-exact."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, start_stack
+
+    plan = tmp_path / "plan.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "plan",
+            "--model",
+            str(tiny_model),
+            "--stages",
+            "3",
+            "--dtype",
+            "float32",
+            "--out",
+            str(plan),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    from app.partitions.planner import Plan
+
+    ranges = Plan.from_json(plan.read_text()).ranges()
+    stack = start_stack(
+        tmp_path,
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        args=("--plan", str(plan)),
+        extra_env={"CONVEYOR_TORCH_THREADS": "1"},
+    )
+    try:
+        with stack.client() as client:
+            assert len(client.get("/readyz").json()["checks"]["workers"]["live_per_stage"]) == 3
+            job, stream = run_greedy(client, PROMPTS[1], 12)
+    finally:
+        stack.stop()
+    assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, PROMPTS[1], 12)
+    log = stack.log.read_text()
+    for stage, (start, stop) in enumerate(ranges):
+        assert f"stage {stage}/3 of tiny: layers {start}-{stop - 1}" in log

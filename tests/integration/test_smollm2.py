@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +20,8 @@ QUESTIONS = [
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [1, 2])
+def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir, stages):  # type: ignore[no-untyped-def]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
     expected = []
@@ -30,9 +32,16 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir):
         ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
         expected.append([t for t in out[0, ids.shape[1] :].tolist() if t != tokenizer.eos_token_id])
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
 
-    stack = start_stack(tmp_path, redis_url=redis_url, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
+    stack = start_stack(
+        tmp_path,
+        redis_url=redis_url,
+        models={SMOLLM2: smollm2_dir},
+        default_model=SMOLLM2,
+        extra_env={"CONVEYOR_STAGES": str(stages)},
+    )
     try:
         with stack.client() as client, ThreadPoolExecutor(len(QUESTIONS)) as pool:
 
@@ -49,3 +58,7 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir):
         assert stream[-1].data["status"] == "succeeded"
         assert [e.data["token_id"] for e in tokens(stream)] == want, question
     assert max(s[-1].data["batch"]["size"] for s in streams) > 1
+    held = [float(mib) * 2**20 for mib in re.findall(r"([\d.]+) MiB of parameters", stack.log.read_text())]
+    assert len(held) == stages
+    if stages > 1:  # each worker holds only its partition
+        assert max(held) <= 0.65 * whole, (held, whole)
