@@ -82,6 +82,17 @@ def up(
         argv = [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)]
         for replica in range(settings.replicas):
             supervisor.add(Child(f"stage{stage}" + (f".{replica}" if settings.replicas > 1 else ""), argv))
+    for stage in range(settings.embedding_stages):
+        argv = [
+            *me,
+            "worker",
+            "--embedding",
+            "--stage",
+            str(stage),
+            "--stages",
+            str(settings.embedding_stages),
+        ]
+        supervisor.add(Child(f"embed{stage}", argv))
     if settings.flower:
         supervisor.add(
             Child(
@@ -147,11 +158,18 @@ def worker(
     stage: Annotated[int, typer.Option(help="Which stage of the pipeline this worker serves.")] = 0,
     stages: Annotated[int | None, typer.Option(help="Stages in the pipeline.")] = None,
     model: Annotated[str | None, typer.Option(help="Model name; the default model when omitted.")] = None,
+    embedding: Annotated[bool, typer.Option(help="Serve a stage of the embeddings pipeline.")] = False,
 ) -> None:
     """Run one stage worker (a Celery worker owning one partition of the model)."""
+    _logging()
+    if embedding:
+        from app.workers.embedding import run_embedding_worker
+
+        settings = _settings()
+        run_embedding_worker(settings, stage=stage, num_stages=stages or settings.embedding_stages)
+        return
     from app.workers.main import run_worker
 
-    _logging()
     settings = _settings(stages=stages)
     run_worker(settings, model=model or settings.default_model, stage=stage, num_stages=settings.stages)
 

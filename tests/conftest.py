@@ -115,6 +115,7 @@ def start_stack(
             "CONVEYOR_FLOWER": "true" if flower else "false",
             "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
             "CONVEYOR_DEFAULT_MODEL": default_model,
+            "CONVEYOR_EMBEDDING_STAGES": "0",  # the embeddings pipeline only where a test asks for it
             **(extra_env or {}),
         }
     )

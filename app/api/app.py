@@ -12,12 +12,13 @@ from fastapi.concurrency import run_in_threadpool
 from app.api import errors
 from app.api.catalog import Catalog
 from app.api.events import EventHub
-from app.api.routes import health, inference, jobs
+from app.api.routes import embeddings, health, inference, jobs
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import ConveyorError
 from app.core.keys import Keys
 from app.core.redis import async_client
+from app.workers.celery_app import create_celery_app
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def create_app(settings: Settings) -> FastAPI:
         await hub.start()
         app.state.settings = settings
         app.state.redis = redis
-        app.state.jobs = JobService(settings, redis, catalog, hub)
+        celery = create_celery_app(settings, settings.redis_url or "")
+        app.state.jobs = JobService(settings, redis, catalog, hub, celery)
         try:
             yield
         finally:
@@ -52,5 +54,6 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(jobs.router)
     app.include_router(inference.router)
+    app.include_router(embeddings.router)
     app.include_router(health.router)
     return app

@@ -17,7 +17,16 @@ from app.api.events import EventHub
 from app.api.schemas import JobCreate
 from app.batching.intake import intake_fields
 from app.core.config import Settings
-from app.core.errors import ContextLengthExceeded, InvalidRequest, JobNotFound, MaxTokensExceeded
+from app.core.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    JobFailed,
+    JobNotFound,
+    MaxTokensExceeded,
+    ModelNotFound,
+    NotServed,
+    SyncTimeout,
+)
 from app.core.jobs import JobStatus, decode_record
 from app.core.keys import Keys
 
@@ -33,9 +42,10 @@ class Event:
 
 
 class JobService:
-    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
+    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub, celery: Any) -> None:
         self.settings = settings
         self.redis = redis
+        self.celery = celery  # producer only: embedding jobs go straight to their first stage
         self.catalog = catalog
         self.hub = hub
         self.keys = Keys(settings.namespace)
@@ -151,6 +161,42 @@ class JobService:
             self.keys.events(job_id), min=f"({after}" if after else "-", max="+", count=1
         )
         return not rest
+
+    async def embed(self, texts: list[str], model: str | None) -> tuple[list[list[float]], dict[str, str]]:
+        """Run an embeddings job through the embedding stage workers and return its vectors."""
+        from app.workers.embedding import EMBED_TASK, EMBEDDING_MODEL
+
+        if self.settings.embedding_stages <= 0:
+            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
+        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
+            raise ModelNotFound(
+                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
+            )
+        limit = self.settings.max_embedding_inputs
+        if not 1 <= len(texts) <= limit or not all(texts):
+            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+        job_id = uuid.uuid4().hex
+        record = {
+            "id": job_id,
+            "status": str(JobStatus.QUEUED),
+            "model": EMBEDDING_MODEL,
+            "kind": "embedding",
+            "priority": "normal",
+            "created_at": repr(time.time()),
+            "input": json.dumps(texts),
+        }
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.job(job_id), mapping=record)
+        pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
+        await pipe.execute()
+        queue = self.keys.embed_queue(0)
+        await run_in_threadpool(self.celery.send_task, EMBED_TASK, args=[{"job_id": job_id}], queue=queue)
+        done = await self.wait(job_id, self.settings.sync_timeout_s)
+        if done["status"] == JobStatus.FAILED:
+            raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)
+        if done["status"] != JobStatus.SUCCEEDED:
+            raise SyncTimeout(f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s")
+        return json.loads(done["embedding"]), done
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
         """The job's record once it has finished (or as it is when the timeout passes)."""

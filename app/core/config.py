@@ -71,6 +71,11 @@ class Settings(BaseSettings):
 
     celery_events: bool = True  # task events for Flower
 
+    # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
+    # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
+    embedding_stages: int = 2
+    max_embedding_inputs: int = 64  # texts per request; each is truncated at 256 tokens
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"

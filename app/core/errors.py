@@ -44,6 +44,18 @@ class JobNotFound(ConveyorError):
     status = 404
 
 
+class NotServed(ConveyorError):
+    code = "not_served"
+    status = 503
+
+
+class JobFailed(ConveyorError):
+    """A synchronous request whose job ended in failure: the workers' error, passed on."""
+
+    code = "worker_error"
+    status = 502
+
+
 class SyncTimeout(ConveyorError):
     code = "timeout"
     status = 504

@@ -63,6 +63,10 @@ class Keys:
         """Celery queue shared by every replica of a stage: prefill steps land here."""
         return f"{self.namespace}.stage.{model}.{stage}"
 
+    def embed_queue(self, stage: int) -> str:
+        """Celery queue of one stage of the embeddings pipeline."""
+        return f"{self.namespace}.embed.{stage}"
+
     def direct_queue(self, model: str, stage: int, worker: str) -> str:
         """Celery queue of one replica: steps of batches whose KV cache that replica holds."""
         return f"{self.namespace}.stage.{model}.{stage}.{worker}"

@@ -71,6 +71,13 @@ class Publisher:
             self._append(pipe, out.job_id, "done", {})
         pipe.execute()
 
+    def finish(self, job_id: str, fields: dict[str, Any]) -> None:
+        """End a job that produces no token stream (an embedding) as succeeded, with its result."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.jobs.enqueue(pipe, Transition(job_id, JobStatus.SUCCEEDED, fields), time.time())
+        self._append(pipe, job_id, "done", {})
+        pipe.execute()
+
     def fail(self, job_ids: list[str], *, code: str, message: str) -> None:
         """End jobs as failed, with a reason a client can read, from whatever state they are in."""
         now = time.time()

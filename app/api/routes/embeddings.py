@@ -1,0 +1,55 @@
+"""/v1/embeddings: sentence embeddings from the graph-partitioned all-MiniLM-L6-v2 pipeline."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.deps import get_jobs, get_settings
+from app.api.routes.jobs import ERRORS
+from app.api.service import JobService
+from app.core.config import Settings
+
+router = APIRouter(tags=["embeddings"])
+
+
+class EmbeddingsCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"input": ["a cat", "a dog"]}]})
+
+    input: str | list[str] = Field(description="A text or a list of texts (each truncated at 256 tokens).")
+    model: str | None = Field(default=None, description="all-MiniLM-L6-v2 (the only embeddings model).")
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class Embedding(BaseModel):
+    object: str = "embedding"
+    index: int
+    embedding: list[float]
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsPublic(BaseModel):
+    object: str = "list"
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingsUsage
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingsPublic, responses={**ERRORS, 503: ERRORS[404]})
+async def embeddings(
+    body: EmbeddingsCreate, jobs: JobService = Depends(get_jobs), settings: Settings = Depends(get_settings)
+) -> EmbeddingsPublic:
+    """Unit-length 384-dimensional vectors, in the order of `input` (OpenAI's response shape)."""
+    vectors, record = await jobs.embed(body.texts(), body.model)
+    tokens = int(record.get("prompt_tokens", 0))
+    return EmbeddingsPublic(
+        model=record["model"],
+        data=[Embedding(index=i, embedding=v) for i, v in enumerate(vectors)],
+        usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )

