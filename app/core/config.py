@@ -71,6 +71,16 @@ class Settings(BaseSettings):
 
     celery_events: bool = True  # task events for Flower
 
+    # Stage messages. raw is byte-exact and the fastest (bench/results/codecs.md); arrow is exact too;
+    # zfp and a narrower transport dtype are lossy, so opt-in (bfloat16 rather than float16: SmolLM2's
+    # activations reach 2.7e4). Tensors of at least claim_check_bytes go through Redis by reference:
+    # inline, kombu's JSON + base64 costs CPU at both ends past ~32 KB (bench/results/hop.md).
+    stage_codec: Literal["raw", "arrow", "zfp"] = "raw"
+    stage_transport_dtype: Literal["float16", "bfloat16"] | None = None
+    stage_zfp_tolerance: float = 1e-2
+    claim_check_bytes: int = 32 * 1024
+    claim_ttl_s: float = 3600.0  # as long as the broker's visibility timeout
+
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
     embedding_stages: int = 2

@@ -17,6 +17,8 @@ from app.core.jobs import JobStore
 from app.core.keys import Keys
 from app.core.protocol import STEP_TASK, StepMessage
 from app.core.redis import sync_client
+from app.partitions.claimcheck import ClaimCheck
+from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.workers.celery_app import create_celery_app, register_step_task
 from app.workers.heartbeat import Heartbeat
@@ -88,7 +90,9 @@ def run_worker(
     celery = create_celery_app(settings, redis_url)
 
     def send(message: StepMessage, queue: str) -> None:
-        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue)
+        # argsrepr: Celery would otherwise render the tensor bytes as text for monitoring, every step.
+        summary = f"<{message.kind} {message.batch_id[:8]} step {message.step} -> stage {message.stage}>"
+        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue, argsrepr=summary, kwargsrepr="{}")
 
     runtime = StageRuntime(
         identity=identity,
@@ -106,6 +110,12 @@ def run_worker(
         continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
+        codec=CodecSpec(
+            settings.stage_codec,
+            settings.stage_transport_dtype,
+            tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
+        ),
+        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
     register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
 

@@ -19,7 +19,8 @@ import torch
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
-from app.partitions.codecs import decode_tensor, encode_tensor
+from app.partitions.claimcheck import ClaimCheck
+from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher, TokenOut
@@ -76,6 +77,8 @@ class StageRuntime:
     keys: Keys
     send: Send
     latency: StepLatency | None = None
+    codec: CodecSpec = field(default_factory=CodecSpec)  # how hidden states travel to the next stage
+    claims: ClaimCheck | None = None  # large tensors go by reference through Redis
     eos_ids: frozenset[int] = frozenset()
     pad_id: int = 0
     continuous: bool = True  # let new batches join running ones at step boundaries
@@ -99,6 +102,8 @@ class StageRuntime:
             self._fail(msg, exc)
 
     def _step(self, msg: StepMessage) -> None:
+        if self.claims is not None:
+            msg = msg.forward(tensors=self.claims.get_all(msg.tensors))
         if msg.kind == "prefill":
             msg, state, x = self._begin(msg)
             if not msg.seq_ids:
@@ -176,9 +181,11 @@ class StageRuntime:
         return sequences
 
     def _forward(self, msg: StepMessage, state: BatchState, hidden: torch.Tensor) -> None:
-        tensors = {"hidden": encode_tensor(hidden)}  # [B, S, D]
+        tensors = {"hidden": self.codec.encode(hidden)}  # [B, S, D]
         if msg.kind == "prefill":
             tensors["attention_mask"] = encode_tensor(state.attention_mask.to(torch.int8))
+        if self.claims is not None:
+            tensors = self.claims.put_all(tensors)
         nxt = msg.forward(stage=msg.stage + 1, tensors=tensors)
         queue = nxt.routes[nxt.stage] if nxt.kind == "decode" else None
         self.send(nxt, queue or self.identity.next_queue or "")

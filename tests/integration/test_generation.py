@@ -188,10 +188,14 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
     assert "".join(e.data["text"] for e in tokens(stream)) == stream[-1].data["text"] == job["text"]
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(
-    tmp_path, redis_url, tiny_model, stages
-):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("stages", "transport"),
+    [(2, {}), (3, {}), (2, {"CONVEYOR_STAGE_CODEC": "arrow", "CONVEYOR_CLAIM_CHECK_BYTES": "1"})],
+    ids=["2-stages", "3-stages", "2-stages-arrow-claim-check"],
+)
+def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # type: ignore[no-untyped-def]
+    tmp_path, redis_url, tiny_model, stages, transport
+):
     from conftest import start_stack
 
     two = start_stack(
@@ -199,7 +203,7 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(
         redis_url=redis_url,
         models={"tiny": tiny_model},
         default_model="tiny",
-        extra_env={"CONVEYOR_STAGES": str(stages), "CONVEYOR_TORCH_THREADS": "1"},
+        extra_env={"CONVEYOR_STAGES": str(stages), "CONVEYOR_TORCH_THREADS": "1", **transport},
     )
     try:
         with two.client() as client:
