@@ -70,6 +70,7 @@ def stack_env(layout: Layout, port: int, workdir: Path) -> dict[str, str]:
         CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),
         CONVEYOR_HOME=str(workdir / "home"),
         CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
+        CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
         **layout.env,
     )
     return env
@@ -81,7 +82,7 @@ def worker_memory(up_pid: int) -> list[dict[str, Any]]:
     for child in psutil.Process(up_pid).children():
         try:
             line = child.cmdline()
-            if "worker" in line:
+            if "worker" in line and "--embedding" not in line:
                 stage = int(line[line.index("--stage") + 1])
                 workers.append({"stage": stage, "rss_mib": child.memory_info().rss / 2**20})
         except (psutil.Error, ValueError):

@@ -161,6 +161,7 @@ def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
         # Its own home: the embedded Redis keeps its data away from a developer's .conveyor/redis.
         CONVEYOR_HOME=str(workdir / "home"),
         CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
+        CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
     )
     return env
 

@@ -223,6 +223,8 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # ty
 
 def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     """`conveyor plan --out` then `conveyor up --plan`: uneven cuts, still token-exact."""
+    import json
+    import os
     import subprocess
     import sys
 
@@ -263,8 +265,25 @@ def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  
         with stack.client() as client:
             assert len(client.get("/readyz").json()["checks"]["workers"]["live_per_stage"]) == 3
             job, stream = run_greedy(client, PROMPTS[1], 12)
+        # The workers reported their step latency; `--rebalance` proposes cuts from it.
+        env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "CONVEYOR_NAMESPACE": stack.namespace,
+            "CONVEYOR_DEFAULT_MODEL": "tiny",
+            "CONVEYOR_MODELS": json.dumps({"tiny": str(tiny_model)}),
+        }
+        proposal = subprocess.run(
+            [sys.executable, "-m", "app.cli", "plan", "--model", str(tiny_model), "--rebalance", str(plan)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     finally:
         stack.stop()
+    assert proposal.returncode == 0, proposal.stderr
+    assert "measured: stage 0" in proposal.stdout and "stage 2" in proposal.stdout
     assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, PROMPTS[1], 12)
     log = stack.log.read_text()
     for stage, (start, stop) in enumerate(ranges):
