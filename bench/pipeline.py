@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -38,6 +36,7 @@ from bench.load import conveyor_job, run_load
 from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
 from bench.prompts import Prompt, make_prompts
 from bench.report import SystemRun, fmt, git_commit, report_run, write_results
+from bench.slice import conveyor_env
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
@@ -62,18 +61,7 @@ LAYOUTS = [
 
 
 def stack_env(layout: Layout, port: int, workdir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        CONVEYOR_FLOWER="false",
-        CONVEYOR_API_PORT=str(port),
-        CONVEYOR_NAMESPACE=f"bench-{secrets.token_hex(4)}",
-        CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),
-        CONVEYOR_HOME=str(workdir / "home"),
-        CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
-        CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
-        **layout.env,
-    )
-    return env
+    return {**conveyor_env(port, workdir), **layout.env}
 
 
 def worker_memory(up_pid: int) -> list[dict[str, Any]]:

@@ -45,3 +45,49 @@ def register_step_task(app: Celery, handle: Callable[[dict[str, Any]], None]) ->
     @app.task(name=STEP_TASK, ignore_result=True)
     def step(message: dict[str, Any]) -> None:
         handle(message)
+
+
+def serve(
+    app: Celery,
+    settings: Settings,
+    *,
+    redis: Any,
+    heartbeat_key: str,
+    worker: str,
+    hostname: str,
+    queues: list[str],
+    loglevel: str = "INFO",
+) -> None:
+    """Run a solo-pool worker on `queues` (one process owns one partition), beating its heartbeat.
+
+    Called by the stage and embeddings worker entry points once their model is loaded.
+    """
+    import logging
+
+    from app.workers.heartbeat import Heartbeat
+
+    # One line per step would drown the log; Flower and the metrics show the tasks.
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    heartbeat = Heartbeat(
+        redis, heartbeat_key, worker, interval_s=settings.heartbeat_interval_s, ttl_s=settings.heartbeat_ttl_s
+    )
+    heartbeat.beat()
+    heartbeat.start()
+    try:
+        app.worker_main(
+            [
+                "worker",
+                "--pool=solo",
+                "--concurrency=1",
+                f"--loglevel={loglevel}",
+                f"--hostname={hostname}@%h",
+                "--queues",
+                ",".join(queues),
+                "--without-mingle",
+                "--without-gossip",
+                *(["--events"] if settings.celery_events else []),
+            ]
+        )
+    finally:
+        heartbeat.stop()

@@ -88,8 +88,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
 
     from app.core.keys import Keys
     from app.core.redis import sync_client
-    from app.workers.celery_app import create_celery_app
-    from app.workers.heartbeat import Heartbeat
+    from app.workers.celery_app import create_celery_app, serve
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -121,30 +120,13 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
     )
     celery.task(name=EMBED_TASK, ignore_result=True)(runtime.handle)
     worker = f"{socket.gethostname()}-{os.getpid()}"
-    heartbeat = Heartbeat(
-        redis,
-        keys.workers(EMBEDDING_MODEL, stage),
-        worker,
-        interval_s=settings.heartbeat_interval_s,
-        ttl_s=settings.heartbeat_ttl_s,
+    serve(
+        celery,
+        settings,
+        redis=redis,
+        heartbeat_key=keys.workers(EMBEDDING_MODEL, stage),
+        worker=worker,
+        hostname=f"embed{stage}-{worker}",
+        queues=[keys.embed_queue(stage)],
+        loglevel=loglevel,
     )
-    heartbeat.beat()
-    heartbeat.start()
-    for name in ("celery.app.trace", "celery.worker.strategy"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        celery.worker_main(
-            [
-                "worker",
-                "--pool=solo",
-                "--concurrency=1",
-                f"--loglevel={loglevel}",
-                f"--hostname=embed{stage}-{worker}@%h",
-                "--queues",
-                keys.embed_queue(stage),
-                "--without-mingle",
-                "--without-gossip",
-            ]
-        )
-    finally:
-        heartbeat.stop()

@@ -20,8 +20,7 @@ from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
-from app.workers.celery_app import create_celery_app, register_step_task
-from app.workers.heartbeat import Heartbeat
+from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
@@ -119,35 +118,16 @@ def run_worker(
     )
     register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
 
-    # One line per decode step would drown the log; Flower and the metrics show the tasks.
-    for name in ("celery.app.trace", "celery.worker.strategy"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    heartbeat = Heartbeat(
-        redis,
-        keys.workers(model, stage),
-        worker,
-        interval_s=settings.heartbeat_interval_s,
-        ttl_s=settings.heartbeat_ttl_s,
+    serve(
+        celery,
+        settings,
+        redis=redis,
+        heartbeat_key=keys.workers(model, stage),
+        worker=worker,
+        hostname=f"stage{stage}-{model}-{worker}",
+        queues=[identity.shared_queue, identity.direct_queue],
+        loglevel=loglevel,
     )
-    heartbeat.beat()
-    heartbeat.start()
-    try:
-        celery.worker_main(
-            [
-                "worker",
-                "--pool=solo",
-                "--concurrency=1",
-                f"--loglevel={loglevel}",
-                f"--hostname=stage{stage}-{model}-{worker}@%h",
-                "--queues",
-                f"{identity.shared_queue},{identity.direct_queue}",
-                "--without-mingle",
-                "--without-gossip",
-                *(["--events"] if settings.celery_events else []),
-            ]
-        )
-    finally:
-        heartbeat.stop()
 
 
 def stage_layers(settings: Settings, path: Path, *, stage: int, num_stages: int) -> LayerRange:
