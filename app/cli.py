@@ -8,11 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from app.core.config import DEFAULT_MODEL, Settings
+
+if TYPE_CHECKING:
+    from app.partitions.planner import Plan
 
 cli = typer.Typer(
     help="Conveyor: message-queue driven asynchronous LLM inference.",
@@ -283,7 +286,7 @@ def plan_command(
         typer.echo(f"plan written to {out}; start it with `conveyor up --plan {out}`")
 
 
-def _latencies(settings: Settings, plan: object, given: str | None) -> list[float]:
+def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]:
     if given:
         return [float(x) for x in given.split(",")]
     from app.core.keys import Keys
@@ -295,7 +298,7 @@ def _latencies(settings: Settings, plan: object, given: str | None) -> list[floa
     reports = read_latencies(
         sync_client(settings.redis_url), Keys(settings.namespace), settings.default_model
     )
-    stages = len(plan.stages)  # type: ignore[attr-defined]
+    stages = len(plan.stages)
     missing = [s for s in range(stages) if s not in reports]
     if missing:
         raise ValueError(f"no latency reported for stages {missing}; run load through the pipeline first")

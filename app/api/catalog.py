@@ -40,6 +40,10 @@ class Catalog:
         self._models: dict[str, ModelInfo] = {}
         self._lock = threading.Lock()
 
+    def cached(self, name: str) -> ModelInfo | None:
+        """The model if its tokenizer is already loaded (no I/O): the request path's fast case."""
+        return self._models.get(name)
+
     def get(self, name: str) -> ModelInfo:
         if name in self._models:
             return self._models[name]

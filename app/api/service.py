@@ -51,7 +51,11 @@ class JobService:
         self.keys = Keys(settings.namespace)
 
     async def submit(self, request: JobCreate) -> dict[str, str]:
-        model = await run_in_threadpool(self.catalog.get, request.model or self.settings.default_model)
+        name = request.model or self.settings.default_model
+        # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
+        model = self.catalog.cached(name)
+        if model is None:
+            model = await run_in_threadpool(self.catalog.get, name)
         max_tokens = request.max_tokens or min(
             self.settings.default_max_tokens, self.settings.max_tokens_limit
         )

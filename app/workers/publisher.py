@@ -45,37 +45,27 @@ class Publisher:
         for out in outs:
             if not out.emit:
                 continue
-            self._append(
-                pipe, out.job_id, "token", {"index": out.index, "text": out.text, "token_id": out.token_id}
-            )
+            data = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            # The stream's lifetime is set when it is created and renewed when it ends, not per token.
+            self._append(pipe, out.job_id, "token", data, expire=out.index == 0)
             fields: dict[str, Any] = {"text": out.completion_text, "completion_tokens": out.index + 1}
             if out.index == 0:
                 fields["first_token_at"] = repr(now)
             pipe.hset(self.keys.job(out.job_id), mapping=fields)
         for out in outs:
-            if not out.finish_reason:
-                continue
-            self.jobs.enqueue(
-                pipe,
-                Transition(
-                    out.job_id,
-                    JobStatus.SUCCEEDED,
-                    {
-                        "finish_reason": out.finish_reason,
-                        "text": out.completion_text,
-                        "completion_tokens": out.index + int(out.emit),
-                    },
-                ),
-                now,
-            )
-            self._append(pipe, out.job_id, "done", {})
+            if out.finish_reason:
+                fields = {
+                    "finish_reason": out.finish_reason,
+                    "text": out.completion_text,
+                    "completion_tokens": out.index + int(out.emit),
+                }
+                self._end(pipe, out.job_id, JobStatus.SUCCEEDED, fields, "done", {}, now)
         pipe.execute()
 
     def finish(self, job_id: str, fields: dict[str, Any]) -> None:
         """End a job that produces no token stream (an embedding) as succeeded, with its result."""
         pipe = self.redis.pipeline(transaction=False)
-        self.jobs.enqueue(pipe, Transition(job_id, JobStatus.SUCCEEDED, fields), time.time())
-        self._append(pipe, job_id, "done", {})
+        self._end(pipe, job_id, JobStatus.SUCCEEDED, fields, "done", {}, time.time())
         pipe.execute()
 
     def fail(self, job_ids: list[str], *, code: str, message: str) -> None:
@@ -84,12 +74,26 @@ class Publisher:
         error = {"code": code, "message": message}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            self.jobs.enqueue(pipe, Transition(job_id, JobStatus.FAILED, {"error": error}), now)
-            self._append(pipe, job_id, "error", error)
+            self._end(pipe, job_id, JobStatus.FAILED, {"error": error}, "error", error, now)
         pipe.execute()
 
-    def _append(self, pipe: Any, job_id: str, event: str, data: dict[str, Any]) -> None:
+    def _end(
+        self,
+        pipe: Any,
+        job_id: str,
+        status: JobStatus,
+        fields: dict[str, Any],
+        event: str,
+        data: dict[str, Any],
+        now: float,
+    ) -> None:
+        """The final move, then the final event: a client that reads the event sees the final record."""
+        self.jobs.enqueue(pipe, Transition(job_id, status, fields), now)
+        self._append(pipe, job_id, event, data, expire=True)
+
+    def _append(self, pipe: Any, job_id: str, event: str, data: dict[str, Any], *, expire: bool) -> None:
         stream = self.keys.events(job_id)
         pipe.xadd(stream, {"event": event, "data": _json(data)}, maxlen=self.stream_maxlen, approximate=False)
-        pipe.expire(stream, self.ttl_s)
+        if expire:
+            pipe.expire(stream, self.ttl_s)
         pipe.publish(self.keys.announce(job_id), event)
