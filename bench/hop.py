@@ -1,18 +1,19 @@
-"""Stage-hop latency through real Celery on Redis, against a plain LPUSH/BRPOP floor.
+"""Stage-hop latency over the lane and through real Celery on Redis, against a plain LPUSH/BRPOP floor.
 
     .venv/bin/python -m bench.hop [--hops 1000] [--gap-ms 2]
 
 What a hop is: a decode step's stage message (the real `StepMessage` wire form, hidden states
-[8, 1, 576] float32 in the raw codec) sent by `send_task` with the msgpack serializer, as
-`app.workers.main` sends it, to one real Celery worker process (`--pool=solo`, the project's app
-factory and step task, `bench/hop_worker.py`). Measured one way, on Linux's system-wide monotonic
-clock: from just before `StepMessage.to_wire()` + `send_task` in this process to the moment the
-task body starts in the worker ("start"), and to the moment its hidden states are decoded ("ready").
-One message is in flight at a time, with a short gap between hops so the worker waits in BRPOP as
-an idle next stage does. The floor is the same message bytes through a plain redis-py LPUSH and
-BRPOP between the same two processes. A second table sweeps the payload size, inline against the
-claim check. REDIS_URL (or redis://127.0.0.1:6379/0) is used under a unique namespace, which is
-deleted afterwards, as are the worker processes.
+[8, 1, 576] float32 in the raw codec) sent as `app.workers.main` sends it, to one real stage
+worker process (`serve()`: a solo-pool Celery worker and its lane thread, the project's app
+factory and step task, `bench/hop_worker.py`): over the lane (`lane.send`, how decode steps
+travel), and by `send_task` with the msgpack serializer (how prefill steps travel). Measured one
+way, on Linux's system-wide monotonic clock: from just before `StepMessage.to_wire()` and the send
+in this process to the moment the handler starts in the worker ("start"), and to the moment its
+hidden states are decoded ("ready"). One message is in flight at a time, with a short gap between
+hops so the worker waits in BRPOP as an idle next stage does. The floor is the same message bytes
+through a plain redis-py LPUSH and BRPOP between the same two processes. A second table sweeps the
+payload size, inline against the claim check. REDIS_URL (or redis://127.0.0.1:6379/0) is used
+under a unique namespace, which is deleted afterwards, as are the worker processes.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from app.core.protocol import STEP_TASK, StepMessage
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import Wire, encode_tensor
+from app.workers import lane
 from app.workers.celery_app import create_celery_app
-from bench.hop_worker import celery_queue, floor_queue, now_ns, results_key
+from bench.hop_worker import celery_queue, floor_queue, lane_key, now_ns, results_key
 from bench.processes import say, server_process, terminate_on_sigterm
 from bench.report import git_commit, percentile, write_results
 
@@ -145,8 +147,18 @@ def celery_sender(app: Any, queue: str, *, argsrepr: bool) -> Send:
     return send
 
 
+def lane_sender(redis: Any, key: str) -> Send:
+    """`lane.send` as a stage's `hand_off` calls it for decode steps (app/workers/main.py)."""
+
+    def send(msg: StepMessage) -> None:
+        lane.send(redis, key, msg.to_wire())
+
+    return send
+
+
 def celery_runs(url: str, namespace: str, redis: Any, args: argparse.Namespace, logs: Path) -> list[Hops]:
-    """The decode hop with task events off, off + argsrepr, on (Flower needs them); then the size sweep."""
+    """The decode hop over the lane, then over Celery with task events off, off + argsrepr, on
+    (Flower needs them); then the size sweep over Celery (prefill-sized messages travel there)."""
     app = create_celery_app(Settings(namespace=namespace, celery_events=False), url)
     plain = celery_sender(app, celery_queue(namespace), argsrepr=False)
     light = celery_sender(app, celery_queue(namespace), argsrepr=True)
@@ -154,7 +166,10 @@ def celery_runs(url: str, namespace: str, redis: Any, args: argparse.Namespace, 
     claims = ClaimCheck(redis, namespace=namespace, threshold_bytes=0, ttl_s=60)
     try:
         with worker("celery", url, namespace, logs):
-            runs = [hop("celery, events off", plain, seq=1, hops=args.hops)]
+            runs = [
+                hop("lane (decode hand-offs)", lane_sender(redis, lane_key(namespace)), seq=1, hops=args.hops)
+            ]
+            runs.append(hop("celery, events off", plain, seq=1, hops=args.hops))
             runs.append(hop("celery, events off, argsrepr given", light, seq=1, hops=args.hops))
         with worker("celery", url, namespace, logs, "--events"):
             runs.append(hop("celery, events on (default settings)", plain, seq=1, hops=args.hops))
@@ -233,7 +248,7 @@ def report(decode: list[Hops], sweep: list[Hops], args: argparse.Namespace) -> s
             "Decode-sized stage message (hidden [8, 1, 576] float32, raw codec, "
             f"{decode[0].payload_bytes:,} bytes of tensor data) in the `StepMessage` wire form, msgpack "
             f"serializer, one way, {args.hops} hops after {WARMUP} warm-up, {args.gap_ms:g} ms apart. "
-            "send = the send call in the sender; start = send → task body starts in the worker; "
+            "send = the send call in the sender; start = send → the handler starts in the worker; "
             "ready = send → hidden states decoded. "
             f"Targets (start): p50 ≤ {TARGET_P50_MS:g} ms, p99 ≤ {TARGET_P99_MS:g} ms.",
             f"Commit {git_commit()}, {os.cpu_count()} CPUs shared with other work, "
@@ -263,7 +278,7 @@ def main() -> None:
     say(f"Redis {url}, namespace {namespace}, worker logs in {logs}")
     try:
         runs = celery_runs(url, namespace, redis, args, logs)
-        decode, sweep = [*runs[:3], floor_run(url, namespace, redis, args, logs)], runs[3:]
+        decode, sweep = [*runs[:4], floor_run(url, namespace, redis, args, logs)], runs[4:]
     finally:
         cleanup(redis, namespace)
     shutil.rmtree(logs)  # kept only when a run failed

@@ -3,11 +3,13 @@
     python -m bench.hop_worker celery --url URL --namespace NS [--events]
     python -m bench.hop_worker redis --url URL --namespace NS
 
-Both note two CLOCK_MONOTONIC instants per message (the clock is system-wide on Linux, so the
-bench process can subtract its own send instant): `started`, when the task body runs (Celery) or
-the popped bytes are unpacked (floor), and `ready`, when the hidden states are decoded (claim
-resolved first, if any). They push `[started, ready]` onto a results list the bench pops, so one
-message is in flight at a time.
+`celery` is a stage worker: its Celery queue (prefill) and its lane (decode hand-offs), consumed
+by the same `serve()` as `app.workers.main` uses. Both modes note two CLOCK_MONOTONIC instants per
+message (the clock is system-wide on Linux, so the bench process can subtract its own send
+instant): `started`, when the handler runs (Celery task or lane message) or the popped bytes are
+unpacked (floor), and `ready`, when the hidden states are decoded (claim resolved first, if any).
+They push `[started, ready]` onto a results list the bench pops, so one message is in flight at a
+time.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def floor_queue(namespace: str) -> str:
     return f"{namespace}:hop:floor"
 
 
+def lane_key(namespace: str) -> str:
+    return f"{namespace}:hop:lane"
+
+
 def results_key(namespace: str) -> str:
     return f"{namespace}:hop:results"
 
@@ -63,23 +69,34 @@ class Relay:
 
 
 def run_celery(url: str, namespace: str, events: bool) -> None:
-    """A stage worker as `app.workers.main` starts one (solo pool, same app factory and task)."""
+    """A stage worker as `app.workers.main` starts one: `serve()` with the project's app factory,
+    step task and lane consumer, sharing one lock as the stage runtime does."""
+    import threading
+
+    from app.workers.celery_app import serve
+    from app.workers.lane import LaneConsumer
+
     relay = Relay(url, namespace)
-    app = create_celery_app(Settings(namespace=namespace, celery_events=events), url)
-    register_step_task(app, lambda wire: relay(wire, now_ns()))
-    app.worker_main(
-        [
-            "worker",
-            "--pool=solo",
-            "--concurrency=1",
-            "--loglevel=WARNING",
-            f"--hostname=hop-{namespace}@%h",
-            "--queues",
-            celery_queue(namespace),
-            "--without-mingle",
-            "--without-gossip",
-            *(["--events"] if events else []),
-        ]
+    settings = Settings(namespace=namespace, celery_events=events)
+    app = create_celery_app(settings, url)
+    one_at_a_time = threading.Lock()
+
+    def handle(wire: dict[str, Any]) -> None:
+        started = now_ns()
+        with one_at_a_time:
+            relay(wire, started)
+
+    register_step_task(app, handle)
+    serve(
+        app,
+        settings,
+        redis=relay.redis,
+        heartbeat_key=f"{namespace}:hop:workers",
+        worker="hop",
+        hostname=f"hop-{namespace}",
+        queues=[celery_queue(namespace)],
+        lane=LaneConsumer(relay.redis, lane_key(namespace), handle),
+        loglevel="WARNING",
     )
 
 

@@ -67,6 +67,6 @@ class Keys:
         """Celery queue of one stage of the embeddings pipeline."""
         return f"{self.namespace}.embed.{stage}"
 
-    def direct_queue(self, model: str, stage: int, worker: str) -> str:
-        """Celery queue of one replica: steps of batches whose KV cache that replica holds."""
-        return f"{self.namespace}.stage.{model}.{stage}.{worker}"
+    def lane(self, model: str, stage: int, worker: str) -> str:
+        """List: one replica's direct lane, for steps of batches whose KV cache it holds (workers/lane.py)."""
+        return f"{self.namespace}:lane:{model}:{stage}:{worker}"

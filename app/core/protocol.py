@@ -36,7 +36,7 @@ class StepMessage:
     step: int
     seq_ids: list[str]
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # routes[k]: the direct queue of the stage-k replica that holds this batch's KV cache.
+    # routes[k]: the lane (a Redis list) of the stage-k replica that holds this batch's KV cache.
     routes: list[str | None] = field(default_factory=list)
     # Batches whose rows join this one at this step (after this batch's own rows, in order).
     merge: list[str] = field(default_factory=list)

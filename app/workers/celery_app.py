@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from app.core.config import Settings
 from app.core.protocol import STEP_TASK
+
+if TYPE_CHECKING:
+    from app.workers.lane import LaneConsumer
 
 VISIBILITY_TIMEOUT_S = 3600
 
@@ -56,11 +59,13 @@ def serve(
     worker: str,
     hostname: str,
     queues: list[str],
+    lane: LaneConsumer | None = None,
     loglevel: str = "INFO",
 ) -> None:
     """Run a solo-pool worker on `queues` (one process owns one partition), beating its heartbeat.
 
-    Called by the stage and embeddings worker entry points once their model is loaded.
+    Called by the stage and embeddings worker entry points once their model is loaded. A stage
+    worker also consumes its `lane` on a thread of its own for as long as the Celery worker runs.
     """
     import logging
 
@@ -74,6 +79,8 @@ def serve(
     )
     heartbeat.beat()
     heartbeat.start()
+    if lane is not None:
+        lane.start()
     try:
         app.worker_main(
             [
@@ -90,4 +97,6 @@ def serve(
             ]
         )
     finally:
+        if lane is not None:
+            lane.stop()
         heartbeat.stop()

@@ -18,7 +18,7 @@ class Heartbeat(threading.Thread):
         self.member = member
         self.interval_s = interval_s
         self.ttl_s = ttl_s
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def beat(self) -> None:
         now = time.time()
@@ -29,14 +29,14 @@ class Heartbeat(threading.Thread):
         pipe.execute()
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stopping.wait(self.interval_s):
             try:
                 self.beat()
             except Exception:  # Redis away for a moment: the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         try:
             self.redis.zrem(self.key, self.member)
         except Exception:

@@ -1,10 +1,11 @@
-"""Entry point of a stage worker process: load the partition, then serve Celery's stage queues."""
+"""Entry point of a stage worker process: load the partition, then serve its stage queue and its lane."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
+from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
@@ -60,7 +62,7 @@ def run_worker(
         num_stages=num_stages,
         worker=worker,
         shared_queue=keys.stage_queue(model, stage),
-        direct_queue=keys.direct_queue(model, stage, worker),
+        lane=keys.lane(model, stage, worker),
         next_queue=keys.stage_queue(model, stage + 1) if stage + 1 < num_stages else None,
         first_queue=keys.stage_queue(model, 0),
     )
@@ -104,6 +106,7 @@ def run_worker(
         redis=redis,
         keys=keys,
         send=send,
+        hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
         eos_ids=eos_token_ids(str(path), partition.config),
         pad_id=_pad_id(partition.config),
         continuous=settings.batching == "continuous",
@@ -116,7 +119,14 @@ def run_worker(
         ),
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
-    register_step_task(celery, lambda wire: runtime.handle(StepMessage.from_wire(wire)))
+    one_at_a_time = threading.Lock()  # the Celery task and the lane thread share the runtime
+
+    def handle(wire: dict[str, object]) -> None:
+        message = StepMessage.from_wire(wire)
+        with one_at_a_time:
+            runtime.handle(message)
+
+    register_step_task(celery, handle)
 
     serve(
         celery,
@@ -125,7 +135,8 @@ def run_worker(
         heartbeat_key=keys.workers(model, stage),
         worker=worker,
         hostname=f"stage{stage}-{model}-{worker}",
-        queues=[identity.shared_queue, identity.direct_queue],
+        queues=[identity.shared_queue],
+        lane=lane.LaneConsumer(redis, identity.lane, handle),
         loglevel=loglevel,
     )
 

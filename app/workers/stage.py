@@ -1,8 +1,11 @@
 """One stage of a model pipeline: run a step over this stage's layers and pass the result on.
 
-`StageRuntime.handle` is called by the Celery task for every stage message. It does not know about
-Celery: messages go out through the injected `send(message, queue)`. The last stage samples,
-publishes tokens and sends the next decode step back to stage 0 until the batch is done.
+`StageRuntime.handle` is called for every stage message, by the Celery task (prefill, from the
+stage's shared queue) or by the lane consumer (everything after, see `app.workers.lane`). It does
+not know about either: messages go out through the injected `send(message, queue)` (Celery, any
+replica of the next stage) and `hand_off(message, lane)` (the replica holding the batch). The
+last stage samples, publishes tokens and sends the next decode step back to stage 0 until the
+batch is done.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ class StageIdentity:
     model: str
     stage: int
     num_stages: int
-    worker: str  # unique per process; names this replica's direct queue
+    worker: str  # unique per process; names this replica's lane
     shared_queue: str
-    direct_queue: str
+    lane: str
     next_queue: str | None  # shared queue of stage + 1, None on the last stage
     first_queue: str  # shared queue of stage 0
 
@@ -75,7 +78,8 @@ class StageRuntime:
     publisher: Publisher
     redis: Any
     keys: Keys
-    send: Send
+    send: Send  # Celery: a shared stage queue
+    hand_off: Send  # the lane of the replica that holds the batch
     latency: StepLatency | None = None
     codec: CodecSpec = field(default_factory=CodecSpec)  # how hidden states travel to the next stage
     claims: ClaimCheck | None = None  # large tensors go by reference through Redis
@@ -138,7 +142,7 @@ class StageRuntime:
     def _begin(self, msg: StepMessage) -> tuple[StepMessage, BatchState, torch.Tensor]:
         """Prefill: build this stage's state for a new batch."""
         routes = list(msg.routes) or [None] * msg.num_stages
-        routes[self.identity.stage] = self.identity.direct_queue
+        routes[self.identity.stage] = self.identity.lane
         if self.partition.is_first:
             started = set(
                 self.jobs.apply([Transition(j, JobStatus.RUNNING) for j in msg.seq_ids], strict=False)
@@ -187,8 +191,11 @@ class StageRuntime:
         if self.claims is not None:
             tensors = self.claims.put_all(tensors)
         nxt = msg.forward(stage=msg.stage + 1, tensors=tensors)
-        queue = nxt.routes[nxt.stage] if nxt.kind == "decode" else None
-        self.send(nxt, queue or self.identity.next_queue or "")
+        lane = nxt.routes[nxt.stage] if nxt.kind == "decode" else None
+        if lane:
+            self.hand_off(nxt, lane)
+        else:
+            self.send(nxt, self.identity.next_queue or "")
 
     def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
         sequences = self.sequences[msg.batch_id]
@@ -259,7 +266,10 @@ class StageRuntime:
             tensors={"input_ids": encode_tensor(ids)},
             merge=[join.msg.batch_id for join in joins],
         )
-        self.send(nxt, nxt.routes[0] or self.identity.first_queue)
+        if nxt.routes[0]:
+            self.hand_off(nxt, nxt.routes[0])
+        else:
+            self.send(nxt, self.identity.first_queue)
 
     def _advance(self, seq: Sequence, token: int) -> TokenOut:
         """Account one sampled token to its sequence and decide whether the sequence ends."""
@@ -279,9 +289,9 @@ class StageRuntime:
 
     def _finish_batch(self, msg: StepMessage) -> None:
         """The batch is over here: free its state on every other stage and tell the batcher."""
-        for stage, queue in enumerate(msg.routes):
-            if queue and stage != self.identity.stage:
-                self.send(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), queue)
+        for stage, lane in enumerate(msg.routes):
+            if lane and stage != self.identity.stage:
+                self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
         for batch_id in (msg.batch_id, *msg.merge):
             self._drop(batch_id)
         self._notify_done(msg.model, msg.batch_id)
