@@ -7,24 +7,35 @@
 This is what sentence-transformers computes for this model (Transformer, mean Pooling, Normalize).
 Only the encoder core is captured and cut (`graph.partition`): tokenizing happens before stage 0
 and pooling after the last stage; both are cheap and work for any batch and length.
+
+A stage worker never holds the whole model: `plan_on_meta` builds the core from config.json on the
+`meta` device and cuts it, and `load_piece` reads only its own piece's tensors from the checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor, fx, nn
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from app.partitions.graph import GraphPartition, GraphPlan, capture, partition
+from app.partitions.graph import GraphPartition, GraphPlan, UnloadedWeights, capture, partition
 
 MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (sentence_bert_config.json)
 BATCH_SIZE = 32  # sentence-transformers' default encode batch; also the batch stage memory is planned for
 _CORE_PREFIX = "bert."  # EncoderCore's attribute: strip it to get the checkpoint's key for a weight
+CHECKPOINT = "model.safetensors"
+# BertEmbeddings' non-persistent buffers, rebuilt as its __init__ builds them: transformers never loads
+# them from a checkpoint (this one stores position_ids but not token_type_ids), so neither do we.
+_REBUILT: dict[str, Callable[[torch.Size], Tensor]] = {
+    "bert.embeddings.position_ids": lambda shape: torch.arange(shape[-1]).expand(shape),  # [1, 512]
+    "bert.embeddings.token_type_ids": lambda shape: torch.zeros(shape, dtype=torch.long),  # [1, 512]
+}
 
 
 class EncoderCore(nn.Module):
@@ -54,6 +65,12 @@ def checkpoint_keys(piece: GraphPartition) -> list[str]:
     return [name.removeprefix(_CORE_PREFIX) for name in piece.param_names]
 
 
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = MAX_LENGTH) -> tuple[Tensor, Tensor]:
+    """-> input_ids, attention_mask [B, S], right-padded to the longest text, S <= max_length."""
+    batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
+
+
 def capture_encoder(core: EncoderCore, max_length: int = MAX_LENGTH) -> fx.GraphModule:
     """Capture the core once for every batch size and every length up to `max_length`.
 
@@ -65,6 +82,85 @@ def capture_encoder(core: EncoderCore, max_length: int = MAX_LENGTH) -> fx.Graph
     example = (torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     return capture(core, example, dynamic_shapes=dims)
+
+
+def plan_encoder(
+    graph: fx.GraphModule,
+    parts: int | None = None,
+    *,
+    max_mem_mb: float | None = None,
+    plan_batch: int = BATCH_SIZE,
+    max_length: int = MAX_LENGTH,
+) -> GraphPlan:
+    """Cut a captured core, activations estimated for `plan_batch` texts of `max_length` tokens
+    (the worst case a stage sees)."""
+    worst = torch.zeros(plan_batch, max_length, dtype=torch.long)
+    return partition(graph, parts=parts, max_mem_mb=max_mem_mb, example_inputs=(worst, worst))
+
+
+# --- a stage worker's piece, and only it -------------------------------------------------------
+
+
+def build_on_meta(path: str | Path) -> EncoderCore:
+    """The core's structure from config.json alone: every tensor on `meta`, nothing allocated."""
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        bert = AutoModel.from_config(config)
+    bert.pooler = None  # as in `EmbeddingModel.load`
+    return EncoderCore(bert)
+
+
+def plan_on_meta(
+    path: str | Path, parts: int, *, plan_batch: int = BATCH_SIZE, max_length: int = MAX_LENGTH
+) -> GraphPlan:
+    """The cut every stage worker makes at start-up (deterministic: each gets the same plan, which
+    `GraphPlan.fingerprint` checks). All its pieces hold `meta` tensors until `load_piece`.
+
+    Captured on meta, the graph would make its own tensors (position ids, the mask) on meta too;
+    they are made on the CPU instead. Meta shapes also give the planner its costs. The graph is not
+    a real-weight capture's (meta SDPA strides add `contiguous` nodes, no-ops on the CPU): the cut
+    lands on the same names as `EmbeddingModel.partitioned`'s, the fingerprint differs.
+    """
+    graph = capture_encoder(build_on_meta(path), max_length)
+    _retarget(graph, torch.device("cpu"))
+    return plan_encoder(graph, parts, plan_batch=plan_batch, max_length=max_length)
+
+
+def load_piece(piece: GraphPartition, path: str | Path) -> GraphPartition:
+    """Fill one piece of a `plan_on_meta` plan from the checkpoint, reading only its own tensors.
+
+    Called once by a stage worker at start-up. Non-persistent buffers are rebuilt (`_REBUILT`); every
+    other tensor is read by its `checkpoint_keys` name from the memory-mapped safetensors file, one
+    at a time. Raises UnloadedWeights naming any tensor still on meta (the checkpoint lacks it) and
+    ValueError for one whose shape or dtype is not the planned one.
+    """
+    attrs = dict(zip(piece.param_names, piece.param_attrs, strict=True))
+    tensors: dict[str, Tensor] = {}
+    for name in attrs.keys() & _REBUILT.keys():
+        tensors[name] = _REBUILT[name](piece.module.get_buffer(attrs[name]).shape)
+    with safe_open(str(Path(path) / CHECKPOINT), framework="pt", device="cpu") as stored:
+        keys = set(stored.keys())
+        for name, key in zip(piece.param_names, checkpoint_keys(piece), strict=True):
+            if name not in tensors and key in keys:
+                tensors[name] = stored.get_tensor(key)
+    piece.load_weights(tensors)
+    missing = piece.unloaded()
+    if missing:
+        lacking = f"{len(missing)} tensors of partition {piece.index}: {', '.join(missing)}"
+        raise UnloadedWeights(f"{Path(path) / CHECKPOINT} lacks {lacking}")
+    return piece
+
+
+def _retarget(graph: fx.GraphModule, device: torch.device) -> None:
+    """Rewrite `device=meta` arguments (arange, to, asserts on intermediate tensors) to `device`."""
+
+    def swap(arg: Any) -> Any:
+        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+    for node in graph.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    graph.recompile()
 
 
 class EmbeddingModel:
@@ -101,10 +197,7 @@ class EmbeddingModel:
 
     def tokenize(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         """-> input_ids, attention_mask [B, S], right-padded to the longest text, S <= max_length."""
-        batch = self.tokenizer(
-            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
-        return batch["input_ids"], batch["attention_mask"]
+        return tokenize(self.tokenizer, texts, self.max_length)
 
     def hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, S] -> [B, S, D], through the pieces when partitioned."""
@@ -140,6 +233,7 @@ class EmbeddingModel:
         stage sees). Pass `graph` (from `capture()`) to cut one capture several ways.
         """
         graph = graph if graph is not None else self.capture()
-        worst = torch.zeros(plan_batch, self.max_length, dtype=torch.long)
-        plan = partition(graph, parts=parts, max_mem_mb=max_mem_mb, example_inputs=(worst, worst))
+        plan = plan_encoder(
+            graph, parts, max_mem_mb=max_mem_mb, plan_batch=plan_batch, max_length=self.max_length
+        )
         return EmbeddingModel(self.tokenizer, self.core, max_length=self.max_length, plan=plan)

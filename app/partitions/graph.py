@@ -16,6 +16,8 @@ each piece from a tensor it receives, so hand-offs are tensors only when the gra
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -246,6 +248,10 @@ def piece_sizes(nodes: Nodes, costs: Costs, assignment: Mapping[str, int]) -> li
 # --- split: partition ids -> pieces ------------------------------------------------------------
 
 
+class UnloadedWeights(RuntimeError):
+    """A piece planned on `meta` still holds tensors that were never loaded (CPU ops would read garbage)."""
+
+
 @dataclass(frozen=True)
 class GraphPartition:
     """One piece: what a stage worker loads (its weights) and exchanges (hand-offs, by name)."""
@@ -255,11 +261,39 @@ class GraphPartition:
     input_names: tuple[str, ...]  # graph inputs and earlier pieces' outputs it reads
     output_names: tuple[str, ...]  # values later pieces or the caller need
     param_names: tuple[str, ...]  # qualified names, in the captured module, of the weights it owns
+    param_attrs: tuple[str, ...]  # where `module` holds each of param_names (a flattened attribute)
     param_bytes: int
     activation_bytes: int  # estimated at the planning shape: own outputs and received hand-offs
 
     def __call__(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        unloaded = self.unloaded()
+        if unloaded:  # a meta weight: linear() on the CPU would return uninitialised memory, not fail
+            shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+            raise UnloadedWeights(f"partition {self.index} has tensors on meta, never loaded: {shown}")
         return self.module(*[values[name] for name in self.input_names])  # type: ignore[no-any-return]
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Put `tensors` (qualified name -> tensor of the planned shape and dtype) in place of the piece's
+        own. Called once by a stage worker on a piece planned on `meta`; a name not given keeps its
+        tensor, so `unloaded()` then names what the checkpoint lacked."""
+        for name, attr in zip(self.param_names, self.param_attrs, strict=True):
+            if name not in tensors:
+                continue
+            owner, _, leaf = attr.rpartition(".")  # "w" -> ("", "w"): the piece itself
+            module, new = self.module.get_submodule(owner), tensors[name]
+            old = getattr(module, leaf)
+            if (new.shape, new.dtype) != (old.shape, old.dtype):
+                raise ValueError(
+                    f"{name}: {new.dtype}{list(new.shape)}, planned {old.dtype}{list(old.shape)}"
+                )
+            kept = nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new
+            setattr(module, leaf, kept)  # a parameter stays a parameter, a buffer a buffer
+
+    def unloaded(self) -> list[str]:
+        """Qualified names of the piece's tensors still on `meta` (planned, never loaded)."""
+        qualified = dict(zip(self.param_attrs, self.param_names, strict=True))
+        held = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return [qualified.get(attr, attr) for attr, tensor in held if tensor.is_meta]
 
 
 @dataclass(frozen=True)
@@ -279,6 +313,28 @@ class GraphPlan:
         values = run_chain(self.partitions, dict(zip(self.input_names, flat, strict=True)), self.output_names)
         out_node = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
         return codegen.process_outputs(fx.graph.map_arg(out_node.args[0], lambda n: values[n.name]))
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the unsplit graph's weights (a tensor pieces share counted once), loaded or on meta."""
+        return _module_bytes(self.graph_module)
+
+    def fingerprint(self, model: str) -> str:
+        """12 hex digits naming the cut: `model`, the piece count, each piece's first and last node and
+        node count, and the names it receives and hands on (not weights, devices or shapes).
+
+        Stage workers plan independently: each stamps its messages with this and refuses a message
+        stamped by another plan, whose tensors it would mis-read."""
+        members: dict[int, list[str]] = {}
+        for node in self.graph_module.graph.nodes:
+            if node.name in self.assignment:
+                members.setdefault(self.assignment[node.name], []).append(node.name)
+        pieces = [
+            [members[p.index][0], members[p.index][-1], len(members[p.index]), p.input_names, p.output_names]
+            for p in self.partitions
+        ]
+        cut = [model, len(self.partitions), self.input_names, self.output_names, pieces]
+        return hashlib.sha256(json.dumps(cut).encode()).hexdigest()[:12]
 
 
 def partition(
@@ -337,14 +393,15 @@ def build_plan(gm: fx.GraphModule, assignment: dict[str, int], costs: Costs) -> 
     return GraphPlan(gm, partitions, dict(assignment), inputs, graph_outputs)
 
 
-def _own_weights(gm: fx.GraphModule, piece: fx.GraphModule) -> tuple[str, ...]:
+def _own_weights(gm: fx.GraphModule, piece: fx.GraphModule) -> dict[str, str]:
     """split_module passes tensor attributes in as placeholders; move them into the piece instead.
 
-    Returns the qualified names (in `gm`) of the weights the piece now holds, call_module ones too.
+    Returns qualified name (in `gm`) -> attribute (in the piece) of the weights the piece now
+    holds, call_module ones too.
     """
     graph, attrs = piece.graph, {n.name: n for n in gm.graph.nodes if n.op == "get_attr"}
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
-    owned: list[str] = []
+    owned: dict[str, str] = {}
     for ph in [n for n in graph.nodes if n.op == "placeholder" and str(n.target) in attrs]:
         source = attrs[str(ph.target)]
         tensor = functools.reduce(getattr, str(source.target).split("."), gm)
@@ -359,12 +416,13 @@ def _own_weights(gm: fx.GraphModule, piece: fx.GraphModule) -> tuple[str, ...]:
         local.meta = dict(ph.meta)
         ph.replace_all_uses_with(local)
         graph.erase_node(ph)
-        owned.append(str(source.target))
+        owned[str(source.target)] = source.name
     originals = {n.name: n for n in gm.graph.nodes}
     for node in (n for n in graph.nodes if n.op == "call_module"):
         prefix = str(originals[node.name].target)
-        owned.extend(f"{prefix}.{name}" for name in gm.get_submodule(prefix).state_dict())
-    return tuple(owned)
+        for name in gm.get_submodule(prefix).state_dict():
+            owned[f"{prefix}.{name}"] = f"{node.target}.{name}"
+    return owned
 
 
 def _local_sizes(piece: fx.GraphModule) -> None:
@@ -407,16 +465,15 @@ def _named_outputs(pieces: Sequence[fx.GraphModule], graph_outputs: Sequence[str
         piece.recompile()
 
 
-def _describe(index: int, piece: fx.GraphModule, costs: Costs, owned: tuple[str, ...]) -> GraphPartition:
+def _describe(index: int, piece: fx.GraphModule, costs: Costs, owned: dict[str, str]) -> GraphPartition:
     inputs = tuple(str(n.target) for n in piece.graph.nodes if n.op == "placeholder")
     out = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
     made = sum(
         costs[n.name].activation_bytes for n in piece.graph.nodes if n.op in COMPUTE_OPS and n.name in costs
     )
     received = sum(costs[name].value_bytes for name in inputs)
-    return GraphPartition(
-        index, piece, inputs, tuple(out.args[0]), owned, _module_bytes(piece), made + received
-    )
+    outputs, names, attrs = tuple(out.args[0]), tuple(owned), tuple(owned.values())
+    return GraphPartition(index, piece, inputs, outputs, names, attrs, _module_bytes(piece), made + received)
 
 
 # --- run -------------------------------------------------------------------------------------

