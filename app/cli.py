@@ -186,7 +186,7 @@ def submit(
     ] = False,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    priority: Annotated[str, typer.Option(help="high, normal or low.")] = "normal",
+    priority: Annotated[str, typer.Option(help="realtime, high, normal or batch (low = batch).")] = "normal",
     url: Annotated[str | None, typer.Option(help="API base URL.")] = None,
 ) -> None:
     """Submit a job and print its text."""

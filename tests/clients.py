@@ -52,7 +52,7 @@ def events(
         assert response.headers["content-type"].startswith("text/event-stream")
         fields: dict[str, str] = {}
         data: list[str] = []
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line.startswith(":"):
                 continue
             if line:
@@ -68,11 +68,28 @@ def events(
             event = SseEvent(fields.get("id"), fields.get("event", "message"), json.loads("\n".join(data)))
             out.append(event)
             fields, data = {}, []
-            if event.event in ("done", "error"):
+            if event.event in ("done", "error", "cancelled", "expired"):
                 break
             if max_tokens is not None and sum(e.event == "token" for e in out) >= max_tokens:
                 break
     return out
+
+
+def sse_lines(response: httpx.Response) -> Any:
+    """Lines as the SSE spec splits them (CR LF, LF or CR only): `iter_lines` would also split on
+    U+2028, U+0085 and the like, which a model may well generate inside a JSON string."""
+    buffer = ""
+    for chunk in response.iter_text():
+        buffer += chunk
+        while True:
+            cut = min((i for i in (buffer.find("\r"), buffer.find("\n")) if i >= 0), default=-1)
+            if cut < 0 or (buffer[cut] == "\r" and cut + 1 == len(buffer)):
+                break  # a CR at the end may be the first half of CR LF
+            step = 2 if buffer.startswith("\r\n", cut) else 1
+            yield buffer[:cut]
+            buffer = buffer[cut + step :]
+    if buffer:
+        yield buffer
 
 
 def tokens(stream: list[SseEvent]) -> list[SseEvent]:

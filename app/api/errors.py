@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.core.errors import ConveyorError
+from app.core.errors import ConveyorError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +33,30 @@ def problem(status: int, code: str, message: str, **details: object) -> JSONResp
     return JSONResponse({"error": error}, status_code=status)
 
 
+def error_response(exc: ConveyorError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))} if exc.retry_after_s else None
+    return JSONResponse(jsonable_encoder(exc.body()), status_code=exc.status, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ConveyorError)
     async def conveyor_error(_: Request, exc: ConveyorError) -> JSONResponse:
-        if exc.status >= 500:
+        if exc.status >= 500 and exc.retry_after_s is None:  # a refusal is the service working
             log.error("request failed: %s", exc.message)
-        return JSONResponse(jsonable_encoder(exc.body()), status_code=exc.status)
+        return error_response(exc)
+
+    async def redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
+        # Any request that meets a Redis that does not answer. A submit is one script, so it was
+        # queued whole or not at all; if only its reply was lost, a retry with the same
+        # Idempotency-Key answers the job it made.
+        log.warning("Redis unreachable: %s: %s", type(exc).__name__, exc)
+        retry_after_s = request.app.state.settings.retry_after_s
+        return error_response(
+            Unavailable("the job store (Redis) does not answer; retry shortly", retry_after_s=retry_after_s)
+        )
+
+    app.add_exception_handler(RedisConnectionError, redis_unreachable)
+    app.add_exception_handler(RedisTimeoutError, redis_unreachable)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

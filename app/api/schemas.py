@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Priority = Literal["high", "normal", "low"]
+from app.core.keys import PRIORITIES, PRIORITY_ALIASES
+
+# The classes of app.core.keys.PRIORITIES, served in this order; an alias is stored as its class.
+Priority = Annotated[
+    Literal["realtime", "high", "normal", "batch"],
+    BeforeValidator(lambda v: PRIORITY_ALIASES.get(v, v) if isinstance(v, str) else v),
+    Field(description=f"One of {', '.join(PRIORITIES)} (served in that order); `low` means `batch`."),
+]
 
 
 class ChatMessage(BaseModel):
@@ -45,6 +52,12 @@ class JobCreate(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     priority: Priority = "normal"
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds the job may wait in the queue; not started by then, it expires. "
+        "Refused at once (429) when the predicted wait is already longer.",
+    )
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens (for benchmarks).")
 
     @model_validator(mode="after")
@@ -84,6 +97,7 @@ class Timings(BaseModel):
     scheduled_at: float | None = None
     started_at: float | None = None
     first_token_at: float | None = None
+    recovered_at: float | None = None  # the last time it was rescheduled after a lost worker
     finished_at: float | None = None
 
 
@@ -108,6 +122,8 @@ class JobPublic(BaseModel):
     timings: Timings
     batch: BatchInfo | None
     error: ErrorInfo | None
+    attempts: int = Field(default=0, description="Times it was recovered after a lost worker.")
+    deadline: float | None = Field(default=None, description="Unix time by which it had to start.")
 
     @classmethod
     def from_record(cls, record: dict[str, str]) -> JobPublic:
@@ -126,10 +142,12 @@ class JobPublic(BaseModel):
                 completion_tokens=int(record.get("completion_tokens", 0)),
             ),
             timings=Timings(**{name: ts(name) for name in Timings.model_fields}),
+            attempts=int(record.get("attempts") or 0),
             batch=BatchInfo(id=record["batch_id"], size=int(record["batch_size"]))
             if record.get("batch_id")
             else None,
             error=ErrorInfo(**json.loads(record["error"])) if record.get("error") else None,
+            deadline=ts("deadline"),
         )
 
 

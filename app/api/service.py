@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,22 +18,51 @@ from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.schemas import JobCreate
 from app.batching.intake import intake_fields
+from app.core.admission import Admission
 from app.core.config import Settings
 from app.core.errors import (
     ContextLengthExceeded,
+    IdempotencyConflict,
     InvalidRequest,
     JobFailed,
+    JobFinished,
     JobNotFound,
     MaxTokensExceeded,
     ModelNotFound,
     NotServed,
     SyncTimeout,
 )
-from app.core.jobs import JobStatus, decode_record
+from app.core.jobs import TRANSITION_FUNCTION, JobStatus, Transition, decode_record
 from app.core.keys import Keys
 
-FINAL_EVENTS = frozenset({"done", "error"})
+log = logging.getLogger(__name__)
+
+FINAL_EVENTS = frozenset({"done", "error", "cancelled", "expired"})
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
+MAX_IDEMPOTENCY_KEY = 255
+
+# The move to `cancelled` and the final `cancelled` event, together or not at all (the shape of the
+# workers' final moves). KEYS = job hash, event stream, progress set. ARGV[1..6] = event, data,
+# stream maxlen, stream ttl, announce channel, job id; then the transition's arguments.
+CANCEL_LUA = (
+    TRANSITION_FUNCTION
+    + """
+local moved = transition(KEYS[1], 6)
+if moved[1] == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('PUBLISH', ARGV[5], ARGV[1])
+end
+return moved
+"""
+)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    record: dict[str, str]
+    replayed: bool = False  # an Idempotency-Key named an existing job: this is it
 
 
 @dataclass(frozen=True)
@@ -49,8 +80,24 @@ class JobService:
         self.catalog = catalog
         self.hub = hub
         self.keys = Keys(settings.namespace)
+        self.admission = Admission(redis, self.keys, settings)
+        self._cancel = redis.register_script(CANCEL_LUA)
+        self._background: set[asyncio.Task[None]] = set()
 
-    async def submit(self, request: JobCreate) -> dict[str, str]:
+    async def submit(self, request: JobCreate, *, idempotency_key: str | None = None) -> Submitted:
+        """Validate, admit (app/core/admission.py) and queue a job; with an Idempotency-Key, the job
+        that key already named (same body) instead of a new one."""
+        idempotency = None
+        if idempotency_key is not None:
+            idempotency = (_digest(_checked_key(idempotency_key)), _digest(request.model_dump_json()))
+            held = await self.redis.get(self.keys.idempotency(idempotency[0]))
+            if held is not None:
+                return await self._replay(held, idempotency[1])
+        if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
+            raise InvalidRequest(
+                f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
+                limit=self.settings.max_timeout_s,
+            )
         name = request.model or self.settings.default_model
         # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
         model = self.catalog.cached(name)
@@ -80,6 +127,10 @@ class JobService:
                 prompt_tokens=len(prompt_ids),
             )
 
+        now = time.time()
+        ticket = await self.admission.check(
+            model=model.name, priority=request.priority, timeout_s=request.timeout_s, now=now
+        )
         job_id = uuid.uuid4().hex
         params = {
             "max_tokens": max_tokens,
@@ -90,30 +141,80 @@ class JobService:
             "stop": stop,
             "ignore_eos": request.ignore_eos,
         }
+        deadline = now + request.timeout_s if request.timeout_s is not None else None
         record = {
             "id": job_id,
             "status": str(JobStatus.QUEUED),
             "model": model.name,
             "priority": request.priority,
-            "created_at": repr(time.time()),
+            "created_at": repr(now),
             "request": json.dumps(params),
             "prompt_ids": json.dumps(prompt_ids),
             "prompt_tokens": str(len(prompt_ids)),
             "completion_tokens": "0",
             "text": "",
             "attempts": "0",
+            **({"deadline": repr(deadline)} if deadline is not None else {}),
         }
-        pipe = self.redis.pipeline(transaction=True)  # the record and its queue entry land together
-        pipe.hset(self.keys.job(job_id), mapping=record)
-        pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
-        pipe.xadd(
-            self.keys.intake(request.priority),
-            intake_fields(
-                job_id=job_id, model=model.name, prompt_tokens=len(prompt_ids), priority=request.priority
-            ),
+        intake = intake_fields(
+            job_id=job_id,
+            model=model.name,
+            prompt_tokens=len(prompt_ids),
+            priority=request.priority,
+            deadline=deadline,
         )
-        await pipe.execute()
-        return record
+        written = await self.admission.write(
+            ticket,
+            job_id=job_id,
+            record=record,
+            intake=intake,
+            idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
+        )
+        if written.held is not None:  # another submit with the same key won the race
+            assert idempotency is not None
+            return await self._replay(written.held, idempotency[1])
+        return Submitted(record)
+
+    async def _replay(self, held: str | bytes, body_hash: str) -> Submitted:
+        job_id, _, held_hash = (held.decode() if isinstance(held, bytes) else held).partition(" ")
+        if held_hash != body_hash:
+            raise IdempotencyConflict(
+                f"this Idempotency-Key was used for job {job_id} with a different request body",
+                job_id=job_id,
+            )
+        return Submitted(await self.get(job_id), replayed=True)
+
+    async def cancel(self, job_id: str, *, reason: str = "cancelled by the client") -> dict[str, str]:
+        """Move the job to `cancelled` and end its event stream; its workers drop it at their next step."""
+        error = {"code": "cancelled", "message": reason}
+        transition = Transition(job_id, JobStatus.CANCELLED, {"error": error})
+        maxlen = self.settings.max_tokens_limit + 16  # as the workers cap it
+        args: list[Any] = ["cancelled", json.dumps(error), maxlen, self.settings.job_ttl_s]
+        args += [self.keys.announce(job_id), job_id, *transition.script_args(time.time())]
+        keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]
+        applied, current = await self._cancel(keys=keys, args=args)
+        if not int(applied):
+            status = current.decode() if isinstance(current, bytes) else str(current)
+            if not status:
+                raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
+            raise JobFinished(f"job {job_id} has already ended: {status}", job_id=job_id, status=status)
+        return await self.get(job_id)
+
+    def cancel_soon(self, job_id: str, reason: str) -> None:
+        """Cancel in the background (a client went away; nobody waits for the answer)."""
+
+        async def run() -> None:
+            try:
+                await self.cancel(job_id, reason=reason)
+                log.info("job %s cancelled: %s", job_id, reason)
+            except (JobFinished, JobNotFound):
+                pass
+            except Exception:
+                log.warning("could not cancel job %s", job_id, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
@@ -216,3 +317,13 @@ class JobService:
                     await asyncio.wait_for(woke.wait(), min(remaining, POLL_FALLBACK_S))
                 except TimeoutError:
                     pass
+
+
+def _checked_key(key: str) -> str:
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
+        raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters")
+    return key
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

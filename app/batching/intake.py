@@ -26,8 +26,14 @@ class IntakeEntry:
     fields: dict[str, str]
 
 
-def intake_fields(*, job_id: str, model: str, prompt_tokens: int, priority: str) -> dict[str, str]:
-    return {"job_id": job_id, "model": model, "prompt_tokens": str(prompt_tokens), "priority": priority}
+def intake_fields(
+    *, job_id: str, model: str, prompt_tokens: int, priority: str, deadline: float | None = None
+) -> dict[str, str]:
+    """One intake entry. `deadline`: unix time by which the job must have started, else it expires."""
+    fields = {"job_id": job_id, "model": model, "prompt_tokens": str(prompt_tokens), "priority": priority}
+    if deadline is not None:
+        fields["deadline"] = repr(deadline)
+    return fields
 
 
 def ensure_groups(client: redis.Redis, keys: Keys) -> None:

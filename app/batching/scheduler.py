@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from app.batching import intake, windows
+from app.batching.recovery import Monitor
 from app.core.config import Settings
 from app.core.jobs import JobStatus, JobStore, Transition
-from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, Keys
+from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
+from app.workers.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,25 @@ class Batcher:
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_ms / 1000.0,
             length_buckets=tuple(sorted(settings.length_buckets)),
+            aging_s=settings.aging_s,
         )
         self.pending: list[windows.Item] = []
         self.stages = settings.stages
+        maxlen = settings.max_tokens_limit + 16
+        self.publisher = Publisher(
+            redis, self.keys, self.jobs, ttl_s=settings.job_ttl_s, stream_maxlen=maxlen
+        )
+        self.monitor = Monitor(
+            redis,
+            self.keys,
+            stall_timeout_s=settings.stall_timeout_s,
+            max_attempts=settings.max_attempts,
+            ttl_s=settings.job_ttl_s,
+            stream_maxlen=maxlen,
+            stages=settings.stages,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        )
+        self.last_sweep = -float("inf")
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -77,7 +95,31 @@ class Batcher:
         self._take(
             intake.read(self.redis, self.keys, self.consumer, count=max(room, 1), block_ms=self._block_ms())
         )
+        if self.clock() - self.last_sweep >= self.settings.monitor_interval_s:
+            self.last_sweep = self.clock()
+            self.recover()
+        self.expire_late()
         self.dispatch_ready()
+
+    def recover(self) -> None:
+        """Stalled jobs go back to the intake (or fail); batches no job progresses in free their slot."""
+        self.monitor.sweep()
+        prefix = self.keys.inflight("")
+        for key in self.redis.scan_iter(match=f"{prefix}*", count=100):
+            self.monitor.prune_inflight((key.decode() if isinstance(key, bytes) else key)[len(prefix) :])
+
+    def expire_late(self) -> None:
+        """Jobs still waiting at their deadline end `expired`; their entries are acknowledged."""
+        late = windows.expired(self.pending, self.clock())
+        if not late:
+            return
+        done = self.publisher.expire(
+            [it.job_id for it in late], reason="the job was not started before its timeout_s passed"
+        )
+        log.info("%d jobs expired in the queue", len(done))
+        intake.ack(self.redis, self.keys, [(it.stream, it.entry_id) for it in late])
+        gone = {id(it) for it in late}
+        self.pending = [it for it in self.pending if id(it) not in gone]
 
     def dispatch_ready(self) -> None:
         models = {it.model for it in self.pending}
@@ -100,31 +142,53 @@ class Batcher:
             if entry.stream == self.keys.control():
                 done.append((entry.stream, entry.entry_id))  # a batch finished: the next plan sees room
                 continue
-            f = entry.fields
-            self.pending.append(
-                windows.Item(
-                    job_id=f["job_id"],
-                    model=f["model"],
-                    prompt_tokens=int(f["prompt_tokens"]),
-                    priority=PRIORITIES.index(f["priority"]),
-                    arrived=self.clock(),
-                    stream=entry.stream,
-                    entry_id=entry.entry_id,
-                )
-            )
+            self.pending.append(self._item(entry))
         if done:
             intake.ack(self.redis, self.keys, done)
+
+    def _item(self, entry: intake.IntakeEntry) -> windows.Item:
+        """An intake entry on the batcher's clock; its age counts from when it entered the stream
+        (the entry id's milliseconds), so a restarted batcher keeps every job's place and age."""
+        f = entry.fields
+        priority = PRIORITY_ALIASES.get(f["priority"], f["priority"])
+        now_unix, now = time.time(), self.clock()
+        age = max(0.0, now_unix - int(entry.entry_id.split("-")[0]) / 1000.0)
+        deadline = float(f["deadline"]) - now_unix + now if "deadline" in f else None
+        return windows.Item(
+            job_id=f["job_id"],
+            model=f["model"],
+            prompt_tokens=int(f["prompt_tokens"]),
+            priority=PRIORITIES.index(priority) if priority in PRIORITIES else PRIORITIES.index("normal"),
+            arrived=now - age,
+            stream=entry.stream,
+            entry_id=entry.entry_id,
+            deadline=deadline,
+            alone=int(f.get("attempts", "0")) >= 2,
+        )
 
     def _dispatch(self, batch: windows.Batch) -> None:
         batch_id = uuid.uuid4().hex
         job_ids = [it.job_id for it in batch.items]
-        scheduled = self.jobs.apply(
-            [
-                Transition(j, JobStatus.SCHEDULED, {"batch_id": batch_id, "batch_size": len(job_ids)})
-                for j in job_ids
-            ],
-            strict=False,  # a duplicate delivery of an already scheduled job is skipped, not re-run
-        )
+        now = time.time()
+        moves = [
+            Transition(j, JobStatus.SCHEDULED, {"batch_id": batch_id, "batch_size": len(job_ids)})
+            for j in job_ids
+        ]
+        # One transaction: a job is never scheduled without its in-flight entry and progress score,
+        # so if this process dies before the send below, the monitor finds the job stalled and
+        # runs it again (a duplicate delivery of an already scheduled job is skipped, not re-run).
+        pipe = self.redis.pipeline(transaction=True)
+        for move in moves:
+            self.jobs.enqueue(pipe, move, now)
+        pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(job_ids))
+        pipe.zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
+        results = pipe.execute()
+        scheduled = [move.job_id for move, result in zip(moves, results, strict=False) if int(result[0])]
+        if len(scheduled) < len(job_ids):
+            if scheduled:
+                self.redis.hset(self.keys.inflight(batch.model), batch_id, json.dumps(scheduled))
+            else:
+                self.redis.hdel(self.keys.inflight(batch.model), batch_id)
         if scheduled:
             message = StepMessage(
                 batch_id=batch_id,
@@ -135,20 +199,18 @@ class Batcher:
                 step=0,
                 seq_ids=scheduled,
             )
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(scheduled))
-            pipe.xadd(
+            self.redis.xadd(
                 self.keys.batch_log(),
                 {"batch_id": batch_id, "model": batch.model, "size": len(scheduled), "bucket": batch.bucket},
                 maxlen=BATCH_LOG_MAXLEN,
                 approximate=True,
             )
-            pipe.execute()
             try:
                 self.send(message, self.keys.stage_queue(batch.model, 0))
             except Exception:
                 # The broker refused: put the jobs back as they were; the entries stay unacknowledged.
                 self.redis.hdel(self.keys.inflight(batch.model), batch_id)
+                self.redis.zrem(self.keys.progress(), *scheduled)
                 self.jobs.apply([Transition(j, JobStatus.QUEUED) for j in scheduled], strict=False)
                 raise
             log.info(

@@ -5,7 +5,14 @@ Rules (one call to `plan` per batcher wake-up):
 - a pipeline takes at most `capacity` batches in flight;
 - with room in the pipeline, a bucket is dispatched when it is full, when its oldest job has
   waited `max_wait_s`, or at once when the pipeline is idle (no window to wait for);
-- buckets are served in order of their most urgent job (priority class, then arrival).
+- buckets are served in order of their most urgent job: its effective priority class, then its
+  arrival. A job's effective class is its class minus one per `aging_s` seconds waited, so a job
+  of class c waits behind newer work for at most c x aging_s; after that only jobs that arrived
+  before it go first (nothing starves);
+- a job that was recovered more than once (it may be what kills workers) runs alone, so a poison
+  pill takes no batch-mates down with it;
+- a job still waiting at its deadline is not dispatched: `expired` names it;
+- a bucket led by a realtime or high job goes at once, without waiting for its window.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+URGENT = 2  # classes 0 and 1 (realtime, high) are dispatched without waiting for their window
 
 
 @dataclass(frozen=True)
@@ -25,10 +34,12 @@ class Item:
     arrived: float  # batcher clock (monotonic seconds)
     stream: str = ""  # where the intake entry lives, to acknowledge it
     entry_id: str = ""
+    deadline: float | None = None  # batcher clock: must have started by then, else it expires
+    alone: bool = False  # recovered more than once: dispatched in a batch of its own
 
-    @property
-    def rank(self) -> tuple[int, float]:
-        return (self.priority, self.arrived)
+    def rank(self, now: float, aging_s: float) -> tuple[float, float]:
+        aged = (now - self.arrived) / aging_s if aging_s > 0 else 0.0
+        return (max(self.priority - aged, 0.0), self.arrived)
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,7 @@ class Limits:
     max_batch_size: int
     max_wait_s: float
     length_buckets: tuple[int, ...]
+    aging_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -53,13 +65,18 @@ def length_bucket(prompt_tokens: int, bounds: Sequence[int]) -> int:
     return 1 << max(0, prompt_tokens - 1).bit_length()
 
 
-def buckets(pending: Sequence[Item], limits: Limits) -> dict[tuple[str, int], list[Item]]:
+def buckets(pending: Sequence[Item], limits: Limits, now: float) -> dict[tuple[str, int], list[Item]]:
     groups: dict[tuple[str, int], list[Item]] = defaultdict(list)
     for item in pending:
         groups[(item.model, length_bucket(item.prompt_tokens, limits.length_buckets))].append(item)
     for items in groups.values():
-        items.sort(key=lambda it: it.rank)
+        items.sort(key=lambda it: it.rank(now, limits.aging_s))
     return groups
+
+
+def expired(pending: Sequence[Item], now: float) -> list[Item]:
+    """Jobs whose deadline to start has passed: they end `expired` instead of running."""
+    return [it for it in pending if it.deadline is not None and now >= it.deadline]
 
 
 def plan(
@@ -70,14 +87,21 @@ def plan(
     limits: Limits,
     now: float,
 ) -> list[Batch]:
-    """Which batches to dispatch now. Does not mutate its inputs."""
-    groups = buckets(pending, limits)
-    free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _ in groups}
+    """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out)."""
+    late = {id(it) for it in expired(pending, now)}
+    live = [it for it in pending if id(it) not in late]
+    shared = buckets([it for it in live if not it.alone], limits, now)
+    groups = [(model, bucket, items) for (model, bucket), items in shared.items()]
+    groups += [
+        (it.model, length_bucket(it.prompt_tokens, limits.length_buckets), [it]) for it in live if it.alone
+    ]
+    free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _, _ in groups}
     idle = {model for model in free if inflight.get(model, 0) == 0}
     batches: list[Batch] = []
-    for (model, bucket), items in sorted(groups.items(), key=lambda kv: kv[1][0].rank):
+    for model, bucket, items in sorted(groups, key=lambda g: g[2][0].rank(now, limits.aging_s)):
         while items and free[model] > 0:
-            full = len(items) >= limits.max_batch_size
+            # realtime and high do not wait for a window to fill: latency is what they pay for
+            full = len(items) >= limits.max_batch_size or items[0].alone or items[0].priority < URGENT
             waited = now - min(it.arrived for it in items) >= limits.max_wait_s
             if not (full or waited or model in idle):
                 break
@@ -89,7 +113,8 @@ def plan(
 
 
 def next_deadline(pending: Sequence[Item], limits: Limits) -> float | None:
-    """When the earliest window closes (batcher clock), or None with nothing pending."""
+    """When the earliest window closes or deadline passes (batcher clock), None with nothing pending."""
     if not pending:
         return None
-    return min(it.arrived for it in pending) + limits.max_wait_s
+    deadlines = [it.deadline for it in pending if it.deadline is not None]
+    return min([min(it.arrived for it in pending) + limits.max_wait_s, *deadlines])

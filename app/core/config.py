@@ -64,6 +64,16 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 
+    # Scheduling and recovery (the batcher). A waiting job rises one priority class per aging_s
+    # seconds, so a `batch` job outranks a fresh `realtime` one after 3 x aging_s: nothing starves.
+    aging_s: float = 30.0
+    # A scheduled or running job with no progress (prefill start, a token) for this long is
+    # recovered: prefilled again from its prompt and the tokens it had streamed, on live workers.
+    # Well above the slowest step (a 32 x 2048 prefill on a CPU takes seconds).
+    stall_timeout_s: float = 30.0
+    max_attempts: int = 3  # runs of one job (first run included) before it fails as worker_lost
+    monitor_interval_s: float = 1.0  # how often the batcher looks for stalled jobs
+
     # Record lifetimes: a finished job stays readable (poll, SSE replay) for a day.
     job_ttl_s: int = 86_400
     sse_ping_s: float = 15.0  # comment lines keep proxies from closing an idle stream
@@ -85,6 +95,29 @@ class Settings(BaseSettings):
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
     embedding_stages: int = 2
     max_embedding_inputs: int = 64  # texts per request; each is truncated at 256 tokens
+
+    # Admission and overload (API).
+    # A job's timeout_s (time allowed in the queue before it starts) is at most this: an hour.
+    max_timeout_s: float = 3600.0
+    # Jobs waiting per priority class (its intake stream's length): past it 429 queue_full. About the
+    # batcher's window (batcher_max_pending): a deeper queue only adds wait a client gives up on.
+    queue_depth_limit: int = Field(default=1000, ge=1)
+    # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
+    overload_limit: int = Field(default=2000, ge=1)
+    # Retry-After when nothing better is known (Redis away, no measured completion rate): seconds.
+    retry_after_s: float = Field(default=2.0, gt=0)
+    # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
+    # breaker_interval_s and breaker_error_threshold of them failed; one probe job after the interval.
+    breaker_error_threshold: float = Field(default=0.3, gt=0.0, le=1.0)
+    breaker_min_requests: int = Field(default=100, ge=1)
+    breaker_interval_s: float = Field(default=30.0, gt=0.0, le=300.0)  # one-second buckets, read per submit
+    # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
+    # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
+    stage_down_after_s: float | None = None
+    # An Idempotency-Key names its job this long (at most job_ttl_s, so the job outlives its key).
+    idempotency_ttl_s: int = Field(default=86_400, ge=1)
+    # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
+    cancel_on_disconnect: bool = True
 
     @cached_property
     def model_home(self) -> Path:

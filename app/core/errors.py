@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
 class ConveyorError(Exception):
     code = "internal_error"
     status = 500
+    retry_after_s: float | None = None  # set on refusals a client should retry: the Retry-After header
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -73,3 +75,64 @@ class IllegalTransition(ConveyorError):
             current=current,
             target=str(target),
         )
+
+
+class JobFinished(ConveyorError):
+    """Cancelling a job that has already ended."""
+
+    code = "job_finished"
+    status = 409
+
+
+class IdempotencyConflict(ConveyorError):
+    """An Idempotency-Key reused with a different request body."""
+
+    code = "idempotency_conflict"
+    status = 409
+
+
+class Refused(ConveyorError):
+    """A job refused at submit because it cannot be served now; retry after `retry_after_s`.
+
+    `details.retry_after_s` repeats the Retry-After header (whole seconds, at least 1).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float, **details: Any) -> None:
+        self.retry_after_s = float(max(1, math.ceil(retry_after_s)))
+        super().__init__(message, **details, retry_after_s=int(self.retry_after_s))
+
+
+class QueueFull(Refused):
+    code = "queue_full"
+    status = 429
+
+
+class DeadlineUnmeetable(Refused):
+    """The predicted queue wait is already longer than the job's timeout_s."""
+
+    code = "deadline_unmeetable"
+    status = 429
+
+
+class Overloaded(Refused):
+    code = "overloaded"
+    status = 503
+
+
+class CircuitOpen(Refused):
+    code = "circuit_open"
+    status = 503
+
+
+class StageUnavailable(Refused):
+    """A stage of the model's pipeline has had no live worker for longer than the grace."""
+
+    code = "stage_unavailable"
+    status = 503
+
+
+class Unavailable(Refused):
+    """Redis (the job store and queues) does not answer."""
+
+    code = "unavailable"
+    status = 503

@@ -36,7 +36,7 @@ TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
 S = JobStatus
 TRANSITIONS: Mapping[JobStatus, frozenset[JobStatus]] = {
     S.QUEUED: frozenset({S.SCHEDULED, S.CANCELLED, S.EXPIRED, S.FAILED}),
-    S.SCHEDULED: frozenset({S.RUNNING, S.QUEUED, S.CANCELLED, S.EXPIRED, S.FAILED}),
+    S.SCHEDULED: frozenset({S.RUNNING, S.QUEUED, S.RECOVERING, S.CANCELLED, S.EXPIRED, S.FAILED}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.RECOVERING}),
     S.RECOVERING: frozenset({S.SCHEDULED, S.FAILED, S.CANCELLED}),
     S.SUCCEEDED: frozenset(),
@@ -59,21 +59,30 @@ def predecessors(target: JobStatus) -> list[str]:
     return [str(src) for src, targets in TRANSITIONS.items() if target in targets]
 
 
-# KEYS[1] = job hash. ARGV = target, n, n allowed predecessors, then field/value pairs to write.
+# transition(key, o): ARGV[o+1..] = target, n, n allowed predecessors, g, g guard field/value
+# pairs (the record must hold these values), then field/value pairs to write.
 # Returns {1, previous} when applied, {0, current-or-empty} when refused.
-TRANSITION_LUA = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return {0, ''} end
-local n = tonumber(ARGV[2])
-for i = 3, 2 + n do
-  if cur == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1])
-    for j = 3 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
-    return {1, cur}
+TRANSITION_FUNCTION = """
+local function transition(key, o)
+  local cur = redis.call('HGET', key, 'status')
+  if not cur then return {0, ''} end
+  local n = tonumber(ARGV[o + 2])
+  local g = tonumber(ARGV[o + 3 + n])
+  local first = o + 4 + n + 2 * g
+  for i = o + 4 + n, first - 1, 2 do
+    if redis.call('HGET', key, ARGV[i]) ~= ARGV[i + 1] then return {0, cur} end
   end
+  for i = o + 3, o + 2 + n do
+    if cur == ARGV[i] then
+      redis.call('HSET', key, 'status', ARGV[o + 1])
+      for j = first, #ARGV, 2 do redis.call('HSET', key, ARGV[j], ARGV[j + 1]) end
+      return {1, cur}
+    end
+  end
+  return {0, cur}
 end
-return {0, cur}
 """
+TRANSITION_LUA = TRANSITION_FUNCTION + "return transition(KEYS[1], 0)"
 
 
 @dataclass(frozen=True)
@@ -83,11 +92,15 @@ class Transition:
     job_id: str
     target: JobStatus
     fields: Mapping[str, Any] = field(default_factory=dict)
+    # The move applies only while the record holds these values (e.g. the batch a worker serves).
+    when: Mapping[str, str] = field(default_factory=dict)
 
     def script_args(self, now: float) -> list[str]:
         allowed = predecessors(self.target)
         writes: dict[str, Any] = {TIMESTAMP_FIELD[self.target]: now, **self.fields}
-        args = [str(self.target), str(len(allowed)), *allowed]
+        args = [str(self.target), str(len(allowed)), *allowed, str(len(self.when))]
+        for name, value in self.when.items():
+            args += [name, value]
         for name, value in writes.items():
             args += [name, encode_field(value)]
         return args

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIORITIES = ("high", "normal", "low")  # drain order: high first
+PRIORITIES = ("realtime", "high", "normal", "batch")  # strict order (with aging, batching/windows.py)
+PRIORITY_ALIASES = {"low": "batch"}  # older name, still accepted at submit
 BATCHER_GROUP = "batcher"
 BATCH_LOG_MAXLEN = 10_000
 
@@ -51,6 +52,11 @@ class Keys:
         """Hash: batch id -> job ids, for batches dispatched and not yet finished."""
         return f"{self.namespace}:inflight:{model}"
 
+    def progress(self) -> str:
+        """Sorted set: unfinished scheduled or running jobs, scored by their last sign of progress
+        (dispatch, prefill start, a token). The batcher's monitor recovers the ones that stall."""
+        return f"{self.namespace}:progress"
+
     def workers(self, model: str, stage: int) -> str:
         """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
         return f"{self.namespace}:workers:{model}:{stage}"
@@ -70,3 +76,21 @@ class Keys:
     def lane(self, model: str, stage: int, worker: str) -> str:
         """List: one replica's direct lane, for steps of batches whose KV cache it holds (workers/lane.py)."""
         return f"{self.namespace}:lane:{model}:{stage}:{worker}"
+
+    # Admission (API)
+
+    def breaker(self, model: str) -> str:
+        """Hash: the circuit breaker of one model's pipeline (state, opened_at, probe_until, since)."""
+        return f"{self.namespace}:breaker:{model}"
+
+    def outcomes(self, model: str, second: int) -> str:
+        """Hash: jobs of one model that succeeded / failed within one second (unix), for the breaker."""
+        return f"{self.namespace}:outcomes:{model}:{second}"
+
+    def stage_down(self, model: str, stage: int) -> str:
+        """String: since when a stage with no heartbeat at all has been seen without a worker."""
+        return f"{self.namespace}:stage-down:{model}:{stage}"
+
+    def idempotency(self, digest: str) -> str:
+        """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256)."""
+        return f"{self.namespace}:idempotency:{digest}"

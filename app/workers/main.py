@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from app.core import breaker
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.jobs import JobStore
@@ -101,7 +102,12 @@ def run_worker(
         tokenizer=tokenizer,
         jobs=jobs,
         publisher=Publisher(
-            redis, keys, jobs, ttl_s=settings.job_ttl_s, stream_maxlen=settings.max_tokens_limit + 16
+            redis,
+            keys,
+            jobs,
+            ttl_s=settings.job_ttl_s,
+            stream_maxlen=settings.max_tokens_limit + 16,
+            outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
         ),
         redis=redis,
         keys=keys,
@@ -117,6 +123,7 @@ def run_worker(
             settings.stage_transport_dtype,
             tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
         ),
+        stale_after_s=4 * settings.stall_timeout_s,
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
     one_at_a_time = threading.Lock()  # the Celery task and the lane thread share the runtime

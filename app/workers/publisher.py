@@ -1,23 +1,86 @@
 """How a stage worker tells the world about tokens: the job's Redis Stream first, pub/sub second.
 
 The stream is the truth (durable, replayable by entry id, capped, expiring); the pub/sub message
-only wakes API processes up to read it. One pipeline per decode step covers every sequence.
+only wakes API processes up to read it. One script per decode step covers every sequence, and
+writes a sequence's token only while its job is still `running` in the batch that produced it:
+a job that was cancelled, or recovered and rescheduled elsewhere, gets nothing more from this
+batch (no token after a `cancelled` event, no duplicate after a recovery), and the step learns
+which rows to drop.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.jobs import TRANSITION_FUNCTION, JobStatus, JobStore, Transition
 from app.core.keys import Keys
+
+# KEYS[1] = the progress sorted set; then, per row, the job hash and its event stream.
+# ARGV[1..4] = now, stream maxlen, stream ttl, announce channel prefix; then 8 values per row:
+# job id, batch id, emit (0/1), index, token event data, completion text, completion tokens,
+# finish reason ('' while it goes on). Returns the ids of the rows whose job is no longer theirs.
+STEP_LUA = """
+local now, maxlen, ttl, announce = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local gone = {}
+for r = 0, (#KEYS - 1) / 2 - 1 do
+  local job, events = KEYS[2 + 2 * r], KEYS[3 + 2 * r]
+  local a = 5 + 8 * r
+  local id, batch, emit, index = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local rec = redis.call('HMGET', job, 'status', 'batch_id')
+  if rec[1] ~= 'running' or rec[2] ~= batch then
+    table.insert(gone, id)
+  else
+    if emit == '1' then
+      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'token', 'data', ARGV[a + 4])
+      if index == '0' then
+        redis.call('EXPIRE', events, ttl)
+        redis.call('HSET', job, 'first_token_at', now)
+      end
+      redis.call('PUBLISH', announce .. id, 'token')
+    end
+    redis.call('HSET', job, 'text', ARGV[a + 5], 'completion_tokens', ARGV[a + 6])
+    if ARGV[a + 7] ~= '' then
+      -- running -> succeeded, the move TRANSITIONS allows; then the final event
+      redis.call('HSET', job, 'status', 'succeeded', 'finished_at', now, 'finish_reason', ARGV[a + 7])
+      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'done', 'data', '{}')
+      redis.call('EXPIRE', events, ttl)
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('PUBLISH', announce .. id, 'done')
+    else
+      redis.call('ZADD', KEYS[1], now, id)
+    end
+  end
+end
+return gone
+"""
+
+
+# A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
+# progress set. ARGV[1..6] = event, data, stream maxlen, stream ttl, announce channel, job id; then
+# the transition's arguments (app.core.jobs). Returns the transition's result.
+END_LUA = (
+    TRANSITION_FUNCTION
+    + """
+local moved = transition(KEYS[1], 6)
+if moved[1] == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('PUBLISH', ARGV[5], ARGV[1])
+end
+return moved
+"""
+)
 
 
 @dataclass(frozen=True)
 class TokenOut:
     job_id: str
+    batch_id: str  # the batch the job was scheduled in (its record's batch_id while it is ours)
     index: int  # 0-based position in the completion
     token_id: int
     text: str  # text that became final with this token (may be empty)
@@ -26,41 +89,50 @@ class TokenOut:
     emit: bool = True  # False for an end-of-sequence token that only finishes the job
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class Publisher:
-    def __init__(self, redis: Any, keys: Keys, jobs: JobStore, *, ttl_s: int, stream_maxlen: int) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        keys: Keys,
+        jobs: JobStore,
+        *,
+        ttl_s: int,
+        stream_maxlen: int,
+        outcomes: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
         self.ttl_s = ttl_s
         self.stream_maxlen = stream_maxlen
+        self.outcomes = outcomes
+        self._step = redis.register_script(STEP_LUA)
+        self._end_script = redis.register_script(END_LUA)
 
-    def tokens(self, outs: list[TokenOut]) -> None:
-        """Append one step's tokens; finish the sequences whose last token this is."""
-        now = time.time()
-        pipe = self.redis.pipeline(transaction=False)
+    def tokens(self, outs: list[TokenOut]) -> set[str]:
+        """Append one step's tokens, finish the sequences whose last token this is; return the ids
+        of the jobs that are no longer this batch's (cancelled, failed, recovered elsewhere)."""
+        keys, args = [self.keys.progress()], [repr(time.time()), self.stream_maxlen, self.ttl_s]
+        args.append(self.keys.announce(""))
         for out in outs:
-            if not out.emit:
-                continue
+            keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
             data = {"index": out.index, "text": out.text, "token_id": out.token_id}
-            # The stream's lifetime is set when it is created and renewed when it ends, not per token.
-            self._append(pipe, out.job_id, "token", data, expire=out.index == 0)
-            fields: dict[str, Any] = {"text": out.completion_text, "completion_tokens": out.index + 1}
-            if out.index == 0:
-                fields["first_token_at"] = repr(now)
-            pipe.hset(self.keys.job(out.job_id), mapping=fields)
-        for out in outs:
-            if out.finish_reason:
-                fields = {
-                    "finish_reason": out.finish_reason,
-                    "text": out.completion_text,
-                    "completion_tokens": out.index + int(out.emit),
-                }
-                self._end(pipe, out.job_id, JobStatus.SUCCEEDED, fields, "done", {}, now)
-        pipe.execute()
+            count = out.index + int(out.emit) if out.finish_reason else out.index + 1
+            args += [out.job_id, out.batch_id, int(out.emit), out.index, _json(data)]
+            args += [out.completion_text, count, out.finish_reason or ""]
+        gone = self._step(keys=keys, args=args)
+        finished = sum(1 for out in outs if out.finish_reason and out.job_id not in gone)
+        if finished and self.outcomes is not None:
+            self.outcomes(finished, 0)
+        return {_text(g) for g in gone}
 
     def finish(self, job_id: str, fields: dict[str, Any]) -> None:
         """End a job that produces no token stream (an embedding) as succeeded, with its result."""
@@ -75,7 +147,19 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             self._end(pipe, job_id, JobStatus.FAILED, {"error": error}, "error", error, now)
-        pipe.execute()
+        failed = sum(int(applied) for applied, _ in pipe.execute())
+        if failed and self.outcomes is not None:
+            self.outcomes(0, failed)
+
+    def expire(self, job_ids: list[str], *, reason: str) -> list[str]:
+        """End queued jobs whose deadline passed before they started; returns those that expired."""
+        now = time.time()
+        error = {"code": "expired", "message": reason}
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            self._end(pipe, job_id, JobStatus.EXPIRED, {"error": error}, "expired", error, now)
+        results = pipe.execute()
+        return [job_id for job_id, (applied, _) in zip(job_ids, results, strict=True) if int(applied)]
 
     def _end(
         self,
@@ -87,13 +171,16 @@ class Publisher:
         data: dict[str, Any],
         now: float,
     ) -> None:
-        """The final move, then the final event: a client that reads the event sees the final record."""
-        self.jobs.enqueue(pipe, Transition(job_id, status, fields), now)
-        self._append(pipe, job_id, event, data, expire=True)
+        """The final move, then the final event, atomically and only if the move applies: a client
+        that reads the event sees the final record, and a job that had already ended (or was
+        recovered into another batch meanwhile) gets no second final event."""
+        transition = Transition(job_id, status, fields)
+        args = [event, _json(data), self.stream_maxlen, self.ttl_s, self.keys.announce(job_id), job_id]
+        keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]
+        self._end_script(keys=keys, args=args + transition.script_args(now), client=pipe)
 
-    def _append(self, pipe: Any, job_id: str, event: str, data: dict[str, Any], *, expire: bool) -> None:
-        stream = self.keys.events(job_id)
-        pipe.xadd(stream, {"event": event, "data": _json(data)}, maxlen=self.stream_maxlen, approximate=False)
-        if expire:
-            pipe.expire(stream, self.ttl_s)
-        pipe.publish(self.keys.announce(job_id), event)
+    def emitted(self, job_id: str) -> list[int]:
+        """The token ids already in a job's stream, in order: what a recovered job continues from."""
+        entries = self.redis.xrange(self.keys.events(job_id), "-", "+")
+        tokens = [json.loads(fields[b"data"]) for _, fields in entries if fields[b"event"] == b"token"]
+        return [int(t["token_id"]) for t in sorted(tokens, key=lambda t: t["index"])]

@@ -40,6 +40,7 @@ class Sequence:
     """What the last stage tracks for one job while it generates."""
 
     job_id: str
+    batch_id: str  # the batch it was scheduled in: its tokens count only while the job is still there
     params: SamplingParams
     generator: torch.Generator
     max_tokens: int
@@ -92,9 +93,20 @@ class StageRuntime:
     sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)
     routes: dict[str, list[str | None]] = field(default_factory=dict)
     joins: dict[str, list[Join]] = field(default_factory=dict)
+    # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
+    stale_after_s: float = 120.0
+    touched: dict[str, float] = field(default_factory=dict)
 
     def handle(self, msg: StepMessage) -> None:
         """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
+        now = time.monotonic()
+        for batch_id in [b for b, t in self.touched.items() if now - t > self.stale_after_s]:
+            log.warning(
+                "batch %s: no step for %.0f s, dropping its state", batch_id, now - self.touched[batch_id]
+            )
+            self._forget(batch_id)
+        if msg.kind != "release":
+            self.touched[msg.batch_id] = now
         if msg.kind == "release":
             for batch_id in (msg.batch_id, *msg.merge):
                 self._drop(batch_id)
@@ -144,15 +156,19 @@ class StageRuntime:
         routes = list(msg.routes) or [None] * msg.num_stages
         routes[self.identity.stage] = self.identity.lane
         if self.partition.is_first:
-            started = set(
-                self.jobs.apply([Transition(j, JobStatus.RUNNING) for j in msg.seq_ids], strict=False)
-            )
-            seq_ids = [j for j in msg.seq_ids if j in started]  # a job cancelled meanwhile drops out
+            # A job cancelled meanwhile, or rescheduled into another batch (this message being a
+            # late redelivery), drops out.
+            moves = [Transition(j, JobStatus.RUNNING, when={"batch_id": msg.batch_id}) for j in msg.seq_ids]
+            started = set(self.jobs.apply(moves, strict=False))
+            seq_ids = [j for j in msg.seq_ids if j in started]
             msg = msg.forward(seq_ids=seq_ids, routes=routes)
             if not seq_ids:
                 return msg, BatchState(self.partition.config, [], torch.zeros(0, 0)), torch.zeros(0)
-            records = self.jobs.get_many(seq_ids, "prompt_ids")
-            x, mask = left_pad([json.loads(r["prompt_ids"]) for r in records], self.pad_id)
+            self.redis.zadd(self.keys.progress(), dict.fromkeys(seq_ids, time.time()))
+            records = self.jobs.get_many(seq_ids, "prompt_ids", "attempts")
+            x, mask = left_pad(
+                [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)], self.pad_id
+            )
         else:
             msg = msg.forward(routes=routes)
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
@@ -160,13 +176,21 @@ class StageRuntime:
         state = BatchState(self.partition.config, msg.seq_ids, mask)
         self.batches[msg.batch_id] = state
         if self.partition.is_last:
-            self.sequences[msg.batch_id] = self._load_sequences(msg.seq_ids)
+            self.sequences[msg.batch_id] = self._load_sequences(msg.batch_id, msg.seq_ids)
             self.routes[msg.batch_id] = msg.routes
         return msg, state, x
 
-    def _load_sequences(self, job_ids: list[str]) -> dict[str, Sequence]:
+    def _input_ids(self, job_id: str, record: dict[str, str]) -> list[int]:
+        """The prompt; for a recovered job, the prompt and the tokens it had already streamed."""
+        ids: list[int] = json.loads(record["prompt_ids"])
+        if int(record.get("attempts", "0")):
+            ids += self.publisher.emitted(job_id)
+        return ids
+
+    def _load_sequences(self, batch_id: str, job_ids: list[str]) -> dict[str, Sequence]:
         sequences = {}
-        for job_id, record in zip(job_ids, self.jobs.get_many(job_ids, "request"), strict=True):
+        records = self.jobs.get_many(job_ids, "request", "attempts")
+        for job_id, record in zip(job_ids, records, strict=True):
             request = json.loads(record["request"])
             params = SamplingParams(
                 temperature=request["temperature"],
@@ -174,14 +198,20 @@ class StageRuntime:
                 top_k=request["top_k"],
                 seed=request.get("seed"),
             )
-            sequences[job_id] = Sequence(
+            seq = Sequence(
                 job_id=job_id,
+                batch_id=batch_id,
                 params=params,
                 generator=make_generator(params),
                 max_tokens=request["max_tokens"],
                 text=TextStream(self.tokenizer, request.get("stop") or []),
                 ignore_eos=bool(request.get("ignore_eos")),
             )
+            if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
+                for token in self.publisher.emitted(job_id):
+                    seq.text.push(token)
+                    seq.generated += 1
+            sequences[job_id] = seq
         return sequences
 
     def _forward(self, msg: StepMessage, state: BatchState, hidden: torch.Tensor) -> None:
@@ -203,10 +233,14 @@ class StageRuntime:
         logits = logits.float().cpu()  # sampling runs on the CPU with per-sequence generators
         tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
         outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
-        self.publisher.tokens(outs)
-        alive = [(s.job_id, t) for s, t in zip(rows, tokens, strict=True) if s.finish_reason is None]
+        gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
+        alive = [
+            (s.job_id, t)
+            for s, t in zip(rows, tokens, strict=True)
+            if s.finish_reason is None and s.job_id not in gone
+        ]
         for seq in rows:
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None or seq.job_id in gone:
                 del sequences[seq.job_id]
         if msg.kind == "prefill" and alive and self._join_running(msg, alive):
             return
@@ -218,7 +252,11 @@ class StageRuntime:
         if host is None:
             return False
         self.joins.setdefault(host, []).append(Join(msg, alive))
-        self._notify_done(msg.model, msg.batch_id)  # it no longer takes a pipeline slot of its own
+        # The host's in-flight entry lists the joiners too (the monitor sees the batch alive while
+        # any of them makes progress); the joiner no longer takes a pipeline slot of its own.
+        members = [*self.sequences[host], *(j for join in self.joins[host] for j, _ in join.alive)]
+        self.redis.hset(self.keys.inflight(msg.model), host, json.dumps(members))
+        self._notify_done(msg.model, msg.batch_id)
         self.redis.xadd(
             self.keys.batch_log(),
             {"batch_id": msg.batch_id, "model": msg.model, "size": len(alive), "joined": host},
@@ -277,7 +315,9 @@ class StageRuntime:
         if token in self.eos_ids and not seq.ignore_eos:
             seq.finish_reason = "stop"
             tail = seq.text.finish()
-            return TokenOut(seq.job_id, index, token, tail, seq.text.released, "stop", emit=bool(tail))
+            return TokenOut(
+                seq.job_id, seq.batch_id, index, token, tail, seq.text.released, "stop", emit=bool(tail)
+            )
         seq.generated += 1
         text = seq.text.push(token)
         if seq.text.stopped:
@@ -285,7 +325,7 @@ class StageRuntime:
         elif seq.generated >= seq.max_tokens:
             seq.finish_reason = "length"
             text += seq.text.finish()
-        return TokenOut(seq.job_id, index, token, text, seq.text.released, seq.finish_reason)
+        return TokenOut(seq.job_id, seq.batch_id, index, token, text, seq.text.released, seq.finish_reason)
 
     def _finish_batch(self, msg: StepMessage) -> None:
         """The batch is over here: free its state on every other stage and tell the batcher."""
@@ -317,10 +357,19 @@ class StageRuntime:
         )
         self._finish_batch(msg)
 
+    def _forget(self, batch_id: str) -> None:
+        self.batches.pop(batch_id, None)
+        self.sequences.pop(batch_id, None)
+        self.routes.pop(batch_id, None)
+        self.touched.pop(batch_id, None)
+        for join in self.joins.pop(batch_id, []):
+            self._forget(join.msg.batch_id)
+
     def _drop(self, batch_id: str) -> None:
         self.batches.pop(batch_id, None)
         self.sequences.pop(batch_id, None)
         self.routes.pop(batch_id, None)
+        self.touched.pop(batch_id, None)
         for join in self.joins.pop(batch_id, []):  # the host is gone: the joiner goes on alone
             self.redis.hset(self.keys.inflight(join.msg.model), join.msg.batch_id, "[]")
             self._continue(join.msg, join.alive)

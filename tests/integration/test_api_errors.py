@@ -18,6 +18,8 @@ import pytest
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "invalid_request"),
         ({"prompt": ""}, 422, "invalid_request"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 422, "invalid_request"),
+        ({"prompt": "hi", "timeout_s": 0}, 422, "invalid_request"),
+        ({"prompt": "hi", "timeout_s": 100_000}, 422, "invalid_request"),
     ],
 )
 def test_invalid_submissions(stack, body, status, code):  # type: ignore[no-untyped-def]
@@ -53,12 +55,22 @@ def test_malformed_json_is_422_not_500(stack):  # type: ignore[no-untyped-def]
     assert answer.json()["error"]["code"] == "invalid_request"
 
 
-@pytest.mark.parametrize("path", ["/v1/jobs/nope", "/v1/jobs/nope/events"])
-def test_unknown_job_is_404(stack, path):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/jobs/nope"), ("GET", "/v1/jobs/nope/events"), ("POST", "/v1/jobs/nope/cancel")],
+)
+def test_unknown_job_is_404(stack, method, path):  # type: ignore[no-untyped-def]
     with stack.client() as client:
-        answer = client.get(path)
+        answer = client.request(method, path)
     assert answer.status_code == 404
     assert answer.json()["error"]["code"] == "job_not_found"
+
+
+def test_a_bad_idempotency_key_is_422(stack):  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        answer = client.post("/v1/jobs", json={"prompt": "x"}, headers={"Idempotency-Key": "k" * 256})
+    assert answer.status_code == 422
+    assert answer.json()["error"]["code"] == "invalid_request"
 
 
 def test_bad_last_event_id_is_422(stack):  # type: ignore[no-untyped-def]
@@ -83,5 +95,9 @@ def test_health_and_readiness(stack):  # type: ignore[no-untyped-def]
         assert client.get("/healthz").json() == {"status": "ok", "checks": {}}
         ready = client.get("/readyz")
         assert ready.status_code == 200
-        assert ready.json()["checks"]["workers"]["live_per_stage"] == {"0": 1}
+        checks = ready.json()["checks"]
+        assert checks["workers"]["live_per_stage"] == {"0": 1}
+        assert checks["breaker"]["state"] == "closed" and checks["breaker"]["admitting"]
+        assert set(checks["queues"]) == {"realtime", "high", "normal", "batch"}
+        assert checks["events"] == {"subscribed": True}
         assert client.get("/openapi.json").status_code == 200

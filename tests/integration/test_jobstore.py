@@ -50,3 +50,14 @@ def test_non_strict_skips_duplicates_and_missing_jobs(store):  # type: ignore[no
         )
         == []
     )
+
+
+def test_a_guarded_move_applies_only_while_the_record_holds_the_values(store):  # type: ignore[no-untyped-def]
+    job = new_job(store)
+    store.redis.hset(store.keys.job(job), "batch_id", "b2")
+    stale = Transition(job, JobStatus.SCHEDULED, {"batch_id": "b3"}, when={"batch_id": "b1"})
+    assert store.apply([stale], strict=False) == []
+    assert store.get(job)["status"] == "queued"
+    current = Transition(job, JobStatus.SCHEDULED, {"batch_id": "b3"}, when={"batch_id": "b2"})
+    assert store.apply([current]) == [job]
+    assert store.get(job)["batch_id"] == "b3"

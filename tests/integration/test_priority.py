@@ -1,4 +1,4 @@
-"""Priority classes: with the pipeline busy, a `high` job that arrives last still runs first."""
+"""Priority classes: with the pipeline busy, a `realtime` job that arrives last still runs first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from clients import events, submit, wait
 from conftest import start_stack
 
 
-def test_high_drains_before_normal_and_low(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+def test_classes_drain_in_priority_order(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     # One batch at a time, one job per batch, no joining: the order of dispatch is the order of service.
     stack = start_stack(
         tmp_path,
@@ -31,13 +31,19 @@ def test_high_drains_before_normal_and_low(tmp_path, redis_url, tiny_model):  # 
             normal = submit(client, priority="normal", **body)
             time.sleep(0.1)
             high = submit(client, priority="high", **body)
-            jobs = {
-                name: wait(client, j["id"])
-                for name, j in [("low0", low[0]), ("low1", low[1]), ("normal", normal), ("high", high)]
-            }
+            realtime = submit(client, priority="realtime", **body)
+            named = [
+                ("low0", low[0]),
+                ("low1", low[1]),
+                ("normal", normal),
+                ("high", high),
+                ("realtime", realtime),
+            ]
+            jobs = {name: wait(client, j["id"]) for name, j in named}
             assert wait(client, busy["id"])["status"] == "succeeded"
     finally:
         stack.stop()
     assert all(j["status"] == "succeeded" for j in jobs.values())
     order = sorted(jobs, key=lambda name: jobs[name]["timings"]["scheduled_at"])
-    assert order == ["high", "normal", "low0", "low1"]
+    assert order == ["realtime", "high", "normal", "low0", "low1"]
+    assert jobs["low0"]["priority"] == "batch"  # `low` is an alias of `batch`, stored as its class

@@ -34,4 +34,5 @@ def test_script_arguments_name_the_allowed_sources_and_stamp_the_time():
     n = int(args[1])
     assert args[0] == "succeeded"
     assert set(args[2 : 2 + n]) == set(predecessors(JobStatus.SUCCEEDED)) == {"running"}
-    assert args[2 + n :] == [TIMESTAMP_FIELD[JobStatus.SUCCEEDED], "12.5", "text", "hi"]
+    assert args[2 + n] == "0"  # no guard
+    assert args[3 + n :] == [TIMESTAMP_FIELD[JobStatus.SUCCEEDED], "12.5", "text", "hi"]

@@ -1,9 +1,9 @@
-from app.batching.windows import Item, Limits, length_bucket, next_deadline, plan
+from app.batching.windows import Item, Limits, expired, length_bucket, next_deadline, plan
 
 LIMITS = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64, 128, 256))
 
 
-def item(i: int, *, tokens: int = 10, priority: int = 1, arrived: float = 0.0, model: str = "m") -> Item:
+def item(i: int, *, tokens: int = 10, priority: int = 2, arrived: float = 0.0, model: str = "m") -> Item:
     return Item(job_id=f"j{i}", model=model, prompt_tokens=tokens, priority=priority, arrived=arrived)
 
 
@@ -59,3 +59,46 @@ def test_buckets_separate_prompt_lengths_and_models():
 def test_next_deadline_is_the_oldest_window():
     assert next_deadline([], LIMITS) is None
     assert next_deadline([item(0, arrived=1.0), item(1, arrived=0.5)], LIMITS) == 0.55
+
+
+def test_aging_lifts_a_waiting_job_one_class_per_aging_period():
+    limits = Limits(1, 0.0, (64,), aging_s=10.0)
+    old_batch_job = item(0, priority=3, arrived=0.0)
+    new_realtime = item(1, priority=0, arrived=25.0)
+    # At t=26 the batch job has aged 2.6 classes (3 -> 0.4): the fresh realtime job still wins.
+    assert ids(
+        plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=26.0)
+    ) == [["j1"]]
+    # From 3 x aging_s on, it ranks as realtime and its earlier arrival puts it first: it cannot starve.
+    assert ids(
+        plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=30.0)
+    ) == [["j0"]]
+
+
+def test_without_aging_the_order_is_strict():
+    limits = Limits(1, 0.0, (64,), aging_s=0.0)
+    pending = [item(0, priority=3, arrived=0.0), item(1, priority=2, arrived=1000.0)]
+    assert ids(plan(pending, inflight={}, capacity={"m": 1}, limits=limits, now=5000.0)) == [["j1"]]
+
+
+def test_a_job_past_its_deadline_expires_instead_of_running():
+    late = Item("late", "m", 10, 2, arrived=0.0, deadline=1.0)
+    on_time = Item("ok", "m", 10, 2, arrived=0.0, deadline=10.0)
+    assert [it.job_id for it in expired([late, on_time], now=2.0)] == ["late"]
+    assert ids(plan([late, on_time], inflight={}, capacity={"m": 1}, limits=LIMITS, now=2.0)) == [["ok"]]
+    assert next_deadline([on_time], LIMITS) == LIMITS.max_wait_s  # the window closes first
+    assert next_deadline([Item("x", "m", 1, 2, arrived=0.0, deadline=0.01)], LIMITS) == 0.01
+
+
+def test_a_job_recovered_more_than_once_runs_alone():
+    suspect = Item("suspect", "m", 10, 2, arrived=0.0, alone=True)
+    mates = [item(i, priority=2, arrived=0.0) for i in range(3)]
+    batches = plan([suspect, *mates], inflight={}, capacity={"m": 2}, limits=LIMITS, now=1.0)
+    assert sorted(ids(batches)) == [["j0", "j1", "j2"], ["suspect"]]
+
+
+def test_urgent_classes_skip_the_window_when_the_pipeline_is_busy():
+    normal = [item(0, priority=2)]
+    high = [item(1, priority=1)]
+    assert plan(normal, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0) == []
+    assert ids(plan(high, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [["j1"]]

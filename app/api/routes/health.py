@@ -7,8 +7,10 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from app.api.deps import get_settings
+from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
+from app.api.service import JobService
+from app.core.breaker import Action, decide
 from app.core.config import Settings
 from app.core.keys import Keys
 
@@ -22,8 +24,13 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
-async def readyz(request: Request, settings: Settings = Depends(get_settings)) -> JSONResponse:
-    """Redis answers, and every stage of the default model's pipeline has a live worker."""
+async def readyz(
+    request: Request, settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
+) -> JSONResponse:
+    """Redis answers, and every stage of the default model's pipeline has a live worker.
+
+    Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
+    per priority class, and whether this process's event subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
     checks: dict[str, object] = {}
@@ -39,9 +46,23 @@ async def readyz(request: Request, settings: Settings = Depends(get_settings)) -
             )
             stages[str(stage)] = len(live)
         checks["workers"] = {"model": settings.default_model, "live_per_stage": stages}
+        breaker = jobs.admission.breaker
+        snap = await breaker.snapshot(settings.default_model, now)
+        ok, failed = snap.counted(now, breaker.policy.interval_s)
+        verdict = decide(snap, breaker.policy, now)
+        checks["breaker"] = {
+            "model": settings.default_model,
+            "state": str(snap.state),
+            "admitting": verdict.action not in (Action.REFUSE, Action.TRIP),
+            "succeeded": ok,
+            "failed": failed,
+            "interval_s": breaker.policy.interval_s,
+        }
+        checks["queues"] = await jobs.admission.depths()
         ready = all(n > 0 for n in stages.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         ready = False
+    checks["events"] = {"subscribed": jobs.hub.subscribed}
     body = Health(status="ready" if ready else "not_ready", checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import asyncio
+from contextlib import suppress
+
+from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from app.api.deps import get_jobs, get_settings
-from app.api.routes.jobs import ERRORS, event_stream
+from app.api.routes.jobs import IDEMPOTENCY_KEY, SUBMIT_ERRORS, event_stream, mark_replayed
 from app.api.schemas import InferenceRequest, JobCreate, JobPublic
 from app.api.service import JobService
 from app.core.config import Settings
@@ -15,20 +18,60 @@ from app.core.jobs import JobStatus
 
 router = APIRouter(tags=["inference"])
 
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log does
 
-@router.post("/v1/inference", response_model=JobPublic, responses={**ERRORS, 504: ERRORS[404]})
+
+@router.post("/v1/inference", response_model=JobPublic, responses={**SUBMIT_ERRORS, 504: SUBMIT_ERRORS[404]})
 async def inference(
-    body: InferenceRequest, jobs: JobService = Depends(get_jobs), settings: Settings = Depends(get_settings)
-) -> JobPublic | EventSourceResponse:
-    """Run a job to its end and return it; with `stream: true`, answer with its server-sent events."""
-    record = await jobs.submit(JobCreate.model_validate(body.model_dump(exclude={"stream"})))
+    body: InferenceRequest,
+    request: Request,
+    response: Response,
+    jobs: JobService = Depends(get_jobs),
+    settings: Settings = Depends(get_settings),
+    idempotency_key: str | None = IDEMPOTENCY_KEY,
+) -> JobPublic | EventSourceResponse | Response:
+    """Run a job to its end and return it; with `stream: true`, answer with its server-sent events.
+
+    A client that disconnects before the end cancels the job (`cancel_on_disconnect`)."""
+    job = JobCreate.model_validate(body.model_dump(exclude={"stream"}))
+    submitted = await jobs.submit(job, idempotency_key=idempotency_key)
+    job_id = submitted.record["id"]
     if body.stream:
-        return event_stream(jobs, record["id"], settings, after=None)
-    record = await jobs.wait(record["id"], settings.sync_timeout_s)
+        stream = event_stream(
+            jobs, job_id, settings, after=None, cancel_on_disconnect=settings.cancel_on_disconnect
+        )
+        mark_replayed(stream, submitted)
+        return stream
+    mark_replayed(response, submitted)
+    record = await wait_unless_gone(request, jobs, job_id, settings)
+    if record is None:
+        return Response(status_code=CLIENT_CLOSED)
     if not JobStatus(record["status"]).is_finished:
         raise SyncTimeout(
-            f"job {record['id']} did not finish within {settings.sync_timeout_s:g} s; "
-            f"poll /v1/jobs/{record['id']}",
-            job_id=record["id"],
+            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            job_id=job_id,
         )
     return JobPublic.from_record(record)
+
+
+async def wait_unless_gone(
+    request: Request, jobs: JobService, job_id: str, settings: Settings
+) -> dict[str, str] | None:
+    """The job's record once it ends (or at the sync timeout); None when the client went away first,
+    which cancels the job if `cancel_on_disconnect`."""
+    waiter = asyncio.ensure_future(jobs.wait(job_id, settings.sync_timeout_s))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                if settings.cancel_on_disconnect:
+                    jobs.cancel_soon(job_id, "the client disconnected")
+                return None
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            with suppress(asyncio.CancelledError):
+                await waiter

@@ -1,0 +1,174 @@
+"""The monitor: finds scheduled or running jobs that stopped making progress and runs them again.
+
+Every sign of progress (the batcher's dispatch, stage 0 starting a prefill, every token) scores
+the job in the `progress` sorted set. A job whose score is older than `stall_timeout_s` lost a
+worker (killed, out of memory) or sits behind one that missed its step deadline. The monitor
+moves it to `recovering`, counts the attempt and puts it back on its class's intake stream, all
+in one script; the batcher schedules it again like any job, and stage 0 prefills it with its
+prompt plus the tokens it had already streamed (they are in its event stream), so the client
+sees the stream continue, with neither a gap nor a duplicate: the old batch, if it ever wakes
+up, can no longer write to the job (tokens are written only for the batch in its record).
+
+A job that reaches `max_attempts` fails (`worker_lost`). One recovered more than once runs in a
+batch of its own (`windows.Item.alone`): if it is what kills workers, it dies alone.
+
+Recovering only helps where the job can run again, and a worker that comes back still has to
+load its weights. So a model's jobs are left alone while one of its stages has no live worker
+(heartbeats), and for `stall_timeout_s` after a worker joins: the clock restarts then, instead of
+spending an attempt on a pipeline that is still warming up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from app.batching.intake import intake_fields
+from app.core import breaker
+from app.core.keys import Keys
+
+log = logging.getLogger(__name__)
+
+# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model.
+# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, stream ttl, announce
+# channel, error JSON, then the intake entry's field/value pairs.
+# Moves scheduled|running -> recovering (re-queued) or -> failed; returns the new status or ''.
+RECOVER_LUA = """
+local job = ARGV[1]
+local score = redis.call('ZSCORE', KEYS[1], job)
+if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
+redis.call('ZREM', KEYS[1], job)
+local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id')
+if rec[1] ~= 'scheduled' and rec[1] ~= 'running' then return '' end
+if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
+local attempts = tonumber(rec[2] or '0') + 1
+if attempts >= tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[2], 'status', 'failed', 'finished_at', ARGV[4], 'attempts', attempts,
+             'error', ARGV[8])
+  redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'error', 'data', ARGV[8])
+  redis.call('EXPIRE', KEYS[3], ARGV[6])
+  redis.call('PUBLISH', ARGV[7], 'error')
+  return 'failed'
+end
+redis.call('HSET', KEYS[2], 'status', 'recovering', 'recovered_at', ARGV[4], 'attempts', attempts)
+local entry = {}
+for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
+table.insert(entry, 'attempts')
+table.insert(entry, tostring(attempts))
+redis.call('XADD', KEYS[4], '*', unpack(entry))
+return 'recovering'
+"""
+
+
+class Monitor:
+    def __init__(
+        self,
+        redis: Any,
+        keys: Keys,
+        *,
+        stall_timeout_s: float,
+        max_attempts: int,
+        ttl_s: int,
+        stream_maxlen: int,
+        stages: int = 1,
+        heartbeat_ttl_s: float = 10.0,
+    ) -> None:
+        self.stages = stages
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.members: dict[str, list[set[str]]] = {}  # model -> live workers per stage, last sweep
+        self.joined_at: dict[str, float] = {}  # model -> when a worker last joined its pipeline
+        self.redis = redis
+        self.keys = keys
+        self.stall_timeout_s = stall_timeout_s
+        self.max_attempts = max_attempts
+        self.ttl_s = ttl_s
+        self.stream_maxlen = stream_maxlen
+        self._recover = redis.register_script(RECOVER_LUA)
+
+    def sweep(self, now: float | None = None) -> dict[str, str]:
+        """Recover every stalled job; returns job id -> new status (recovering or failed)."""
+        now = time.time() if now is None else now
+        cutoff = now - self.stall_timeout_s
+        stalled = [_text(j) for j in self.redis.zrangebyscore(self.keys.progress(), "-inf", cutoff)]
+        if not stalled:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in stalled:
+            pipe.hmget(self.keys.job(job_id), ["model", "priority", "prompt_tokens", "completion_tokens"])
+        records = pipe.execute()
+        moved: dict[str, str] = {}
+        ready: dict[str, bool] = {}
+        for job_id, (model, priority, prompt, completion) in zip(stalled, records, strict=True):
+            if model is None:  # the record expired: nothing to run
+                self.redis.zrem(self.keys.progress(), job_id)
+                continue
+            model, priority = _text(model), _text(priority or b"normal")
+            if model not in ready:
+                ready[model] = self.pipeline_ready(model, now)
+            if not ready[model]:
+                continue
+            tokens = int(prompt or 0) + int(completion or 0)  # what the new prefill will hold
+            error = {
+                "code": "worker_lost",
+                "message": f"no progress for {self.stall_timeout_s:g} s in {self.max_attempts} attempts "
+                "(a worker died or missed its step deadline each time)",
+            }
+            entry = intake_fields(job_id=job_id, model=model, prompt_tokens=tokens, priority=priority)
+            keys = [
+                self.keys.progress(),
+                self.keys.job(job_id),
+                self.keys.events(job_id),
+                self.keys.intake(priority),
+                self.keys.inflight(model),
+            ]
+            args: list[Any] = [job_id, cutoff, self.max_attempts, repr(now), self.stream_maxlen, self.ttl_s]
+            args += [self.keys.announce(job_id), json.dumps(error)]
+            args += [x for pair in entry.items() for x in pair]
+            status = _text(self._recover(keys=keys, args=args))
+            if status == "failed":  # a pipeline that keeps losing workers trips its breaker
+                breaker.recorder(self.redis, self.keys, model)(0, 1)
+            if status:
+                moved[job_id] = status
+                log.warning("job %s stalled for %.0f s: %s", job_id, self.stall_timeout_s, status)
+        return moved
+
+    def pipeline_ready(self, model: str, now: float) -> bool:
+        """Every stage has a live worker, and none joined within the last stall_timeout_s."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stage in range(self.stages):
+            pipe.zrangebyscore(self.keys.workers(model, stage), now - self.heartbeat_ttl_s, "+inf")
+        live = [{_text(m) for m in members} for members in pipe.execute()]
+        before = self.members.get(model)
+        if before is not None and any(now_ - was for now_, was in zip(live, before, strict=True)):
+            self.joined_at[model] = now
+        self.members[model] = live
+        if before is None:  # first look: assume the pipeline just formed
+            self.joined_at.setdefault(model, now - self.stall_timeout_s)
+        return all(live) and now - self.joined_at.get(model, -float("inf")) >= self.stall_timeout_s
+
+    def prune_inflight(self, model: str) -> int:
+        """Forget in-flight batches none of whose jobs is still progressing (their slot is free)."""
+        entries = self.redis.hgetall(self.keys.inflight(model))
+        if not entries:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for job_ids in entries.values():
+            for job_id in json.loads(job_ids):
+                pipe.zscore(self.keys.progress(), job_id)
+        scores = iter(pipe.execute())
+        dead = []
+        for batch_id, job_ids in entries.items():
+            alive = [score for _ in json.loads(job_ids) if (score := next(scores)) is not None]
+            if not alive:
+                dead.append(batch_id)
+        if dead:
+            self.redis.hdel(self.keys.inflight(model), *dead)
+        return len(dead)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)

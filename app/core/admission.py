@@ -1,0 +1,335 @@
+"""Admission at submit: is the model's pipeline up, is there room, can the job meet its deadline?
+
+The gates, in order; the first that refuses answers, with a Retry-After:
+
+1. a stage of the model's pipeline without a live worker for longer than `stage_down_after_s`
+   (default 2 x heartbeat_ttl_s)                                      -> 503 stage_unavailable
+   (shorter gaps are a worker being restarted: jobs accepted meanwhile wait in the intake);
+2. the model's circuit breaker is open, or half-open with its probe out -> 503 circuit_open;
+3. jobs waiting over every class >= `overload_limit`                   -> 503 overloaded;
+4. jobs waiting in the job's class >= `queue_depth_limit`              -> 429 queue_full;
+5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable.
+
+"Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
+dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`),
+so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements, read once.
+
+Predicted wait (gate 5):  W = A / R, where
+  A = jobs waiting in the job's class and every higher one (they start before it), and
+  R = the model's measured completion rate: jobs that ended (succeeded or failed) within the
+      breaker's interval, divided by the time since the first of them ended (at least 1 s).
+No job ended within the interval (a cold or idle model): no prediction, no refusal. A is counted
+over every model (the intake streams are per class), so with several models it errs high.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.core import breaker
+from app.core.config import Settings
+from app.core.errors import (
+    CircuitOpen,
+    DeadlineUnmeetable,
+    Overloaded,
+    QueueFull,
+    StageUnavailable,
+)
+from app.core.keys import PRIORITIES, Keys
+
+MAX_RETRY_AFTER_S = 60.0  # a drain estimate past a minute is a guess; ask again within one
+STAGE_MARK_TTL_S = 86_400  # a stage-down mark is deleted when a worker is back; this only bounds it
+
+
+@dataclass(frozen=True)
+class StageSeen:
+    """One stage of a model's pipeline as its heartbeats show it."""
+
+    stage: int
+    last_beat: float | None  # the newest heartbeat of any of its workers (unix seconds)
+    marked_down: float | None  # since when an API process has seen it without a live worker
+
+
+def down_since(seen: StageSeen, *, now: float, ttl_s: float) -> float | None:
+    """Since when the stage has had no live worker; None while one is live.
+
+    A stage with a stale heartbeat has been down since that beat plus the TTL; one with no
+    heartbeat at all (a worker that withdrew, a key that expired) since an API process first saw it
+    so (the mark), unless a worker has beaten since the mark was set (then the mark is stale)."""
+    if seen.last_beat is not None and seen.last_beat >= now - ttl_s:
+        return None
+    if seen.marked_down is not None and (seen.last_beat is None or seen.last_beat <= seen.marked_down):
+        return seen.marked_down
+    if seen.last_beat is not None:
+        return seen.last_beat + ttl_s
+    return now
+
+
+def check_stages(
+    model: str, stages: Sequence[StageSeen], *, now: float, ttl_s: float, after_s: float
+) -> None:
+    """Gate 1: refuse when a stage has been without a live worker for longer than `after_s`."""
+    for seen in stages:
+        since = down_since(seen, now=now, ttl_s=ttl_s)
+        if since is not None and now - since > after_s:
+            raise StageUnavailable(
+                f"stage {seen.stage} of the {model} pipeline has had no live worker for "
+                f"{now - since:.0f} s; retry later",
+                retry_after_s=ttl_s,
+                model=model,
+                stage=seen.stage,
+                down_for_s=round(now - since, 1),
+            )
+
+
+def waiting_ahead(depths: Mapping[str, int], priority: str) -> int:
+    """Jobs that start before a new job of `priority`: its class and every higher one."""
+    return sum(depths.get(p, 0) for p in PRIORITIES[: PRIORITIES.index(priority) + 1])
+
+
+def predicted_wait_s(depths: Mapping[str, int], priority: str, rate: float | None) -> float | None:
+    """W = A / R (module docstring); None without a measured rate."""
+    if not rate:
+        return None
+    return waiting_ahead(depths, priority) / rate
+
+
+def drain_s(excess: int, rate: float | None, fallback_s: float) -> float:
+    """Seconds until `excess` jobs have left at the measured rate (the fallback without one)."""
+    if not rate:
+        return fallback_s
+    return min(MAX_RETRY_AFTER_S, max(1.0, excess / rate))
+
+
+@dataclass(frozen=True)
+class Limits:
+    class_depth: int
+    overall: int
+    retry_after_s: float  # when no completion rate is measured
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(settings.queue_depth_limit, settings.overload_limit, settings.retry_after_s)
+
+
+def check_load(depths: Mapping[str, int], priority: str, *, limits: Limits, rate: float | None) -> None:
+    """Gates 3 and 4 (the write script checks them again, atomically)."""
+    overload(sum(depths.values()), limits=limits, rate=rate)
+    queue_full(depths.get(priority, 0), priority, limits=limits, rate=rate)
+
+
+def overload(total: int, *, limits: Limits, rate: float | None) -> None:
+    if total >= limits.overall:
+        raise Overloaded(
+            f"{total} jobs are waiting, the most this service queues; retry later",
+            retry_after_s=drain_s(total - limits.overall + 1, rate, limits.retry_after_s),
+            waiting=total,
+            limit=limits.overall,
+        )
+
+
+def queue_full(depth: int, priority: str, *, limits: Limits, rate: float | None) -> None:
+    if depth >= limits.class_depth:
+        raise QueueFull(
+            f"{depth} {priority} jobs are waiting, the most this class queues; retry later",
+            retry_after_s=drain_s(depth - limits.class_depth + 1, rate, limits.retry_after_s),
+            priority=priority,
+            waiting=depth,
+            limit=limits.class_depth,
+        )
+
+
+def check_deadline(
+    depths: Mapping[str, int], priority: str, timeout_s: float | None, rate: float | None
+) -> None:
+    """Gate 5: refuse a job whose predicted queue wait already exceeds its timeout_s."""
+    wait = predicted_wait_s(depths, priority, rate)
+    if timeout_s is None or wait is None or wait <= timeout_s:
+        return
+    raise DeadlineUnmeetable(
+        f"about {wait:.1f} s of queue is ahead of this job ({waiting_ahead(depths, priority)} jobs at "
+        f"{rate:.2f} jobs/s), longer than its timeout_s of {timeout_s:g}",
+        retry_after_s=min(MAX_RETRY_AFTER_S, wait - timeout_s),
+        predicted_wait_s=round(wait, 1),
+        timeout_s=timeout_s,
+    )
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A job that passed the gates: what the write needs to know."""
+
+    model: str
+    priority: str
+    probe: bool  # it is the half-open breaker's probe: the claim is released if it is not written
+    rate: float | None
+
+
+@dataclass(frozen=True)
+class Written:
+    """The write's outcome: the job was queued, or `held` names the job its Idempotency-Key made."""
+
+    held: str | None = None
+
+
+# KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
+# KEYS[3+c] = the Idempotency-Key's key (absent without one).
+# ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
+# [6] = idempotency ttl, [7] = r, then r record field/value items, then the intake entry's items.
+# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} | {'ok', depth}.
+ADMIT_LUA = """
+local c = tonumber(ARGV[1])
+local idem = KEYS[3 + c]
+if idem then
+  local held = redis.call('GET', idem)
+  if held then return {'held', held} end
+end
+local total = 0
+for i = 3, 2 + c do total = total + redis.call('XLEN', KEYS[i]) end
+if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
+local depth = redis.call('XLEN', KEYS[2])
+if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
+local r = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + r))
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 8 + r, #ARGV))
+if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
+return {'ok', depth}
+"""
+
+
+class Admission:
+    """The gates and the write, over redis.asyncio; one per API process."""
+
+    def __init__(self, redis: Any, keys: Keys, settings: Settings) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.limits = Limits.from_settings(settings)
+        self.breaker = breaker.Breaker(redis, keys, breaker.Policy.from_settings(settings))
+        self._admit = redis.register_script(ADMIT_LUA)
+
+    @property
+    def stage_down_after_s(self) -> float:
+        return self.settings.stage_down_after_s or 2 * self.settings.heartbeat_ttl_s
+
+    async def depths(self) -> dict[str, int]:
+        """Jobs waiting per priority class."""
+        pipe = self.redis.pipeline(transaction=False)
+        for priority in PRIORITIES:
+            pipe.xlen(self.keys.intake(priority))
+        return dict(zip(PRIORITIES, map(int, await pipe.execute()), strict=True))
+
+    async def read(self, model: str, now: float) -> tuple[list[StageSeen], breaker.Snapshot, dict[str, int]]:
+        """Everything the gates look at, in one round trip: per stage its newest heartbeat and down
+        mark, the model's breaker, the depth of every class. Down marks are then set or cleared."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stage in range(self.settings.stages):
+            pipe.zrevrange(self.keys.workers(model, stage), 0, 0, withscores=True)
+            pipe.get(self.keys.stage_down(model, stage))
+        snapshot = self.breaker.read(pipe, model, now)
+        for priority in PRIORITIES:
+            pipe.xlen(self.keys.intake(priority))
+        replies = await pipe.execute()
+        n = 2 * self.settings.stages
+        seen = []
+        for stage in range(self.settings.stages):
+            newest, mark = replies[2 * stage], replies[2 * stage + 1]
+            last = float(newest[0][1]) if newest else None
+            seen.append(StageSeen(stage, last, float(mark) if mark else None))
+        snap = snapshot.parse(replies[n : n + snapshot.replies])
+        depths = dict(zip(PRIORITIES, map(int, replies[n + snapshot.replies :]), strict=True))
+        await self._mark(model, seen, now)
+        return seen, snap, depths
+
+    async def _mark(self, model: str, seen: list[StageSeen], now: float) -> None:
+        """Remember since when a stage has been down (or forget it): shared by every API process."""
+        ttl = self.settings.heartbeat_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        for s in seen:
+            since = down_since(s, now=now, ttl_s=ttl)
+            if since is None and s.marked_down is not None:
+                pipe.delete(self.keys.stage_down(model, s.stage))
+            elif since is not None and since != s.marked_down:
+                pipe.set(self.keys.stage_down(model, s.stage), repr(since), ex=STAGE_MARK_TTL_S)
+        if len(pipe):
+            await pipe.execute()
+
+    async def check(self, *, model: str, priority: str, timeout_s: float | None, now: float) -> Ticket:
+        """Run gates 1-5 for one job (one round trip of reads); raise the first refusal."""
+        seen, snap, depths = await self.read(model, now)
+        check_stages(
+            model, seen, now=now, ttl_s=self.settings.heartbeat_ttl_s, after_s=self.stage_down_after_s
+        )
+        policy = self.breaker.policy
+        verdict = breaker.decide(snap, policy, now)
+        if verdict.action == breaker.Action.TRIP:
+            await self.breaker.trip(model, snap, now)
+        if verdict.action in (breaker.Action.TRIP, breaker.Action.REFUSE):
+            raise self._open(model, verdict.retry_after_s, verdict.reason)
+        rate = snap.completion_rate(now, policy.interval_s)
+        check_load(depths, priority, limits=self.limits, rate=rate)
+        check_deadline(depths, priority, timeout_s, rate)
+        probe = False
+        if verdict.action == breaker.Action.PROBE:
+            probe = await self.breaker.claim_probe(model, now)
+            if not probe:  # another submit claimed it first
+                raise self._open(
+                    model, min(policy.interval_s, self.settings.retry_after_s), "a probe job is out"
+                )
+        return Ticket(model=model, priority=priority, probe=probe, rate=rate)
+
+    def _open(self, model: str, retry_after_s: float, reason: str) -> CircuitOpen:
+        return CircuitOpen(
+            f"the circuit breaker of the {model} pipeline is open ({reason}); retry later",
+            retry_after_s=retry_after_s,
+            model=model,
+        )
+
+    async def write(
+        self,
+        ticket: Ticket,
+        *,
+        job_id: str,
+        record: Mapping[str, str],
+        intake: Mapping[str, str],
+        idempotency: tuple[str, str] | None,
+    ) -> Written:
+        """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically."""
+        keys = [self.keys.job(job_id), self.keys.intake(ticket.priority)]
+        keys += [self.keys.intake(p) for p in PRIORITIES]
+        ttl = min(self.settings.idempotency_ttl_s, self.settings.job_ttl_s)  # the job outlives its key
+        value = ""
+        if idempotency is not None:
+            keys.append(self.keys.idempotency(idempotency[0]))
+            value = idempotency[1]
+        items = [x for pair in record.items() for x in pair]
+        args: list[Any] = [len(PRIORITIES), self.limits.class_depth, self.limits.overall]
+        args += [self.settings.job_ttl_s, value, ttl, len(items), *items]
+        args += [x for pair in intake.items() for x in pair]
+        try:
+            outcome, detail = await self._admit(keys=keys, args=args)
+            outcome = _text(outcome)
+            if outcome == "ok":
+                return Written()
+            if outcome == "held":
+                if ticket.probe:
+                    await self.breaker.release_probe(ticket.model)
+                return Written(held=_text(detail))
+            if outcome == "overloaded":
+                overload(int(detail), limits=self.limits, rate=ticket.rate)
+            queue_full(int(detail), ticket.priority, limits=self.limits, rate=ticket.rate)
+            raise AssertionError(f"admit script answered {outcome!r}")  # pragma: no cover
+        except BaseException:
+            if ticket.probe:  # the probe was not queued: let the next submit be it
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.breaker.release_probe(ticket.model))
+            raise
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
