@@ -61,6 +61,10 @@ class Keys:
         """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
         return f"{self.namespace}:workers:{model}:{stage}"
 
+    def devices(self) -> str:
+        """Hash: worker -> its GPU's memory, utilisation and temperature (JSON), from its heartbeat."""
+        return f"{self.namespace}:devices"
+
     def latency(self, model: str) -> str:
         """Hash: stage -> its measured step latency (JSON), for `conveyor plan --rebalance`."""
         return f"{self.namespace}:latency:{model}"

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from app.core.config import Settings
+from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ def serve(
     hostname: str,
     queues: list[str],
     lane: LaneConsumer | None = None,
+    device: str = "cpu",
     loglevel: str = "INFO",
 ) -> None:
     """Run a solo-pool worker on `queues` (one process owns one partition), beating its heartbeat.
@@ -75,7 +77,13 @@ def serve(
     for name in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
     heartbeat = Heartbeat(
-        redis, heartbeat_key, worker, interval_s=settings.heartbeat_interval_s, ttl_s=settings.heartbeat_ttl_s
+        redis,
+        heartbeat_key,
+        worker,
+        interval_s=settings.heartbeat_interval_s,
+        ttl_s=settings.heartbeat_ttl_s,
+        devices_key=Keys(settings.namespace).devices(),
+        device=device,
     )
     heartbeat.beat()
     heartbeat.start()

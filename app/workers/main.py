@@ -144,6 +144,7 @@ def run_worker(
         hostname=f"stage{stage}-{model}-{worker}",
         queues=[identity.shared_queue],
         lane=lane.LaneConsumer(redis, identity.lane, handle),
+        device=device,
         loglevel=loglevel,
     )
 

@@ -100,4 +100,30 @@ def test_health_and_readiness(stack):  # type: ignore[no-untyped-def]
         assert checks["breaker"]["state"] == "closed" and checks["breaker"]["admitting"]
         assert set(checks["queues"]) == {"realtime", "high", "normal", "batch"}
         assert checks["events"] == {"subscribed": True}
+        assert "devices" not in checks  # CPU workers have no device state to report
         assert client.get("/openapi.json").status_code == 200
+
+
+def test_readiness_shows_what_gpu_workers_report_and_drops_stale_reports(stack, redis):  # type: ignore[no-untyped-def]
+    import json
+    import time
+
+    from app.core.keys import Keys
+
+    key = Keys(stack.namespace).devices()
+    fresh = {"device": "cuda:0", "memory_used_mib": 1024.0, "utilization_pct": 87, "temperature_c": 61}
+    redis.hset(key, mapping={"gpu-worker": json.dumps({**fresh, "at": time.time()}),
+                             "gone-worker": json.dumps({**fresh, "at": time.time() - 3600})})  # fmt: skip
+    try:
+        with stack.client() as client:
+            devices = client.get("/readyz").json()["checks"]["devices"]
+        assert set(devices) == {"gpu-worker"}
+        assert devices["gpu-worker"]["temperature_c"] == 61
+    finally:
+        redis.delete(key)
+
+
+def test_a_cpu_worker_reports_no_device() -> None:
+    from app.workers.device import device_stats
+
+    assert device_stats("cpu") is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from fastapi import APIRouter, Depends, Request
@@ -30,7 +31,8 @@ async def readyz(
     """Redis answers, and every stage of the default model's pipeline has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
-    per priority class, and whether this process's event subscription is up."""
+    per priority class, each GPU worker's device state, and whether this process's event
+    subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
     checks: dict[str, object] = {}
@@ -59,6 +61,13 @@ async def readyz(
             "interval_s": breaker.policy.interval_s,
         }
         checks["queues"] = await jobs.admission.depths()
+        devices = {
+            worker.decode(): stats
+            for worker, raw in (await redis.hgetall(keys.devices())).items()
+            if now - (stats := json.loads(raw)).get("at", 0) <= settings.heartbeat_ttl_s
+        }
+        if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
+            checks["devices"] = devices
         ready = all(n > 0 for n in stages.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

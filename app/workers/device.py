@@ -1,0 +1,38 @@
+"""What a GPU stage worker reports about its device with each heartbeat (shown by /readyz).
+
+NVML (the `nvidia-ml-py` package, imported as `pynvml`) gives memory, utilisation and temperature;
+without it, torch still gives the memory. On the CPU there is nothing to report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def device_stats(device: str) -> dict[str, Any] | None:
+    """Memory (MiB), utilisation (%) and temperature (°C) of `cuda:N`; None for the CPU."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    index = int(device.partition(":")[2] or 0)
+    stats: dict[str, Any] = {"device": device, "name": torch.cuda.get_device_name(index), "at": time.time()}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        stats["memory_used_mib"] = memory.used / 2**20
+        stats["memory_total_mib"] = memory.total / 2**20
+        stats["utilization_pct"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        stats["temperature_c"] = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    except Exception:  # no NVML: torch still knows the memory
+        free, total = torch.cuda.mem_get_info(index)
+        stats["memory_used_mib"] = (total - free) / 2**20
+        stats["memory_total_mib"] = total / 2**20
+    return stats
