@@ -24,6 +24,10 @@ cli = typer.Typer(
 )
 model_cli = typer.Typer(help="Manage local models.", no_args_is_help=True)
 cli.add_typer(model_cli, name="model")
+webhooks_cli = typer.Typer(
+    help="Webhook delivery processes (`conveyor up` starts both).", no_args_is_help=True
+)
+cli.add_typer(webhooks_cli, name="webhooks")
 
 
 def _logging(level: str = "INFO") -> None:
@@ -75,12 +79,20 @@ def up(
             raise typer.Exit(1) from exc
         supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
     env["REDIS_URL"] = url
+    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
+        from app.webhooks.signing import ensure_secret_file
+
+        secret_file = settings.home / "webhook_secret"
+        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
+        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
     if redis_process is not None:
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
     me = [sys.executable, "-m", "app.cli"]
     supervisor.add(Child("api", [*me, "api"]))
     supervisor.add(Child("batcher", [*me, "batcher"]))
+    supervisor.add(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
+    supervisor.add(Child("callbacks", [*me, "webhooks", "worker"]))
     for stage in range(settings.stages):
         argv = [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)]
         for replica in range(settings.replicas):
@@ -154,6 +166,24 @@ def batcher() -> None:
 
     _logging()
     run_batcher(_settings())
+
+
+@webhooks_cli.command("dispatcher")
+def webhooks_dispatcher() -> None:
+    """Follow the event streams of jobs with a callback_url; enqueue one delivery per webhook event."""
+    from app.webhooks.dispatcher import run_dispatcher
+
+    _logging()
+    run_dispatcher(_settings())
+
+
+@webhooks_cli.command("worker")
+def webhooks_worker() -> None:
+    """Deliver webhooks: a Celery worker (thread pool) on the callbacks queue."""
+    from app.webhooks.worker import run_callbacks_worker
+
+    _logging()
+    run_callbacks_worker(_settings())
 
 
 @cli.command()

@@ -1,10 +1,11 @@
 """`conveyor up`: start the whole stack in the foreground and supervise it.
 
-Children: Redis (embedded, when no REDIS_URL is given), the api, the batcher, one worker per
-stage, and Flower. Each child's output is prefixed with its name. A child that exits on its own is
-reported and restarted with backoff; one that keeps dying (more than `MAX_RESTARTS` times within
-`RESTART_WINDOW_S`) brings the stack down with a non-zero exit, and so does the embedded Redis
-dying. Ctrl-C or SIGTERM stops every child: api first, Redis last, SIGKILL after a grace period.
+Children: Redis (embedded, when no REDIS_URL is given), the api, the batcher, the webhook
+dispatcher and callbacks worker, one worker per stage, and Flower. Each child's output is prefixed
+with its name. A child that exits on its own is reported and restarted with backoff; one that keeps
+dying (more than `MAX_RESTARTS` times within `RESTART_WINDOW_S`) brings the stack down with a
+non-zero exit, and so does the embedded Redis dying. Ctrl-C or SIGTERM stops every child: api first,
+Redis last, SIGKILL after a grace period.
 """
 
 from __future__ import annotations

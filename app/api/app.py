@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from app.api import errors
 from app.api.catalog import Catalog
 from app.api.events import EventHub
-from app.api.routes import embeddings, health, inference, jobs
+from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, ws
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import ConveyorError
@@ -76,7 +76,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     errors.install(app)
     app.include_router(jobs.router)
+    app.include_router(deliveries.router)  # Webhooks: GET /v1/jobs/{id}/deliveries
+    app.include_router(ws.router)
     app.include_router(inference.router)
     app.include_router(embeddings.router)
+    app.include_router(openai.router)
     app.include_router(health.router)
     return app

@@ -59,11 +59,26 @@ class JobCreate(BaseModel):
         "Refused at once (429) when the predicted wait is already longer.",
     )
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens (for benchmarks).")
+    # Webhooks (app/webhooks/): signed POSTs of the job's events to this URL.
+    callback_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="http(s) URL that receives the job's events, signed as Standard Webhooks says. "
+        "Refused (422 callback_url_refused) when it reaches a private, loopback or link-local address.",
+    )
+    callback_events: list[Literal["started", "token", "completed", "failed"]] | None = Field(
+        default=None,
+        min_length=1,
+        description="Which events to send; default started, completed, failed (`token`: batches of "
+        "tokens, at most one request per 500 ms).",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.callback_events is not None and self.callback_url is None:  # Webhooks
+            raise ValueError("callback_events needs a callback_url")
         return self
 
     def stop_list(self) -> list[str]:

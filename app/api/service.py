@@ -34,6 +34,7 @@ from app.core.errors import (
 )
 from app.core.jobs import TRANSITION_FUNCTION, JobStatus, Transition, decode_record
 from app.core.keys import Keys
+from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class JobService:
         self.hub = hub
         self.keys = Keys(settings.namespace)
         self.admission = Admission(redis, self.keys, settings)
+        self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
         self._cancel = redis.register_script(CANCEL_LUA)
         self._background: set[asyncio.Task[None]] = set()
 
@@ -126,6 +128,9 @@ class JobService:
                 limit=model.context_length,
                 prompt_tokens=len(prompt_ids),
             )
+        callback = None  # Webhooks: the SSRF guard (DNS included) before anything is written
+        if request.callback_url is not None:
+            callback = await self.callbacks.check(request.callback_url, request.callback_events)
 
         now = time.time()
         ticket = await self.admission.check(
@@ -155,6 +160,7 @@ class JobService:
             "text": "",
             "attempts": "0",
             **({"deadline": repr(deadline)} if deadline is not None else {}),
+            **(callback.record_fields() if callback is not None else {}),
         }
         intake = intake_fields(
             job_id=job_id,
@@ -169,6 +175,7 @@ class JobService:
             record=record,
             intake=intake,
             idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
+            callback_at=now if callback is not None else None,
         )
         if written.held is not None:  # another submit with the same key won the race
             assert idempotency is not None

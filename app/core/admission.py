@@ -177,13 +177,15 @@ class Written:
 
 
 # KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
-# KEYS[3+c] = the Idempotency-Key's key (absent without one).
+# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback,
+# KEYS[4+c] = the Idempotency-Key's key (absent without one).
 # ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
-# [6] = idempotency ttl, [7] = r, then r record field/value items, then the intake entry's items.
+# [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
+# then r record field/value items, then the intake entry's items.
 # Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} | {'ok', depth}.
 ADMIT_LUA = """
 local c = tonumber(ARGV[1])
-local idem = KEYS[3 + c]
+local idem = KEYS[4 + c]
 if idem then
   local held = redis.call('GET', idem)
   if held then return {'held', held} end
@@ -194,10 +196,11 @@ if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
 local depth = redis.call('XLEN', KEYS[2])
 if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
 local r = tonumber(ARGV[7])
-redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + r))
+redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + r))
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 8 + r, #ARGV))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10 + r, #ARGV))
 if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
+if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
 return {'ok', depth}
 """
 
@@ -298,10 +301,14 @@ class Admission:
         record: Mapping[str, str],
         intake: Mapping[str, str],
         idempotency: tuple[str, str] | None,
+        callback_at: float | None = None,
     ) -> Written:
-        """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically."""
+        """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically.
+        With `callback_at` (a job with a callback_url) the job is registered with the webhook
+        dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
         keys = [self.keys.job(job_id), self.keys.intake(ticket.priority)]
         keys += [self.keys.intake(p) for p in PRIORITIES]
+        keys.append(self.keys.webhook_jobs())
         ttl = min(self.settings.idempotency_ttl_s, self.settings.job_ttl_s)  # the job outlives its key
         value = ""
         if idempotency is not None:
@@ -309,7 +316,8 @@ class Admission:
             value = idempotency[1]
         items = [x for pair in record.items() for x in pair]
         args: list[Any] = [len(PRIORITIES), self.limits.class_depth, self.limits.overall]
-        args += [self.settings.job_ttl_s, value, ttl, len(items), *items]
+        args += [self.settings.job_ttl_s, value, ttl, len(items)]
+        args += ["" if callback_at is None else repr(callback_at), job_id, *items]
         args += [x for pair in intake.items() for x in pair]
         try:
             outcome, detail = await self._admit(keys=keys, args=args)

@@ -119,6 +119,27 @@ class Settings(BaseSettings):
     # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
     cancel_on_disconnect: bool = True
 
+    # Webhooks. A job's callback_url is sent signed events (app/webhooks/): the dispatcher follows
+    # the job's event stream, the callbacks worker POSTs with retries.
+    # Standard Webhooks secrets (`whsec_` + base64). Every one signs each delivery, so a receiver that
+    # knows any of them verifies during a rotation; `conveyor up` makes one (home/webhook_secret) if unset.
+    webhook_secrets: list[str] = Field(default_factory=list)
+    # CIDRs a callback may reach although the SSRF guard refuses them (loopback, private, ...): a
+    # receiver inside the cluster. Empty: only public addresses.
+    webhook_allow_cidrs: list[str] = Field(default_factory=list)
+    webhook_timeout_s: float = Field(default=15.0, gt=0)  # connect, each read, each write
+    # Attempts of one event (the first included), spaced base x 2^(n-1) with jitter (21 to 42 min of
+    # retries at the defaults); no delay over webhook_backoff_max_s, which must stay under the
+    # broker's visibility timeout (3600 s) or a waiting retry is handed out twice.
+    webhook_max_attempts: int = Field(default=10, ge=1)
+    webhook_backoff_base_s: float = Field(default=5.0, gt=0)
+    webhook_backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)
+    webhook_token_interval_ms: float = Field(default=500.0, gt=0)  # `token` events batched this long
+    webhook_concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
+    webhook_log_max: int = Field(default=256, ge=1)  # delivery attempts kept per job (newest)
+    # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
+    webhook_disabled_ttl_s: int = Field(default=7 * 86_400, ge=1)
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"

@@ -98,3 +98,34 @@ class Keys:
     def idempotency(self, digest: str) -> str:
         """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256)."""
         return f"{self.namespace}:idempotency:{digest}"
+
+    # Webhooks (app/webhooks/)
+
+    def webhook_jobs(self) -> str:
+        """Sorted set: jobs with a callback_url whose events the dispatcher follows, scored by submit
+        time; a member leaves after its final event (or after job_ttl_s)."""
+        return f"{self.namespace}:webhooks:jobs"
+
+    def webhook_cursors(self) -> str:
+        """Hash: job id -> the last event-stream entry the dispatcher has handed on (its restart point)."""
+        return f"{self.namespace}:webhooks:cursors"
+
+    def webhook_lease(self) -> str:
+        """String: the dispatcher holding the lease (one dispatches at a time), with a short TTL."""
+        return f"{self.namespace}:webhooks:dispatcher"
+
+    def webhook_deliveries(self, job_id: str) -> str:
+        """List: the job's delivery attempts (JSON, newest last), capped at webhook_log_max."""
+        return f"{self.namespace}:job:{job_id}:deliveries"
+
+    def webhook_outcomes(self, job_id: str) -> str:
+        """Hash: webhook id -> how it ended (delivered, gave_up, disabled); duplicates are skipped."""
+        return f"{self.namespace}:job:{job_id}:webhooks"
+
+    def webhook_disabled(self, url_digest: str) -> str:
+        """String: a callback URL (its sha256) that answered 410 Gone; nothing is sent to it."""
+        return f"{self.namespace}:webhooks:disabled:{url_digest}"
+
+    def callbacks_queue(self) -> str:
+        """Celery queue of webhook deliveries, served by the callbacks worker."""
+        return f"{self.namespace}.callbacks"

@@ -7,6 +7,7 @@ byte) and the job client talks to an httpx.MockTransport.
 import asyncio
 import json
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,9 +16,23 @@ from tiny import make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
-from bench.load import JobResult, conveyor_job, sse_events  # noqa: E402
+from bench.load import JobResult, conveyor_job, sse_events, sse_lines  # noqa: E402
 from bench.prompts import SEED, USER_TOKENS, Prompt, chat_ids, make_prompts, spread  # noqa: E402
 from bench.report import SystemRun, percentile, ratio, system_table  # noqa: E402
+from bench.scheduling_load import (  # noqa: E402
+    Timed,
+    TokenLog,
+    class_summary,
+    closed_loop_until,
+    cycled,
+    jobs_cell,
+    open_loop,
+    poisson_arrivals,
+    throughput,
+    tokens_between,
+    ttft_row,
+)
+from bench.scheduling_report import ratios, target_rows, throughput_verdict  # noqa: E402
 
 TOKENIZER = make_tokenizer()
 PROMPTS = make_prompts(TOKENIZER, 64)
@@ -158,3 +173,172 @@ def test_summary_and_table_count_only_successful_jobs():
     assert summary["tokens_per_s"] == 32.0 and summary["p50_latency_s"] == 2.0
     assert summary["errors"] == ["HTTP 500"]
     assert system_table([run])[-1] == "| conveyor c2 | 2/3 (1 failed) | 32.0 | 2.00 | 2.98 | 200.0 |"
+
+
+# ---------------------------------------------------------------- the scheduling benchmark
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
+    offsets = poisson_arrivals(2.0, 1000.0, seed=7)
+    assert offsets == poisson_arrivals(2.0, 1000.0, seed=7)
+    assert offsets != poisson_arrivals(2.0, 1000.0, seed=8)
+    assert offsets == sorted(offsets) and 0 < offsets[0] and offsets[-1] < 1000.0
+    assert 1900 < len(offsets) < 2100  # 2000 expected, sd about 45
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert 0.45 < sum(gaps) / len(gaps) < 0.55
+    assert poisson_arrivals(2.0, 10.0, seed=7) == [t for t in offsets if t < 10.0]  # a prefix
+    assert poisson_arrivals(0.0, 10.0, seed=7) == [] and poisson_arrivals(1.0, 0.0, seed=7) == []
+
+
+def test_tokens_between_counts_a_half_open_window():
+    times = [1.0, 2.0, 2.0, 3.0, 5.0]
+    assert tokens_between(times, 2.0, 3.0) == 2
+    assert tokens_between(times, 0.0, 10.0) == 5 and tokens_between(times, 3.5, 4.5) == 0
+    log = TokenLog()
+    for t in times:
+        log.add(t)
+    assert log.between(1.0, 3.0) == 3
+
+
+def test_cycled_goes_round_the_prompts():
+    assert [p.index for p in cycled(PROMPTS[:3], 7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert cycled(PROMPTS[:3], 0) == []
+
+
+def timed_job(cls, submitted, latency, ttft, ok=True, refused=False, tokens=16):
+    error = None if ok else ("POST /v1/jobs: HTTP 429" if refused else "job failed")
+    return Timed(cls, submitted, JobResult(0, ok, latency, ttft, tokens if ok else 0, error, refused=refused))
+
+
+def test_class_summary_counts_refused_failed_and_unfinished_apart():
+    jobs = [timed_job("high", 0.0, 1.0, 0.1 * (i + 1)) for i in range(10)]
+    jobs += [
+        timed_job("high", 0.0, 0.01, None, ok=False, refused=True),
+        timed_job("high", 0.0, 2.0, None, ok=False),
+    ]
+    s = class_summary(jobs, submitted=13)
+    assert (s["jobs"], s["ok"], s["refused"], s["failed"], s["unfinished"]) == (13, 10, 1, 1, 1)
+    assert s["tokens"] == 160 and s["errors"] == ["job failed"]
+    assert abs(s["ttft_p50_s"] - 0.55) < 1e-9 and abs(s["ttft_p95_s"] - 0.955) < 1e-9
+    assert jobs_cell(s) == "10/13 (1 refused, 1 failed, 1 unfinished)"
+    assert class_summary(jobs[:2])["unfinished"] == 0 and jobs_cell(class_summary(jobs[:2])) == "2/2"
+    assert ttft_row("x", class_summary(jobs[:2])) == "| x | 2/2 | 150 | 195 | 199 | 1.00 | 1.00 |"
+
+
+def test_throughput_runs_from_the_first_arrival_to_the_last_end():
+    jobs = [
+        timed_job("c", 10.0, 2.0, 0.1),
+        timed_job("c", 11.0, 9.0, 0.1),
+        timed_job("c", 12.0, 99.0, None, ok=False),
+    ]
+    t = throughput(jobs, start=10.0)
+    assert t == {"span_s": 10.0, "jobs_per_s": 0.2, "tokens_per_s": 3.2}
+    assert throughput([], start=0.0)["jobs_per_s"] == 0.0
+
+
+def test_ratios_and_verdicts_of_the_scheduling_targets():
+    results = {
+        "priority": {"high_unloaded": {"ttft_p95_s": 0.2}, "high_saturated": {"ttft_p95_s": 0.25}},
+        "poisson": {
+            "continuous": {"summary": {"ttft_p99_s": 1.0, "jobs_per_s": 0.97}},
+            "request": {"summary": {"ttft_p99_s": 4.0, "jobs_per_s": 1.0}},
+        },
+    }
+    r = ratios(results)
+    assert r == {
+        "high_p95_ttft_saturated_vs_unloaded": 1.25,
+        "p99_ttft_continuous_vs_request": 0.25,
+        "throughput_continuous_vs_request": 0.97,
+    }
+    rows = target_rows(r)
+    assert rows[2].endswith("| 1.25x | <= 1.5x | met |")
+    assert rows[3].endswith("| 0.25x | <= 0.5x | met |")
+    assert rows[4].endswith("| 0.97x | >= 1.0x | met (equal within noise) |")
+    assert throughput_verdict(0.9) == "missed" and throughput_verdict(1.2) == "met"
+    assert ratios({"priority": {"error": "x"}, "poisson": {}}) == dict.fromkeys(r)
+
+
+def lines(chunks: list[str]) -> list[str]:
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(lines_of(chunks))]
+
+    return asyncio.run(collect())
+
+
+def test_sse_lines_break_only_at_cr_lf_and_crlf():
+    # U+2028 and NEL are text to SSE (httpx's aiter_lines breaks at them); a CRLF over two chunks is one break
+    assert lines(['data: {"text":"a\u2028b\x85c"}\r', "\nx\n", "\ny\rz\r\n", "tail"]) == [
+        'data: {"text":"a\u2028b\x85c"}',
+        "x",
+        "",
+        "y",
+        "z",
+    ]
+    assert lines(["a\r"]) == ["a"] and lines([]) == []
+
+
+def test_conveyor_job_sends_priority_counts_tokens_and_marks_refusals():
+    seen: list[dict] = []
+    token_times: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            seen.append(json.loads(request.content))
+            if len(seen) > 1:
+                return httpx.Response(429, json={"error": {"code": "queue_full"}})
+        return conveyor_server(3, 3).handler(request)
+
+    prompt = Prompt(1, [{"role": "user", "content": "hi"}], 2, [1, 2])
+
+    async def go() -> list[JobResult]:
+        async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(handle)) as client:
+            job = conveyor_job(3, priority="high", on_token=token_times.append)
+            return [await job(client, prompt), await job(client, prompt)]
+
+    first, second = asyncio.run(go())
+    assert seen[0]["priority"] == "high" and seen[0]["ignore_eos"] is True
+    assert first.ok and len(token_times) == 3 and token_times == sorted(token_times)
+    assert not second.ok and second.refused and "HTTP 429" in (second.error or "")
+    assert not run_conveyor_job(4, 4, 4).refused
+
+
+def test_open_and_closed_loops_on_a_fake_job():
+    async def job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
+        await asyncio.sleep(0.05)
+        return JobResult(prompt.index, True, 0.05, 0.01, 1)
+
+    async def go() -> tuple[float, list[Timed], list[Timed], list[float]]:
+        client = httpx.AsyncClient()  # never used by the fake job
+        opened: list[Timed] = []
+        start = time.perf_counter()
+        await open_loop(client, job, PROMPTS[:3], [0.0, 0.01, 0.2], cls="o", start=start, done=opened)
+        closed: list[Timed] = []
+        submits: list[float] = []
+        stop = asyncio.Event()
+        loops = asyncio.create_task(
+            closed_loop_until(
+                client,
+                job,
+                PROMPTS[:4],
+                clients=2,
+                cls="n",
+                stagger_s=0.0,
+                stop=stop,
+                done=closed,
+                submitted=submits,
+            )
+        )
+        await asyncio.sleep(0.22)
+        stop.set()
+        await asyncio.wait_for(loops, 1.0)  # the jobs in flight end, then the loops do
+        await client.aclose()
+        return start, opened, closed, submits
+
+    start, opened, closed, submits = asyncio.run(go())
+    # open loop: the second job is submitted before the first ends, the third on schedule
+    assert [t.job.prompt for t in opened] == [0, 1, 2]
+    offsets = [t.submitted - start for t in opened]
+    assert opened[1].submitted < opened[0].ended and 0.19 < offsets[2] < 0.35
+    # closed loop: two clients, one job each at a time, every submitted job ended
+    assert len(closed) == len(submits) >= 4 and {t.cls for t in closed} == {"n"}
+    assert sorted(t.job.prompt for t in closed[:4]) == [0, 1, 2, 3]

@@ -1,0 +1,259 @@
+"""Request and response bodies of the OpenAI-compatible endpoints, in OpenAI's own shapes.
+
+A request translates to a `JobCreate` (`to_job`); responses are built from the job's record. Fields of
+OpenAI's API that would change the answer and that Conveyor does not implement (logprobs, tools,
+penalties, several choices, ...) are refused with 422 rather than silently ignored; the rest of
+OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from app.api.schemas import ChatMessage, JobCreate, Priority
+from app.core.errors import InvalidRequest
+
+# Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """What completions and chat completions share. `top_k`, `ignore_eos`, `priority` and `timeout_s`
+    are Conveyor's own (the OpenAI client sends them in `extra_body`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, description="Only 1: one choice per request.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, description="Accepted and ignored.")
+    top_k: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    priority: Priority = "normal"
+    timeout_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"only n=1 is supported (one choice per request), not {n}")
+        return n
+
+    @model_validator(mode="after")
+    def _no_unsupported(self) -> OpenAIRequest:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise ValueError(f"{name!r} is not supported by this server; leave it out")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_job(self) -> JobCreate:
+        """The job this request asks for (raises InvalidRequest for what a job cannot take)."""
+        raise NotImplementedError
+
+    def _job(self, *, max_tokens: int | None, **input: Any) -> JobCreate:
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "priority": self.priority,
+            "timeout_s": self.timeout_s,
+            "ignore_eos": self.ignore_eos,
+        }
+        try:
+            return JobCreate.model_validate({**input, **fields})
+        except ValidationError as exc:  # a value OpenAI allows that a job does not (a negative seed)
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
+class CompletionCreate(OpenAIRequest):
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time"}]},
+    )
+
+    prompt: str | list[str] = Field(description="One prompt (a list of one string is accepted too).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError(f"exactly one prompt per request is supported, not {len(prompt)}")
+        return prompt
+
+    def to_job(self) -> JobCreate:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self._job(prompt=prompt, max_tokens=self.max_tokens)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # `name` and the like
+
+    role: Literal["developer", "system", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
+
+    def to_chat(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+
+
+class ChatCompletionCreate(OpenAIRequest):
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "SmolLM2-135M-Instruct",
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                }
+            ]
+        },
+    )
+
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="Preferred over max_tokens.")
+
+    def to_job(self) -> JobCreate:
+        return self._job(
+            messages=[m.to_chat() for m in self.messages],
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+        )
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """A completion, and each chunk of a streamed one (the same shape, as OpenAI sends them)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # As OpenAI sends them: the role in the first delta, then only content; the last one empty.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conveyor"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,330 @@
+"""OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models, built on the same jobs.
+
+A request becomes a job (JobService.submit: the same validation, admission and queues as /v1/jobs);
+the answer waits for the job's end, or streams its token events as OpenAI's chunks. Ids are the job's
+(`cmpl-<job id>`, `chatcmpl-<job id>`), so a completion can also be polled at /v1/jobs/<job id>.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from sse_starlette.sse import EventSourceResponse
+
+from app.api.deps import get_jobs, get_settings
+from app.api.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionCreate,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionCreate,
+    CompletionUsage,
+    ModelCard,
+    ModelList,
+    OpenAIRequest,
+)
+from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
+from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_replayed
+from app.api.service import JobService
+from app.core.config import Settings
+from app.core.errors import ConveyorError, JobFailed, ModelNotFound, SyncTimeout
+from app.core.jobs import JobStatus
+
+DONE = "[DONE]"  # the last data line of an OpenAI stream
+
+
+class JobCancelled(ConveyorError):
+    """A synchronous OpenAI request whose job was cancelled (POST /v1/jobs/{id}/cancel) first."""
+
+    code = "cancelled"
+    status = 409
+
+
+class JobExpired(ConveyorError):
+    """A synchronous OpenAI request whose job was not started within its timeout_s."""
+
+    code = "expired"
+    status = 504
+
+
+def error_type(status: int) -> str:
+    """OpenAI's `type` for an HTTP status, added next to the project's stable `code`."""
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+class OpenAIRoute(APIRoute):
+    """Routes whose error bodies also carry OpenAI's `type`: the app's own error boundary
+    (app/api/errors.py) answers, and the type is added to its body."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as exc:
+                boundary = next(
+                    (
+                        request.app.exception_handlers[c]
+                        for c in type(exc).__mro__
+                        if c in request.app.exception_handlers
+                    ),
+                    None,
+                )
+                if boundary is None:
+                    raise
+                return _with_error_type(await boundary(request, exc))
+
+        return handler
+
+
+def _with_error_type(response: Response) -> Response:
+    body = json.loads(bytes(response.body)) if isinstance(response, JSONResponse) else None
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return response
+    body["error"].setdefault("type", error_type(response.status_code))
+    headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+SYNC_ERRORS: dict[int | str, dict[str, Any]] = {**SUBMIT_ERRORS, 502: ERRORS[404], 504: ERRORS[404]}
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(settings: Settings = Depends(get_settings)) -> ModelList:
+    """The models this API accepts requests for (configured in CONVEYOR_MODELS, or pulled)."""
+    return ModelList(data=[card for name in settings.model_names() if (card := _card(settings, name))])
+
+
+@router.get("/models/{model}", response_model=ModelCard, responses=ERRORS)
+async def get_model(model: str, settings: Settings = Depends(get_settings)) -> ModelCard:
+    card = _card(settings, model)
+    if card is None:
+        raise ModelNotFound(
+            f"model {model!r} does not exist; available: {settings.model_names()}", model=model
+        )
+    return card
+
+
+def _card(settings: Settings, name: str) -> ModelCard | None:
+    path = settings.model_path(name)
+    if path is None:
+        return None
+    config = path / "config.json"
+    return ModelCard(id=name, created=int(config.stat().st_mtime) if config.exists() else 0)
+
+
+@router.post("/completions", response_model=Completion, responses=SYNC_ERRORS)
+async def completions(
+    body: CompletionCreate,
+    request: Request,
+    response: Response,
+    jobs: JobService = Depends(get_jobs),
+    settings: Settings = Depends(get_settings),
+    idempotency_key: str | None = IDEMPOTENCY_KEY,
+) -> BaseModel | Response:
+    """OpenAI's (legacy) completions: one prompt, one choice; `stream: true` answers with its chunks."""
+    return await _answer(body, CompletionReply, request, response, jobs, settings, idempotency_key)
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=SYNC_ERRORS)
+async def chat_completions(
+    body: ChatCompletionCreate,
+    request: Request,
+    response: Response,
+    jobs: JobService = Depends(get_jobs),
+    settings: Settings = Depends(get_settings),
+    idempotency_key: str | None = IDEMPOTENCY_KEY,
+) -> BaseModel | Response:
+    """OpenAI's chat completions, rendered with the model's chat template; one choice."""
+    return await _answer(body, ChatReply, request, response, jobs, settings, idempotency_key)
+
+
+class Reply:
+    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job."""
+
+    prefix = ""
+
+    def __init__(self, record: dict[str, str]) -> None:
+        self.id = f"{self.prefix}{record['id']}"
+        self.created = int(float(record["created_at"]))
+        self.model = record["model"]
+
+    def whole(self, record: dict[str, str]) -> BaseModel:
+        raise NotImplementedError
+
+    def first(self) -> BaseModel | None:
+        return None
+
+    def delta(self, text: str) -> BaseModel:
+        raise NotImplementedError
+
+    def last(self, finish_reason: str | None) -> BaseModel:
+        raise NotImplementedError
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionReply(Reply):
+    prefix = "cmpl-"
+
+    def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def whole(self, record: dict[str, str]) -> BaseModel:
+        choice = CompletionChoice(text=record.get("text", ""), finish_reason=record.get("finish_reason"))
+        return self._make([choice], usage_of(record))
+
+    def delta(self, text: str) -> BaseModel:
+        return self._make([CompletionChoice(text=text)])
+
+    def last(self, finish_reason: str | None) -> BaseModel:
+        return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        return self._make([], usage)
+
+
+class ChatReply(Reply):
+    prefix = "chatcmpl-"
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def whole(self, record: dict[str, str]) -> BaseModel:
+        choice = ChatChoice(
+            message=AssistantMessage(content=record.get("text", "")),
+            finish_reason=record.get("finish_reason"),
+        )
+        return ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage_of(record)
+        )
+
+    def first(self) -> BaseModel | None:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def last(self, finish_reason: str | None) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        return self._chunk([], usage)
+
+
+def usage_of(record: dict[str, str]) -> CompletionUsage:
+    prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+async def _answer(
+    body: OpenAIRequest,
+    reply_type: type[Reply],
+    request: Request,
+    response: Response,
+    jobs: JobService,
+    settings: Settings,
+    idempotency_key: str | None,
+) -> BaseModel | Response:
+    """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
+    (`cancel_on_disconnect`), as on /v1/inference."""
+    submitted = await jobs.submit(body.to_job(), idempotency_key=idempotency_key)
+    job_id, reply = submitted.record["id"], reply_type(submitted.record)
+    if body.stream:
+        stream = _stream(jobs, job_id, reply, settings, include_usage=body.include_usage)
+        mark_replayed(stream, submitted)
+        return stream
+    mark_replayed(response, submitted)
+    record = await wait_unless_gone(request, jobs, job_id, settings)
+    if record is None:
+        return Response(status_code=CLIENT_CLOSED)
+    _check_succeeded(record, settings)
+    return reply.whole(record)
+
+
+def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
+    job_id, status = record["id"], JobStatus(record["status"])
+    if not status.is_finished:
+        raise SyncTimeout(
+            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            job_id=job_id,
+        )
+    if status == JobStatus.SUCCEEDED:
+        return
+    error = json.loads(record.get("error") or "{}")
+    message = f"job {job_id} ended {status}: {error.get('message', 'no reason recorded')}"
+    if status == JobStatus.CANCELLED:
+        raise JobCancelled(message, job_id=job_id)
+    if status == JobStatus.EXPIRED:
+        raise JobExpired(message, job_id=job_id)
+    raise JobFailed(message, job_id=job_id, reason=error.get("code"))
+
+
+def _stream(
+    jobs: JobService, job_id: str, reply: Reply, settings: Settings, *, include_usage: bool
+) -> EventSourceResponse:
+    """OpenAI's stream: `data: <chunk>` lines, then `data: [DONE]`. A job that ends without a
+    completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`."""
+
+    def data(chunk: BaseModel | dict[str, Any]) -> dict[str, str]:
+        if isinstance(chunk, BaseModel):
+            return {"data": chunk.model_dump_json()}
+        return {"data": json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)}
+
+    async def generate() -> AsyncIterator[dict[str, str]]:
+        if (first := reply.first()) is not None:
+            yield data(first)
+        async for event in jobs.events(job_id):
+            if event.event == "token" and event.data.get("text"):
+                yield data(reply.delta(event.data["text"]))
+        record = await jobs.get(job_id)  # the stream has ended: so has the job
+        if record["status"] == JobStatus.SUCCEEDED:
+            yield data(reply.last(record.get("finish_reason")))
+            if include_usage:
+                yield data(reply.usage(usage_of(record)))
+        else:
+            yield data(_stream_error(record))
+        yield {"data": DONE}
+
+    async def disconnected(_: object) -> None:
+        jobs.cancel_soon(job_id, "the client disconnected")
+
+    return EventSourceResponse(
+        generate(),
+        ping=int(settings.sse_ping_s),
+        sep="\n",  # as OpenAI frames its stream
+        client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
+    )
+
+
+def _stream_error(record: dict[str, str]) -> dict[str, Any]:
+    error = json.loads(record.get("error") or "{}")
+    status = record["status"]
+    return {
+        "error": {
+            "code": error.get("code") or status,
+            "message": f"job {record['id']} ended {status}: {error.get('message', 'no reason recorded')}",
+            "type": "server_error" if status == JobStatus.FAILED else "invalid_request_error",
+            "details": {"job_id": record["id"], "status": status},
+        }
+    }

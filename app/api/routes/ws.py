@@ -1,0 +1,103 @@
+"""/v1/jobs/{id}/ws: a job's events over a WebSocket, the same events as its server-sent events.
+
+Each message is one JSON object `{"id": <stream entry id>, "event": <name>, "data": {...}}`: `token`
+events, then one final `done`, `error`, `cancelled` or `expired` carrying the job as polled, after
+which the server closes normally (1000). `?last_event_id=<entry id>` resumes after that event. The
+connection is refused by a close code (the reason holds the error code and message):
+
+- 4404: no such job (unknown, or expired);
+- 4422: a `last_event_id` that is not an entry id;
+- 1013 (try again later): Redis does not answer;
+- 1000 at once, without a message: the final event was already delivered (resuming after the end).
+
+A follower that disconnects does not cancel the job. Messages from the client are ignored; the
+server's WebSocket pings (uvicorn's) keep an idle connection open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import suppress
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from app.api.routes.jobs import EVENT_ID
+from app.api.schemas import JobPublic
+from app.api.service import FINAL_EVENTS, JobService
+from app.core.errors import ConveyorError, JobNotFound
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+NOT_FOUND = 4404  # 4000 + the HTTP status the same refusal has on GET /v1/jobs/{id}/events
+INVALID = 4422
+MAX_REASON = 123  # bytes a close frame's reason may hold
+
+
+@router.websocket("/{job_id}/ws")
+async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = None) -> None:
+    jobs: JobService = websocket.app.state.jobs
+    await websocket.accept()
+    if last_event_id and not EVENT_ID.match(last_event_id):
+        await _close(
+            websocket, INVALID, "invalid_request: last_event_id must be an entry id like 1700000000000-0"
+        )
+        return
+    after = last_event_id or None
+    try:
+        if not await jobs.is_over(job_id, after):
+            await _follow(websocket, jobs, job_id, after)
+    except JobNotFound as exc:
+        await _close(websocket, NOT_FOUND, f"{exc.code}: {exc.message}")
+        return
+    except (RedisConnectionError, RedisTimeoutError):
+        log.warning("Redis unreachable while streaming job %s", job_id)
+        await _close(websocket, status.WS_1013_TRY_AGAIN_LATER, "unavailable: the job store does not answer")
+        return
+    except ConveyorError as exc:
+        await _close(websocket, status.WS_1011_INTERNAL_ERROR, f"{exc.code}: {exc.message}")
+        return
+    except WebSocketDisconnect:
+        return
+    await _close(websocket, status.WS_1000_NORMAL_CLOSURE, "")
+
+
+async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: str | None) -> None:
+    """Send the events until the final one, or until the client goes away (then stop reading Redis)."""
+
+    async def send() -> None:
+        async for event in jobs.events(job_id, after):
+            data = event.data
+            if event.event in FINAL_EVENTS:
+                data = JobPublic.from_record(await jobs.get(job_id)).model_dump(mode="json")
+            message = {"id": event.id, "event": event.event, "data": data}
+            await websocket.send_text(json.dumps(message, separators=(",", ":"), ensure_ascii=False))
+
+    async def until_gone() -> None:
+        while (await websocket.receive())["type"] != "websocket.disconnect":
+            pass  # the client has nothing to say; its messages are dropped
+
+    sender, listener = asyncio.ensure_future(send()), asyncio.ensure_future(until_gone())
+    try:
+        done, _ = await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sender, listener):
+            if not task.done():
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+    if not listener.cancelled():
+        listener.exception()  # a receive after the end may raise: the client is gone either way
+    if sender not in done:
+        raise WebSocketDisconnect()
+    sender.result()  # its error, if it failed
+
+
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    with suppress(WebSocketDisconnect, RuntimeError):  # the client may already be gone
+        await websocket.close(code, reason.encode()[:MAX_REASON].decode(errors="ignore"))

@@ -1,0 +1,218 @@
+"""One delivery attempt of one webhook event: check, sign, POST, judge, record, say when to retry.
+
+Called by the callbacks worker's Celery task (app/webhooks/worker.py), which retries the task after
+the delay this returns. Rules:
+
+- 2xx: delivered. The event's id is marked settled; a duplicate of it (a dispatcher restart) is skipped.
+- 410 Gone: the URL is disabled (`webhook_disabled_ttl_s`); nothing more is sent to it, and a submit
+  naming it is refused (422, reason `endpoint_disabled`).
+- anything else (another status, a timeout, a refused connection, a URL the SSRF guard now refuses
+  because its DNS changed): retried after base x 2^(n-1) seconds, jittered into the upper half
+  ([d/2, d], so delays grow while retries of many events spread out), or after the receiver's
+  `Retry-After` when that is longer; never longer than `webhook_backoff_max_s`. After
+  `webhook_max_attempts` attempts the event is given up.
+- Redirects are not followed (a redirect is a failure: it could lead anywhere); 15 s timeout.
+
+Every attempt (time, status or error, duration, outcome, the delay before the next) is appended to
+the job's capped delivery log, which `GET /v1/jobs/{id}/deliveries` lists.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import enum
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from app.core.config import Settings
+from app.core.keys import Keys
+from app.webhooks import signing
+from app.webhooks.ssrf import CallbackRefused, Guard, Target, pinned_transport
+
+DELIVER_TASK = "conveyor.webhooks.deliver"
+USER_AGENT = "Conveyor-Webhooks/0.1"
+
+
+class Outcome(enum.StrEnum):
+    DELIVERED = "delivered"
+    RETRYING = "retrying"
+    GAVE_UP = "gave_up"
+    DISABLED = "disabled"  # this attempt got 410 Gone
+    SKIPPED = "skipped"  # not attempted: the endpoint had been disabled
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One line of a job's delivery log."""
+
+    webhook_id: str
+    type: str
+    attempt: int
+    at: float  # unix time the attempt started
+    url: str
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+    outcome: str
+    retry_in_s: float | None = None  # the delay before the next attempt, when there is one
+    next_attempt_at: float | None = None
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def url_digest(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()
+
+
+def backoff_s(
+    attempt: int, *, base_s: float, max_s: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Delay after failed attempt `attempt` (1-based): d = base x 2^(n-1), jittered in [d/2, d], then
+    capped (capping last keeps the sequence from shrinking however the jitter falls)."""
+    full = base_s * 2 ** min(attempt - 1, 60)
+    return min(max_s, full / 2 + rand() * full / 2)
+
+
+def retry_after_s(value: str | None, *, now: float) -> float | None:
+    """A `Retry-After` header (seconds or an HTTP date) as seconds from now; None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now)
+
+
+class Deliverer:
+    """Makes attempts; shared by the callbacks worker's threads (the Redis client is thread-safe)."""
+
+    def __init__(
+        self,
+        redis: Any,
+        keys: Keys,
+        settings: Settings,
+        *,
+        guard: Guard,
+        secrets: signing.SecretBook,
+        clock: Callable[[], float] = time.time,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.guard = guard
+        self.secrets = secrets
+        self.clock = clock
+        self.rand = rand
+
+    def attempt(self, message: dict[str, Any], number: int) -> float | None:
+        """Make attempt `number` (1-based) of the event in `message`; the delay before the next attempt,
+        or None when the event is settled (delivered, disabled, given up, or a duplicate)."""
+        job_id, webhook_id, url = message["job_id"], message["webhook_id"], message["url"]
+        if self.redis.hget(self.keys.webhook_outcomes(job_id), webhook_id) is not None:
+            return None  # sent twice by a restarted dispatcher: the first copy settled it
+        started = self.clock()
+        if self.redis.exists(self.keys.webhook_disabled(url_digest(url))):
+            self._record(
+                message, number, started, None, "endpoint disabled: it answered 410 Gone", Outcome.SKIPPED
+            )
+            return None
+        status, error, retry_after = None, None, None
+        try:
+            status, retry_after = self._post(self.guard.check(url), message, started)
+        except CallbackRefused as exc:
+            error = f"refused ({exc.reason}): {exc.message}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if status is not None and 200 <= status < 300:
+            self._record(message, number, started, status, None, Outcome.DELIVERED)
+            return None
+        if status == 410:
+            key = self.keys.webhook_disabled(url_digest(url))
+            self.redis.set(key, repr(self.clock()), ex=self.settings.webhook_disabled_ttl_s)
+            self._record(message, number, started, status, None, Outcome.DISABLED)
+            return None
+        if number >= self.settings.webhook_max_attempts:
+            self._record(message, number, started, status, error, Outcome.GAVE_UP)
+            return None
+        delay = self.delay(number, retry_after, now=self.clock())
+        self._record(message, number, started, status, error, Outcome.RETRYING, delay)
+        return delay
+
+    def delay(self, number: int, retry_after: str | None, *, now: float) -> float:
+        s = self.settings
+        wait = backoff_s(
+            number, base_s=s.webhook_backoff_base_s, max_s=s.webhook_backoff_max_s, rand=self.rand
+        )
+        asked = retry_after_s(retry_after, now=now)
+        if asked is not None:
+            wait = max(wait, asked)
+        return min(wait, s.webhook_backoff_max_s)
+
+    def _post(self, target: Target, message: dict[str, Any], started: float) -> tuple[int, str | None]:
+        payload = message["body"].encode()
+        headers = signing.headers(
+            message["webhook_id"], int(started), payload, self.secrets.for_tenant(message.get("tenant"))
+        )
+        headers["user-agent"] = USER_AGENT
+        with (
+            httpx.Client(
+                transport=pinned_transport(target),
+                timeout=self.settings.webhook_timeout_s,
+                follow_redirects=False,
+                trust_env=False,
+            ) as client,
+            client.stream("POST", target.url, content=payload, headers=headers) as response,
+        ):
+            return response.status_code, response.headers.get("retry-after")  # the body is not read
+
+    def _record(
+        self,
+        message: dict[str, Any],
+        number: int,
+        started: float,
+        status: int | None,
+        error: str | None,
+        outcome: Outcome,
+        retry_in_s: float | None = None,
+    ) -> None:
+        now = self.clock()
+        entry = Attempt(
+            webhook_id=message["webhook_id"],
+            type=message["type"],
+            attempt=number,
+            at=started,
+            url=message["url"],
+            status_code=status,
+            error=error,
+            duration_ms=round((now - started) * 1000, 1),
+            outcome=str(outcome),
+            retry_in_s=round(retry_in_s, 3) if retry_in_s is not None else None,
+            next_attempt_at=now + retry_in_s if retry_in_s is not None else None,
+        )
+        job_id, ttl = message["job_id"], self.settings.job_ttl_s
+        log_key, outcomes = self.keys.webhook_deliveries(job_id), self.keys.webhook_outcomes(job_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(log_key, entry.encode())
+        pipe.ltrim(log_key, -self.settings.webhook_log_max, -1)
+        pipe.expire(log_key, ttl)
+        if outcome != Outcome.RETRYING:
+            pipe.hset(outcomes, message["webhook_id"], str(outcome))
+            pipe.expire(outcomes, ttl)
+        pipe.execute()
+
+
+def decode_log(raw: list[Any]) -> list[dict[str, Any]]:
+    return [json.loads(item) for item in raw]
