@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[StepMessage, str], None]
 MAX_BLOCK_MS = 1000
+# With jobs ready and no room, look again this often: sequences finishing free room without a
+# message (a finished batch, an arrival or a closing window wake the batcher at once).
+ROOM_POLL_MS = 20
 
 
 class Batcher:
@@ -68,6 +71,7 @@ class Batcher:
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         self.last_sweep = -float("inf")
+        self.waiting_for_room = False
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -125,16 +129,26 @@ class Batcher:
         models = {it.model for it in self.pending}
         inflight = {m: self.redis.hlen(self.keys.inflight(m)) for m in models}
         capacity = {m: self.settings.inflight_limit(self.stages) for m in models}
+        budget = self.settings.sequence_budget()
+        room = None
+        if budget is not None:  # the progress set holds every scheduled or running sequence
+            room = dict.fromkeys(models, budget - self.redis.zcard(self.keys.progress()))
+        now = self.clock()
         for batch in windows.plan(
-            self.pending, inflight=inflight, capacity=capacity, limits=self.limits, now=self.clock()
+            self.pending, inflight=inflight, capacity=capacity, limits=self.limits, now=now, room=room
         ):
             self._dispatch(batch)
+        # Jobs whose window has closed and still wait: the pipeline has no room for them.
+        self.waiting_for_room = any(now - it.arrived >= self.limits.max_wait_s for it in self.pending)
 
     def _block_ms(self) -> int:
         deadline = windows.next_deadline(self.pending, self.limits)
         if deadline is None:
             return MAX_BLOCK_MS
-        return int(min(MAX_BLOCK_MS, max(1.0, (deadline - self.clock()) * 1000.0)))
+        wait_ms = (deadline - self.clock()) * 1000.0
+        if self.waiting_for_room:  # jobs are ready but the pipeline is full: poll, don't spin
+            wait_ms = max(wait_ms, ROOM_POLL_MS)
+        return int(min(MAX_BLOCK_MS, max(1.0, wait_ms)))
 
     def _take(self, entries: Any) -> None:
         done: list[tuple[str, str]] = []

@@ -22,7 +22,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-URGENT = 2  # classes 0 and 1 (realtime, high) are dispatched without waiting for their window
+URGENT = 2  # classes 0 and 1 (realtime, high): no window, and a reserve beyond the pipeline's bounds
+UNBOUNDED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,15 @@ def plan(
     capacity: Mapping[str, int],
     limits: Limits,
     now: float,
+    room: Mapping[str, int] | None = None,
 ) -> list[Batch]:
-    """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out)."""
+    """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
+
+    `inflight`/`capacity`: batches in flight (with continuous batching: being prefilled) and how
+    many a pipeline takes; `room`: sequences a pipeline may still start (None: no such bound).
+    realtime and high may use one batch slot and one batch of sequences beyond both, so a
+    saturated pipeline still starts them within a step.
+    """
     late = {id(it) for it in expired(pending, now)}
     live = [it for it in pending if id(it) not in late]
     shared = buckets([it for it in live if not it.alone], limits, now)
@@ -96,18 +104,30 @@ def plan(
         (it.model, length_bucket(it.prompt_tokens, limits.length_buckets), [it]) for it in live if it.alone
     ]
     free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _, _ in groups}
+    seats = {model: (room or {}).get(model, UNBOUNDED) for model, _, _ in groups}
     idle = {model for model in free if inflight.get(model, 0) == 0}
     batches: list[Batch] = []
     for model, bucket, items in sorted(groups, key=lambda g: g[2][0].rank(now, limits.aging_s)):
-        while items and free[model] > 0:
+        while items:
+            urgent = items[0].priority < URGENT
+            reserve = 1 if urgent else 0
+            size = min(limits.max_batch_size, seats[model] + reserve * limits.max_batch_size)
+            if free[model] + reserve <= 0 or size <= 0:
+                break
             # realtime and high do not wait for a window to fill: latency is what they pay for
-            full = len(items) >= limits.max_batch_size or items[0].alone or items[0].priority < URGENT
+            full = len(items) >= limits.max_batch_size or items[0].alone or urgent
             waited = now - min(it.arrived for it in items) >= limits.max_wait_s
             if not (full or waited or model in idle):
                 break
-            take, items = items[: limits.max_batch_size], items[limits.max_batch_size :]
+            size = 1 if items[0].alone else size
+            take = items[:size]
+            if urgent and (free[model] <= 0 or seats[model] < len(take)):  # on the reserve: urgent only
+                take = [it for it in take if it.priority < URGENT]
+            chosen = {id(it) for it in take}
+            items = [it for it in items if id(it) not in chosen]
             batches.append(Batch(model, bucket, tuple(take)))
             free[model] -= 1
+            seats[model] -= len(take)
             idle.discard(model)
     return batches
 

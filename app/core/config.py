@@ -44,7 +44,12 @@ class Settings(BaseSettings):
     max_batch_size: int = 32
     max_wait_ms: float = 50.0
     # Batches in flight per pipeline; None means stages x replicas + 1, enough to keep every worker busy.
+    # With continuous batching a batch holds its slot only until it is prefilled (it then joins a
+    # running batch or runs on); what bounds the work in flight is max_inflight_sequences.
     max_inflight_batches: int | None = None
+    # Continuous batching: sequences scheduled or running at once (the KV cache every stage holds);
+    # None means max_running_sequences x replicas. realtime and high may exceed it by one batch.
+    max_inflight_sequences: int | None = None
     # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
     length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
     # continuous: a batch prefilled while another runs joins it at the next step (Orca, OSDI'22);
@@ -159,3 +164,9 @@ class Settings(BaseSettings):
 
     def inflight_limit(self, stages: int) -> int:
         return self.max_inflight_batches or stages * self.replicas + 1
+
+    def sequence_budget(self) -> int | None:
+        """Sequences in flight a pipeline may hold; None (no bound beyond batches) for request-level."""
+        if self.batching != "continuous":
+            return None
+        return self.max_inflight_sequences or self.max_running_sequences * self.replicas

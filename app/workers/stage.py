@@ -244,6 +244,10 @@ class StageRuntime:
                 del sequences[seq.job_id]
         if msg.kind == "prefill" and alive and self._join_running(msg, alive):
             return
+        if msg.kind == "prefill" and self.continuous:
+            # Prefilled: the batch no longer takes one of the pipeline's prefill slots; its
+            # sequences count against the pipeline's sequence budget (the progress set) instead.
+            self._notify_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
 
     def _join_running(self, msg: StepMessage, alive: list[tuple[str, int]]) -> bool:
@@ -252,11 +256,7 @@ class StageRuntime:
         if host is None:
             return False
         self.joins.setdefault(host, []).append(Join(msg, alive))
-        # The host's in-flight entry lists the joiners too (the monitor sees the batch alive while
-        # any of them makes progress); the joiner no longer takes a pipeline slot of its own.
-        members = [*self.sequences[host], *(j for join in self.joins[host] for j, _ in join.alive)]
-        self.redis.hset(self.keys.inflight(msg.model), host, json.dumps(members))
-        self._notify_done(msg.model, msg.batch_id)
+        self._notify_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
         self.redis.xadd(
             self.keys.batch_log(),
             {"batch_id": msg.batch_id, "model": msg.model, "size": len(alive), "joined": host},
@@ -371,5 +371,4 @@ class StageRuntime:
         self.routes.pop(batch_id, None)
         self.touched.pop(batch_id, None)
         for join in self.joins.pop(batch_id, []):  # the host is gone: the joiner goes on alone
-            self.redis.hset(self.keys.inflight(join.msg.model), join.msg.batch_id, "[]")
             self._continue(join.msg, join.alive)

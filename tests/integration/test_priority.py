@@ -1,4 +1,4 @@
-"""Priority classes: with the pipeline busy, a `realtime` job that arrives last still runs first."""
+"""Priority classes: with the pipeline full, urgent jobs that arrive last still start first."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ def test_classes_drain_in_priority_order(tmp_path, redis_url, tiny_model):  # ty
             low = [submit(client, priority="low", **body) for _ in range(2)]
             normal = submit(client, priority="normal", **body)
             time.sleep(0.1)
-            high = submit(client, priority="high", **body)
+            # The first urgent job starts at once on the reserve; the next waits for it, still
+            # ahead of the normal and batch jobs that were queued before either arrived.
             realtime = submit(client, priority="realtime", **body)
+            high = submit(client, priority="high", **body)
             named = [
                 ("low0", low[0]),
                 ("low1", low[1]),

@@ -69,10 +69,11 @@ def test_aging_lifts_a_waiting_job_one_class_per_aging_period():
     assert ids(
         plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=26.0)
     ) == [["j1"]]
-    # From 3 x aging_s on, it ranks as realtime and its earlier arrival puts it first: it cannot starve.
+    # From 3 x aging_s on, it ranks as realtime and its earlier arrival puts it first: it cannot starve
+    # (the realtime job still goes, on the urgent classes' reserve slot).
     assert ids(
         plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=30.0)
-    ) == [["j0"]]
+    ) == [["j0"], ["j1"]]
 
 
 def test_without_aging_the_order_is_strict():
@@ -102,3 +103,16 @@ def test_urgent_classes_skip_the_window_when_the_pipeline_is_busy():
     high = [item(1, priority=1)]
     assert plan(normal, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0) == []
     assert ids(plan(high, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [["j1"]]
+
+
+def test_the_sequence_budget_bounds_what_starts_and_urgent_work_has_a_reserve():
+    normal = [item(i, priority=2) for i in range(6)]
+    # Room for 3 more sequences: a batch of 3 starts, the rest waits for sequences to finish.
+    assert ids(plan(normal, inflight={}, capacity={"m": 2}, limits=LIMITS, now=1.0, room={"m": 3})) == [
+        ["j0", "j1", "j2"]
+    ]
+    assert plan(normal, inflight={}, capacity={"m": 2}, limits=LIMITS, now=1.0, room={"m": 0}) == []
+    # A saturated pipeline (no room, no free slot) still starts one urgent batch at once.
+    high = [item(10, priority=1), item(11, priority=0)]
+    batches = plan(high + normal, inflight={"m": 2}, capacity={"m": 2}, limits=LIMITS, now=1.0, room={"m": 0})
+    assert ids(batches) == [["j11", "j10"]]
