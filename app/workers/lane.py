@@ -84,3 +84,28 @@ class LaneConsumer(threading.Thread):
             self.redis.delete(self.lane)
         except Exception:
             log.debug("could not delete lane %s", self.lane, exc_info=True)
+
+
+class TurnLock:
+    """A lock granted in arrival order, shared by a stage's Celery task and its lane thread.
+
+    `threading.Lock` is not fair: the lane thread, whose next decode step is usually waiting
+    already, would take it back at once, again and again, while a new batch's prefill waits in
+    the Celery thread for many steps. Taking turns bounds that wait to the step in progress.
+    """
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition()
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket whose turn it is
+
+    def __enter__(self) -> None:
+        with self._turns:
+            ticket = self._next
+            self._next += 1
+            self._turns.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._turns:
+            self._serving += 1
+            self._turns.notify_all()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import uuid
 from pathlib import Path
 
@@ -126,7 +125,7 @@ def run_worker(
         stale_after_s=4 * settings.stall_timeout_s,
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
-    one_at_a_time = threading.Lock()  # the Celery task and the lane thread share the runtime
+    one_at_a_time = lane.TurnLock()  # the Celery task and the lane thread take turns on the runtime
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)

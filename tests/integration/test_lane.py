@@ -69,3 +69,24 @@ def test_the_lane_expires_and_is_deleted_when_its_consumer_stops(redis, key):
     consumer.stop()
     assert not consumer.is_alive()
     assert redis.exists(key) == 0
+
+
+def test_turns_are_taken_in_arrival_order_so_a_waiting_prefill_is_not_starved():
+    import threading
+    import time
+
+    turns = lane.TurnLock()
+    order: list[str] = []
+
+    def take(name: str) -> None:
+        with turns:
+            order.append(name)
+
+    turns.__enter__()  # the lane thread is running a step
+    prefill = threading.Thread(target=take, args=("prefill",))
+    prefill.start()
+    time.sleep(0.05)  # the prefill is waiting now
+    turns.__exit__()
+    take("next decode step")  # the lane thread comes straight back for its next step
+    prefill.join(5)
+    assert order == ["prefill", "next decode step"]
