@@ -8,13 +8,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from app.core.config import DEFAULT_MODEL, Settings
 
 if TYPE_CHECKING:
+    import redis
+
+    from app.core.keys import Keys
     from app.partitions.planner import Plan
 
 cli = typer.Typer(
@@ -28,6 +31,13 @@ webhooks_cli = typer.Typer(
     help="Webhook delivery processes (`conveyor up` starts both).", no_args_is_help=True
 )
 cli.add_typer(webhooks_cli, name="webhooks")
+keys_cli = typer.Typer(help="API keys (stored hashed in Redis, each naming a tenant).", no_args_is_help=True)
+cli.add_typer(keys_cli, name="keys")
+
+SslCertfile = Annotated[
+    Path | None, typer.Option("--ssl-certfile", help="Serve the API over HTTPS with this PEM certificate.")
+]
+SslKeyfile = Annotated[Path | None, typer.Option("--ssl-keyfile", help="The certificate's PEM private key.")]
 
 
 def _logging(level: str = "INFO") -> None:
@@ -49,11 +59,14 @@ def up(
         Path | None, typer.Option(help="A `conveyor plan --out` file: one worker per stage.")
     ] = None,
     flower: Annotated[bool | None, typer.Option(help="Run Flower, Celery's dashboard.")] = None,
+    ssl_certfile: SslCertfile = None,
+    ssl_keyfile: SslKeyfile = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor
 
+    api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
     if plan is not None:
         from app.partitions.planner import Plan
 
@@ -89,7 +102,7 @@ def up(
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
     me = [sys.executable, "-m", "app.cli"]
-    supervisor.add(Child("api", [*me, "api"]))
+    supervisor.add(Child("api", api_argv))
     supervisor.add(Child("batcher", [*me, "batcher"]))
     supervisor.add(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
     supervisor.add(Child("callbacks", [*me, "webhooks", "worker"]))
@@ -124,11 +137,26 @@ def up(
                 ],
             )
         )
-    supervisor.say(f"api     http://{settings.api_host}:{settings.api_port}  (docs at /docs)")
+    scheme = "https" if ssl_certfile else "http"
+    supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
+
+
+def api_command(me: list[str], certfile: Path | None, keyfile: Path | None) -> list[str]:
+    """The api child's command line: `conveyor api`, with the TLS files (absolute: the child may run
+    elsewhere) when given. Both or neither."""
+    if (certfile is None) != (keyfile is None):
+        raise typer.BadParameter("--ssl-certfile and --ssl-keyfile go together")
+    argv = [*me, "api"]
+    if certfile is not None and keyfile is not None:
+        for path in (certfile, keyfile):
+            if not path.is_file():
+                raise typer.BadParameter(f"{path} is not a file")
+        argv += ["--ssl-certfile", str(certfile.resolve()), "--ssl-keyfile", str(keyfile.resolve())]
+    return argv
 
 
 def _ensure_default_model(settings: Settings) -> None:
@@ -142,21 +170,30 @@ def _ensure_default_model(settings: Settings) -> None:
 
 
 @cli.command()
-def api() -> None:
-    """Run the HTTP API (one process)."""
+def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> None:
+    """Run the HTTP API (one process); HTTPS with --ssl-certfile and --ssl-keyfile."""
     import uvicorn
 
     from app.api.app import create_app
 
     _logging()
     settings = _settings()
-    uvicorn.run(
-        create_app(settings),
-        host=settings.api_host,
-        port=settings.api_port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-    )
+    uvicorn.run(create_app(settings), **uvicorn_options(settings, ssl_certfile, ssl_keyfile))
+
+
+def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | None) -> dict[str, Any]:
+    """uvicorn's arguments for the api: its address, and TLS when both files are given."""
+    options: dict[str, Any] = {
+        "host": settings.api_host,
+        "port": settings.api_port,
+        "log_level": "info",
+        "timeout_graceful_shutdown": 5,
+    }
+    if certfile is not None and keyfile is not None:
+        options.update(ssl_certfile=str(certfile), ssl_keyfile=str(keyfile))
+    elif certfile is not None or keyfile is not None:
+        raise typer.BadParameter("--ssl-certfile and --ssl-keyfile go together")
+    return options
 
 
 @cli.command()
@@ -218,6 +255,7 @@ def submit(
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     priority: Annotated[str, typer.Option(help="realtime, high, normal or batch (low = batch).")] = "normal",
     url: Annotated[str | None, typer.Option(help="API base URL.")] = None,
+    api_key: Annotated[str | None, typer.Option(help="An API key (`conveyor keys create`).")] = None,
 ) -> None:
     """Submit a job and print its text."""
     import httpx
@@ -226,7 +264,9 @@ def submit(
     base = url or f"http://{settings.api_host}:{settings.api_port}"
     body: dict[str, object] = {"max_tokens": max_tokens, "temperature": temperature, "priority": priority}
     body.update({"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]})
-    with httpx.Client(base_url=base, timeout=httpx.Timeout(10.0, read=None)) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(10.0, read=None)
+    with httpx.Client(base_url=base, timeout=timeout, headers=headers) as client:
         answer = client.post("/v1/jobs", json=body)
         if answer.status_code != 202:
             typer.echo(answer.text, err=True)
@@ -333,6 +373,57 @@ def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]
     if missing:
         raise ValueError(f"no latency reported for stages {missing}; run load through the pipeline first")
     return [float(reports[s]["ewma_s"]) for s in range(stages)]
+
+
+def _keys_redis(settings: Settings) -> tuple[redis.Redis, Keys]:
+    """The Redis the API reads keys from: REDIS_URL, else the embedded one (`conveyor up` running)."""
+    from app.core.keys import Keys
+    from app.core.redis import sync_client
+
+    url = settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+    return sync_client(url), Keys(settings.namespace)
+
+
+@keys_cli.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    store: Annotated[
+        bool, typer.Option(help="Store its hash in Redis; --no-store prints a CONVEYOR_API_KEYS entry.")
+    ] = True,
+) -> None:
+    """Make an API key for a tenant and print it (once: only its SHA-256 is kept)."""
+    from app.api.auth import checked_tenant, key_digest, new_api_key
+    from app.core.errors import Unauthorized
+
+    try:
+        checked_tenant(tenant)
+    except Unauthorized as exc:
+        raise typer.BadParameter(exc.message) from exc
+    key = new_api_key()
+    digest = key_digest(key)
+    if store:
+        client, keys = _keys_redis(_settings())
+        record = json.dumps({"tenant": tenant, "created_at": time.time()})
+        client.hset(keys.api_keys(), digest, record)
+        typer.echo(
+            f"stored for tenant {tenant!r} (sha256 {digest[:12]}...); the key, shown only now:", err=True
+        )
+    else:
+        typer.echo(f'add to CONVEYOR_API_KEYS: {{"{digest}": "{tenant}"}}; the key:', err=True)
+    typer.echo(key)
+
+
+@keys_cli.command("revoke")
+def keys_revoke(key: Annotated[str, typer.Argument(help="The API key, or its SHA-256 hex.")]) -> None:
+    """Remove an API key from Redis: requests with it are refused from now on."""
+    from app.api.auth import key_digest
+
+    digest = key if len(key) == 64 and all(c in "0123456789abcdef" for c in key) else key_digest(key)
+    client, keys = _keys_redis(_settings())
+    if not client.hdel(keys.api_keys(), digest):
+        typer.echo("no such key", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {digest[:12]}...")
 
 
 @model_cli.command("pull")

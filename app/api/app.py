@@ -7,15 +7,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis.asyncio
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from app.api import errors
+from app.api.audit import AuditMiddleware
+from app.api.auth import Authenticator, authenticate
 from app.api.catalog import Catalog
 from app.api.events import EventHub
+from app.api.limits import BodyLimitMiddleware
 from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, ws
 from app.api.service import JobService
 from app.core.config import Settings
@@ -50,7 +54,10 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = api_redis(settings.redis_url or "")
-        hub = EventHub(redis, Keys(settings.namespace))
+        keys = Keys(settings.namespace)
+        app.state.auth = Authenticator(settings, redis, keys)  # a bad JWT setting stops the start here
+        await _warn_if_open(app.state.auth, redis, keys)
+        hub = EventHub(redis, keys)
         catalog = Catalog(settings)
         try:
             await run_in_threadpool(catalog.get, settings.default_model)  # first request should not pay it
@@ -75,11 +82,32 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     errors.install(app)
-    app.include_router(jobs.router)
-    app.include_router(deliveries.router)  # Webhooks: GET /v1/jobs/{id}/deliveries
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(AuditMiddleware)  # added last: outermost, so it sees 401 and 413 too
+    # Every route but health and the docs needs credentials (app/api/auth.py); the WebSocket route
+    # authenticates itself (a refusal there is a close code).
+    protected = [Depends(authenticate)]
+    app.include_router(jobs.router, dependencies=protected)
+    app.include_router(deliveries.router, dependencies=protected)  # Webhooks: GET /v1/jobs/{id}/deliveries
     app.include_router(ws.router)
-    app.include_router(inference.router)
-    app.include_router(embeddings.router)
-    app.include_router(openai.router)
+    app.include_router(inference.router, dependencies=protected)
+    app.include_router(embeddings.router, dependencies=protected)
+    app.include_router(openai.router, dependencies=protected)
     app.include_router(health.router)
     return app
+
+
+async def _warn_if_open(auth: Authenticator, client: redis.asyncio.Redis, keys: Keys) -> None:
+    """The loud line an operator must not miss: this API is open to anyone who reaches it."""
+    if auth.configured:
+        return
+    try:
+        stored = await client.hlen(keys.api_keys())
+    except RedisError:
+        stored = 0  # unknown until Redis answers; every request looks again
+    if not stored:
+        log.warning(
+            "!!! NO AUTHENTICATION: no API key and no JWT key is configured, so anyone who reaches this "
+            "API is tenant 'anonymous'. Create a key with `conveyor keys create --tenant NAME` (or set "
+            "CONVEYOR_API_KEYS / CONVEYOR_JWT_KEY) before exposing it beyond localhost. !!!"
+        )

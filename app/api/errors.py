@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -34,8 +33,7 @@ def problem(status: int, code: str, message: str, **details: object) -> JSONResp
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))} if exc.retry_after_s else None
-    return JSONResponse(jsonable_encoder(exc.body()), status_code=exc.status, headers=headers)
+    return JSONResponse(jsonable_encoder(exc.body()), status_code=exc.status, headers=exc.headers() or None)
 
 
 def install(app: FastAPI) -> None:
@@ -72,7 +70,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return problem(exc.status_code, HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail))
+        details = getattr(exc, "details", None) or {}  # BodyTooLarge (app/api/limits.py) states its limit
+        return problem(
+            exc.status_code, HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), **details
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

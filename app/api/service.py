@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 
+from app.api.auth import ANONYMOUS
 from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.schemas import JobCreate
@@ -34,6 +35,7 @@ from app.core.errors import (
 )
 from app.core.jobs import TRANSITION_FUNCTION, JobStatus, Transition, decode_record
 from app.core.keys import Keys
+from app.core.ratelimit import Quota, RateLimiter
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ return moved
 class Submitted:
     record: dict[str, str]
     replayed: bool = False  # an Idempotency-Key named an existing job: this is it
+    quota: Quota | None = None  # the tenant's rate limit after this submit (RateLimit-* headers)
 
 
 @dataclass(frozen=True)
@@ -82,19 +85,23 @@ class JobService:
         self.hub = hub
         self.keys = Keys(settings.namespace)
         self.admission = Admission(redis, self.keys, settings)
+        self.ratelimit = RateLimiter(redis, self.keys, settings)
         self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
         self._cancel = redis.register_script(CANCEL_LUA)
         self._background: set[asyncio.Task[None]] = set()
 
-    async def submit(self, request: JobCreate, *, idempotency_key: str | None = None) -> Submitted:
-        """Validate, admit (app/core/admission.py) and queue a job; with an Idempotency-Key, the job
-        that key already named (same body) instead of a new one."""
+    async def submit(
+        self, request: JobCreate, *, tenant: str, idempotency_key: str | None = None
+    ) -> Submitted:
+        """Validate, charge the tenant's rate limits (app/core/ratelimit.py), admit
+        (app/core/admission.py) and queue a job owned by `tenant`; with an Idempotency-Key (scoped
+        to the tenant), the job that key already named (same body) instead of a new one."""
         idempotency = None
         if idempotency_key is not None:
-            idempotency = (_digest(_checked_key(idempotency_key)), _digest(request.model_dump_json()))
+            idempotency = (_key_digest(tenant, idempotency_key), _digest(request.model_dump_json()))
             held = await self.redis.get(self.keys.idempotency(idempotency[0]))
             if held is not None:
-                return await self._replay(held, idempotency[1])
+                return await self._replay(held, idempotency[1], tenant)
         if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest(
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
@@ -132,9 +139,49 @@ class JobService:
         if request.callback_url is not None:
             callback = await self.callbacks.check(request.callback_url, request.callback_events)
 
+        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
+        try:
+            written = await self._admit_and_write(
+                request,
+                tenant=tenant,
+                model_name=model.name,
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                stop=stop,
+                callback=callback,
+                idempotency=idempotency,
+            )
+        except Exception:
+            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
+            raise
+        if isinstance(written, Submitted):  # another submit with the same key won the race
+            await self._refund(tenant, max_tokens)
+            return written
+        return Submitted(written, quota=quota)
+
+    async def _refund(self, tenant: str, tokens: int) -> None:
+        try:
+            await self.ratelimit.refund(tenant, tokens=tokens)
+        except Exception:  # the refusal being answered matters more than the refund
+            log.warning("could not refund %d tokens to tenant %s", tokens, tenant, exc_info=True)
+
+    async def _admit_and_write(
+        self,
+        request: JobCreate,
+        *,
+        tenant: str,
+        model_name: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stop: list[str],
+        callback: Any,
+        idempotency: tuple[str, str] | None,
+    ) -> dict[str, str] | Submitted:
+        """The admission gates, then the job written with its intake entry: its record, or the job an
+        Idempotency-Key already names."""
         now = time.time()
         ticket = await self.admission.check(
-            model=model.name, priority=request.priority, timeout_s=request.timeout_s, now=now
+            model=model_name, priority=request.priority, timeout_s=request.timeout_s, now=now
         )
         job_id = uuid.uuid4().hex
         params = {
@@ -150,7 +197,8 @@ class JobService:
         record = {
             "id": job_id,
             "status": str(JobStatus.QUEUED),
-            "model": model.name,
+            "model": model_name,
+            "tenant": tenant,
             "priority": request.priority,
             "created_at": repr(now),
             "request": json.dumps(params),
@@ -164,7 +212,7 @@ class JobService:
         }
         intake = intake_fields(
             job_id=job_id,
-            model=model.name,
+            model=model_name,
             prompt_tokens=len(prompt_ids),
             priority=request.priority,
             deadline=deadline,
@@ -177,22 +225,27 @@ class JobService:
             idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
             callback_at=now if callback is not None else None,
         )
-        if written.held is not None:  # another submit with the same key won the race
+        if written.held is not None:
             assert idempotency is not None
-            return await self._replay(written.held, idempotency[1])
-        return Submitted(record)
+            return await self._replay(written.held, idempotency[1], tenant)
+        return record
 
-    async def _replay(self, held: str | bytes, body_hash: str) -> Submitted:
+    async def _replay(self, held: str | bytes, body_hash: str, tenant: str) -> Submitted:
         job_id, _, held_hash = (held.decode() if isinstance(held, bytes) else held).partition(" ")
         if held_hash != body_hash:
             raise IdempotencyConflict(
                 f"this Idempotency-Key was used for job {job_id} with a different request body",
                 job_id=job_id,
             )
-        return Submitted(await self.get(job_id), replayed=True)
+        return Submitted(await self.get(job_id, tenant=tenant), replayed=True)
 
-    async def cancel(self, job_id: str, *, reason: str = "cancelled by the client") -> dict[str, str]:
-        """Move the job to `cancelled` and end its event stream; its workers drop it at their next step."""
+    async def cancel(
+        self, job_id: str, *, tenant: str | None, reason: str = "cancelled by the client"
+    ) -> dict[str, str]:
+        """Move the job to `cancelled` and end its event stream; its workers drop it at their next step.
+        A job of another tenant is 404, as if it did not exist (`tenant` None: no check, internal)."""
+        if tenant is not None:
+            await self.get(job_id, tenant=tenant)  # a job's tenant never changes: checked once, first
         error = {"code": "cancelled", "message": reason}
         transition = Transition(job_id, JobStatus.CANCELLED, {"error": error})
         maxlen = self.settings.max_tokens_limit + 16  # as the workers cap it
@@ -205,14 +258,14 @@ class JobService:
             if not status:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
             raise JobFinished(f"job {job_id} has already ended: {status}", job_id=job_id, status=status)
-        return await self.get(job_id)
+        return await self.get(job_id, tenant=None)
 
     def cancel_soon(self, job_id: str, reason: str) -> None:
         """Cancel in the background (a client went away; nobody waits for the answer)."""
 
         async def run() -> None:
             try:
-                await self.cancel(job_id, reason=reason)
+                await self.cancel(job_id, tenant=None, reason=reason)
                 log.info("job %s cancelled: %s", job_id, reason)
             except (JobFinished, JobNotFound):
                 pass
@@ -235,11 +288,15 @@ class JobService:
                 limit=self.settings.max_stop_length,
             )
 
-    async def get(self, job_id: str) -> dict[str, str]:
+    async def get(self, job_id: str, *, tenant: str | None) -> dict[str, str]:
+        """The job's record. A job of another tenant is 404 job_not_found, exactly as an unknown one
+        (never 403: that would tell who has which job). `tenant` None: no check (the API's own reads
+        of a job it has already checked or just made)."""
         raw = await self.redis.hgetall(self.keys.job(job_id))
-        if not raw:
+        record = decode_record(raw) if raw else None
+        if record is None or (tenant is not None and record.get("tenant", ANONYMOUS) != tenant):
             raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
-        return decode_record(raw)
+        return record
 
     async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[Event]:
         """The job's events after entry id `after`: the backlog first, then the live tail, until the end."""
@@ -260,13 +317,13 @@ class JobService:
                     try:
                         await asyncio.wait_for(woke.wait(), POLL_FALLBACK_S)
                     except TimeoutError:
-                        if await self.is_over(job_id, after):
+                        if await self.is_over(job_id, after, tenant=None):
                             return
 
-    async def is_over(self, job_id: str, after: str | None) -> bool:
+    async def is_over(self, job_id: str, after: str | None, *, tenant: str | None) -> bool:
         """True when the job has ended and nothing follows `after` in its stream (its final event
-        was already delivered). Raises JobNotFound once the job has expired."""
-        record = await self.get(job_id)
+        was already delivered). Raises JobNotFound once the job has expired, or for another tenant."""
+        record = await self.get(job_id, tenant=tenant)
         if not JobStatus(record["status"]).is_finished:
             return False
         rest = await self.redis.xrange(
@@ -274,8 +331,11 @@ class JobService:
         )
         return not rest
 
-    async def embed(self, texts: list[str], model: str | None) -> tuple[list[list[float]], dict[str, str]]:
-        """Run an embeddings job through the embedding stage workers and return its vectors."""
+    async def embed(
+        self, texts: list[str], model: str | None, *, tenant: str
+    ) -> tuple[list[list[float]], dict[str, str]]:
+        """Run an embeddings job through the embedding stage workers and return its vectors (one
+        request on the tenant's request limit; no generated tokens)."""
         from app.workers.embedding import EMBED_TASK, EMBEDDING_MODEL
 
         if self.settings.embedding_stages <= 0:
@@ -287,11 +347,13 @@ class JobService:
         limit = self.settings.max_embedding_inputs
         if not 1 <= len(texts) <= limit or not all(texts):
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+        await self.ratelimit.take(tenant, tokens=0)
         job_id = uuid.uuid4().hex
         record = {
             "id": job_id,
             "status": str(JobStatus.QUEUED),
             "model": EMBEDDING_MODEL,
+            "tenant": tenant,
             "kind": "embedding",
             "priority": "normal",
             "created_at": repr(time.time()),
@@ -316,7 +378,7 @@ class JobService:
         async with self.hub.watch(job_id) as woke:
             while True:
                 woke.clear()
-                record = await self.get(job_id)
+                record = await self.get(job_id, tenant=None)
                 remaining = deadline - time.monotonic()
                 if JobStatus(record["status"]).is_finished or remaining <= 0:
                     return record
@@ -330,6 +392,13 @@ def _checked_key(key: str) -> str:
     if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
         raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters")
     return key
+
+
+def _key_digest(tenant: str, key: str) -> str:
+    """Idempotency-Keys are per tenant: two tenants' `order-1` are two keys. (The anonymous tenant's
+    digest is the bare key's, as before tenants existed.)"""
+    key = _checked_key(key)
+    return _digest(key if tenant == ANONYMOUS else f"{tenant}\n{key}")
 
 
 def _digest(text: str) -> str:

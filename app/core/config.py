@@ -10,10 +10,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class TenantLimits(BaseModel):
+    """One tenant's rate limits (`Settings.rate_limits`); a field left out keeps the default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rps: float | None = Field(default=None, ge=0)
+    burst: int | None = Field(default=None, ge=1)
+    tokens_per_min: int | None = Field(default=None, ge=0)
 
 
 class Settings(BaseSettings):
@@ -144,6 +154,36 @@ class Settings(BaseSettings):
     webhook_log_max: int = Field(default=256, ge=1)  # delivery attempts kept per job (newest)
     # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
     webhook_disabled_ttl_s: int = Field(default=7 * 86_400, ge=1)
+
+    # Auth, tenants and audit. With no API key (here or made by `conveyor keys create`) and no JWT key,
+    # the API is open and every request is tenant "anonymous" (a WARNING at start says so).
+    # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    # JWT bearer tokens: the verification key (a PEM public key or certificate for RS/PS/ES/EdDSA, the
+    # secret for HS*), inline or in a file; algorithms pinned (never taken from the token's header).
+    jwt_key: str | None = None
+    jwt_key_file: Path | None = None
+    jwt_algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
+    jwt_audience: str | None = None  # when set, `aud` must hold it; when unset, a token with `aud` is refused
+    jwt_issuer: str | None = None  # when set, `iss` must equal it
+    jwt_tenant_claims: list[str] = Field(
+        default_factory=lambda: ["tenant", "sub"]
+    )  # the first present names the tenant
+    jwt_leeway_s: float = Field(default=30.0, ge=0)  # clock skew allowed on exp / nbf / iat
+    # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
+    # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
+    # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
+    rate_limit_rps: float = Field(default=50.0, ge=0)
+    rate_limit_burst: int = Field(default=100, ge=1)
+    rate_limit_tokens_per_min: int = Field(default=0, ge=0)
+    # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
+    rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    # Request bodies larger than this are refused (413) before they are parsed: the longest job a
+    # 8192-token context allows is tens of KB of JSON, 64 embedding texts a few hundred KB.
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    # Audit: one JSON line (logger conveyor.audit) and one entry of the capped `audit` stream per request.
+    audit_maxlen: int = Field(default=100_000, ge=1)  # about 40 MB of Redis at ~400 bytes an entry
+    audit_prompts: bool = False  # prompt text in the audit entries: off, prompts may be personal data
 
     @cached_property
     def model_home(self) -> Path:

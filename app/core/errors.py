@@ -22,6 +22,12 @@ class ConveyorError(Exception):
             error["details"] = self.details
         return {"error": error}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers the refusal carries: Retry-After when it is worth retrying."""
+        if not self.retry_after_s:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
 
 class InvalidRequest(ConveyorError):
     code = "invalid_request"
@@ -136,3 +142,38 @@ class Unavailable(Refused):
 
     code = "unavailable"
     status = 503
+
+
+class Unauthorized(ConveyorError):
+    """No credentials, or credentials that do not verify (API key or JWT). `WWW-Authenticate` says
+    what the API takes (RFC 6750); `invalid` marks credentials that were sent and refused."""
+
+    code = "unauthorized"
+    status = 401
+
+    def __init__(self, message: str, *, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.invalid = invalid
+
+    def headers(self) -> dict[str, str]:
+        challenge = 'Bearer realm="conveyor"'
+        if self.invalid:
+            challenge += ', error="invalid_token"'
+        return {"WWW-Authenticate": challenge}
+
+
+class RateLimited(Refused):
+    """A tenant over its request or token rate (app/core/ratelimit.py); the IETF draft's RateLimit-*
+    headers describe the limit that refused (`details.limit` names it: requests or tokens)."""
+
+    code = "rate_limited"
+    status = 429
+
+    def __init__(
+        self, message: str, *, retry_after_s: float, rate_headers: dict[str, str], **details: Any
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.rate_headers = rate_headers
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **self.rate_headers}

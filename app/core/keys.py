@@ -129,3 +129,18 @@ class Keys:
     def callbacks_queue(self) -> str:
         """Celery queue of webhook deliveries, served by the callbacks worker."""
         return f"{self.namespace}.callbacks"
+
+    # Tenants (app/api/auth.py, app/core/ratelimit.py, app/api/audit.py)
+
+    def api_keys(self) -> str:
+        """Hash: SHA-256 hex of an API key -> its tenant and creation time (JSON). `conveyor keys create`
+        adds, `conveyor keys revoke` removes; no TTL: a key lives until it is revoked."""
+        return f"{self.namespace}:apikeys"
+
+    def rate_limit(self, tenant: str) -> str:
+        """Hash: one tenant's rate-limit state (GCRA theoretical arrival times, ms); expires when full."""
+        return f"{self.namespace}:ratelimit:{tenant}"
+
+    def audit(self) -> str:
+        """Stream: one entry per API request (tenant, method, path, status, ...), capped at audit_maxlen."""
+        return f"{self.namespace}:audit"

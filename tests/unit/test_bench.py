@@ -22,6 +22,7 @@ from bench.report import SystemRun, percentile, ratio, system_table  # noqa: E40
 from bench.scheduling_load import (  # noqa: E402
     Timed,
     TokenLog,
+    batch_stats,
     class_summary,
     closed_loop_until,
     cycled,
@@ -234,6 +235,26 @@ def test_throughput_runs_from_the_first_arrival_to_the_last_end():
     t = throughput(jobs, start=10.0)
     assert t == {"span_s": 10.0, "jobs_per_s": 0.2, "tokens_per_s": 3.2}
     assert throughput([], start=0.0)["jobs_per_s"] == 0.0
+
+
+def test_batch_stats_reads_joins_batches_alone_and_stalls_from_the_batch_log():
+    def dispatch(batch_id: str, size: int) -> dict[str, str]:
+        return {"batch_id": batch_id, "size": str(size), "bucket": "64"}
+
+    log = [
+        (1.0, dispatch("host", 4)),
+        (2.0, dispatch("a", 1)),
+        (2.5, {"batch_id": "a", "size": "1", "joined": "host"}),
+        (3.0, dispatch("alone", 9)),
+        (13.0, dispatch("b", 2)),
+        (13.4, {"batch_id": "b", "size": "2", "joined": "host"}),
+        (20.0, dispatch("later", 1)),
+    ]
+    b = batch_stats(log, 1.5, 15.0)
+    assert (b["dispatched"], b["joined"], b["ran_alone"], b["sizes"]) == (3, 2, 1, [1, 9, 2])
+    assert b["joins_into_busiest_host"] == 2 and b["longest_gap_s"] == 10.0
+    empty = batch_stats(log, 30.0, 40.0)
+    assert (empty["dispatched"], empty["longest_gap_s"], empty["joins_into_busiest_host"]) == (0, 10.0, 0)
 
 
 def test_ratios_and_verdicts_of_the_scheduling_targets():

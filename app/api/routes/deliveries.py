@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
+from app.api import audit
+from app.api.auth import current_tenant
 from app.api.deps import get_jobs
-from app.api.schemas import ErrorBody
+from app.api.routes.jobs import ERRORS
 from app.api.service import JobService
 from app.webhooks.delivery import decode_log, url_digest
 
@@ -34,10 +36,14 @@ class DeliveryLog(BaseModel):
     deliveries: list[DeliveryAttempt] = Field(description="Oldest first; the newest webhook_log_max kept.")
 
 
-@router.get("/{job_id}/deliveries", response_model=DeliveryLog, responses={404: {"model": ErrorBody}})
-async def job_deliveries(job_id: str, jobs: JobService = Depends(get_jobs)) -> DeliveryLog:
+@router.get("/{job_id}/deliveries", response_model=DeliveryLog, responses=ERRORS)
+async def job_deliveries(
+    job_id: str, request: Request, jobs: JobService = Depends(get_jobs), tenant: str = Depends(current_tenant)
+) -> DeliveryLog:
     """The job's webhook delivery attempts: status code or error, duration, the delay before the next."""
-    record = await jobs.get(job_id)  # 404 job_not_found for an unknown or expired job
+    audit.note(request, job_id=job_id)
+    record = await jobs.get(job_id, tenant=tenant)  # 404 job_not_found: unknown, expired or not yours
+    audit.note_job(request, record)
     raw = await jobs.redis.lrange(jobs.keys.webhook_deliveries(job_id), 0, -1)
     url = record.get("callback_url") or None
     disabled = bool(url) and bool(await jobs.redis.exists(jobs.keys.webhook_disabled(url_digest(url or ""))))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api import audit
+from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.routes.jobs import ERRORS
 from app.api.service import JobService
@@ -43,10 +45,15 @@ class EmbeddingsPublic(BaseModel):
 
 @router.post("/v1/embeddings", response_model=EmbeddingsPublic, responses={**ERRORS, 503: ERRORS[404]})
 async def embeddings(
-    body: EmbeddingsCreate, jobs: JobService = Depends(get_jobs), settings: Settings = Depends(get_settings)
+    body: EmbeddingsCreate,
+    request: Request,
+    jobs: JobService = Depends(get_jobs),
+    settings: Settings = Depends(get_settings),
+    tenant: str = Depends(current_tenant),
 ) -> EmbeddingsPublic:
     """Unit-length 384-dimensional vectors, in the order of `input` (OpenAI's response shape)."""
-    vectors, record = await jobs.embed(body.texts(), body.model)
+    vectors, record = await jobs.embed(body.texts(), body.model, tenant=tenant)
+    audit.note_job(request, record)
     tokens = int(record.get("prompt_tokens", 0))
     return EmbeddingsPublic(
         model=record["model"],

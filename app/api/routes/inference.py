@@ -8,8 +8,10 @@ from contextlib import suppress
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
+from app.api import audit
+from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
-from app.api.routes.jobs import IDEMPOTENCY_KEY, SUBMIT_ERRORS, event_stream, mark_replayed
+from app.api.routes.jobs import IDEMPOTENCY_KEY, SUBMIT_ERRORS, event_stream, mark_submitted
 from app.api.schemas import InferenceRequest, JobCreate, JobPublic
 from app.api.service import JobService
 from app.core.config import Settings
@@ -29,24 +31,31 @@ async def inference(
     response: Response,
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
+    tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> JobPublic | EventSourceResponse | Response:
     """Run a job to its end and return it; with `stream: true`, answer with its server-sent events.
 
     A client that disconnects before the end cancels the job (`cancel_on_disconnect`)."""
     job = JobCreate.model_validate(body.model_dump(exclude={"stream"}))
-    submitted = await jobs.submit(job, idempotency_key=idempotency_key)
+    submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
     job_id = submitted.record["id"]
     if body.stream:
         stream = event_stream(
-            jobs, job_id, settings, after=None, cancel_on_disconnect=settings.cancel_on_disconnect
+            jobs,
+            job_id,
+            settings,
+            after=None,
+            notes=audit.fields(request),
+            cancel_on_disconnect=settings.cancel_on_disconnect,
         )
-        mark_replayed(stream, submitted)
+        mark_submitted(request, stream, submitted, job)
         return stream
-    mark_replayed(response, submitted)
+    mark_submitted(request, response, submitted, job)
     record = await wait_unless_gone(request, jobs, job_id, settings)
     if record is None:
         return Response(status_code=CLIENT_CLOSED)
+    audit.note_job(request, record)
     if not JobStatus(record["status"]).is_finished:
         raise SyncTimeout(
             f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",

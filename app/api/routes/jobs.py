@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
+from app.api import audit
+from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobPublic, JobUrls
 from app.api.service import FINAL_EVENTS, JobService, Submitted
@@ -19,9 +21,10 @@ from app.core.errors import InvalidRequest
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 EVENT_ID = re.compile(r"^\d+-\d+$")
-ERRORS: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}, 422: {"model": ErrorBody}}
-# Refusals at submit: 409 idempotency_conflict; 429 queue_full, deadline_unmeetable; 503 overloaded,
-# circuit_open, stage_unavailable, unavailable (each with Retry-After).
+# Every protected route may answer 401 unauthorized (with WWW-Authenticate) and 413 payload_too_large.
+ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (401, 404, 413, 422)}
+# Refusals at submit: 409 idempotency_conflict; 429 rate_limited, queue_full, deadline_unmeetable;
+# 503 overloaded, circuit_open, stage_unavailable, unavailable (each with Retry-After).
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERRORS,
     **{status: {"model": ErrorBody} for status in (409, 429, 503)},
@@ -45,9 +48,21 @@ def accepted(request: Request, record: dict[str, str]) -> JobAccepted:
     )
 
 
-def mark_replayed(response: Response, submitted: Submitted) -> None:
+def mark_submitted(request: Request, response: Response, submitted: Submitted, job: JobCreate) -> None:
+    """What every submitting route adds to its answer: `Idempotent-Replayed`, the tenant's RateLimit-*
+    headers, and the job (and its prompt, written only with audit_prompts) to the audit entry."""
     if submitted.replayed:
         response.headers["Idempotent-Replayed"] = "true"
+    if submitted.quota is not None:
+        response.headers.update(submitted.quota.headers())
+    audit.note_job(request, submitted.record)
+    audit.note(request, prompt=prompt_text(job))
+
+
+def prompt_text(job: JobCreate) -> str:
+    if job.messages is not None:
+        return json.dumps([m.model_dump() for m in job.messages], ensure_ascii=False)
+    return job.prompt or ""
 
 
 @router.post("", status_code=202, response_model=JobAccepted, responses=SUBMIT_ERRORS)
@@ -56,27 +71,39 @@ async def create_job(
     request: Request,
     response: Response,
     jobs: JobService = Depends(get_jobs),
+    tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> JobAccepted:
     """Queue a generation job. Poll `urls.self` or follow `urls.events`."""
-    submitted = await jobs.submit(body, idempotency_key=idempotency_key)
+    submitted = await jobs.submit(body, tenant=tenant, idempotency_key=idempotency_key)
     out = accepted(request, submitted.record)
     response.headers["Location"] = out.urls.self
-    mark_replayed(response, submitted)
+    mark_submitted(request, response, submitted, body)
     return out
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
-async def get_job(job_id: str, jobs: JobService = Depends(get_jobs)) -> JobPublic:
-    return JobPublic.from_record(await jobs.get(job_id))
+async def get_job(
+    job_id: str, request: Request, jobs: JobService = Depends(get_jobs), tenant: str = Depends(current_tenant)
+) -> JobPublic:
+    """The job as it stands. Another tenant's job is 404 job_not_found, like an unknown one."""
+    audit.note(request, job_id=job_id)  # audited even when refused
+    record = await jobs.get(job_id, tenant=tenant)
+    audit.note_job(request, record)
+    return JobPublic.from_record(record)
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses={**ERRORS, 409: {"model": ErrorBody}})
-async def cancel_job(job_id: str, jobs: JobService = Depends(get_jobs)) -> JobPublic:
+async def cancel_job(
+    job_id: str, request: Request, jobs: JobService = Depends(get_jobs), tenant: str = Depends(current_tenant)
+) -> JobPublic:
     """Cancel a job that has not ended: it ends `cancelled`, and its event stream with `cancelled`.
 
     A job that has already ended answers 409 `job_finished` (its status in `details.status`)."""
-    return JobPublic.from_record(await jobs.cancel(job_id))
+    audit.note(request, job_id=job_id)
+    record = await jobs.cancel(job_id, tenant=tenant)
+    audit.note_job(request, record)
+    return JobPublic.from_record(record)
 
 
 @router.get(
@@ -86,8 +113,10 @@ async def cancel_job(job_id: str, jobs: JobService = Depends(get_jobs)) -> JobPu
 )
 async def job_events(
     job_id: str,
+    request: Request,
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
+    tenant: str = Depends(current_tenant),
     last_event_id: str | None = Header(default=None),
 ) -> Response:
     """Token events of a job; reconnect with `Last-Event-ID` to receive exactly the rest.
@@ -96,9 +125,11 @@ async def job_events(
     EventSource to stop reconnecting.
     """
     after = _checked_event_id(last_event_id)
-    if await jobs.is_over(job_id, after):  # also the 404 for an unknown job, before the stream starts
+    audit.note(request, job_id=job_id)
+    # Also the 404 for an unknown job (or another tenant's), before the stream starts.
+    if await jobs.is_over(job_id, after, tenant=tenant):
         return Response(status_code=204)
-    return event_stream(jobs, job_id, settings, after=after)
+    return event_stream(jobs, job_id, settings, after=after, notes=audit.fields(request))
 
 
 def _checked_event_id(value: str | None) -> str | None:
@@ -117,15 +148,20 @@ def event_stream(
     settings: Settings,
     *,
     after: str | None,
+    notes: dict[str, Any],
     cancel_on_disconnect: bool = False,
 ) -> EventSourceResponse:
-    """The job's events as SSE; the final event carries the job as polled. With cancel_on_disconnect
-    (a client that submitted and streams in one request), a client that goes away cancels the job."""
+    """The job's events as SSE (the caller has checked the job is the tenant's); the final event
+    carries the job as polled, and its token counts go to the audit `notes`. With
+    cancel_on_disconnect (a client that submitted and streams in one request), a client that goes
+    away cancels the job."""
 
     async def generate() -> AsyncIterator[dict[str, str]]:
         async for event in jobs.events(job_id, after):
             if event.event in FINAL_EVENTS:
-                data = JobPublic.from_record(await jobs.get(job_id)).model_dump_json()
+                record = await jobs.get(job_id, tenant=None)
+                audit.note_job(notes, record)
+                data = JobPublic.from_record(record).model_dump_json()
             else:
                 data = json.dumps(event.data, separators=(",", ":"), ensure_ascii=False)
             yield {"id": event.id, "event": event.event, "data": data}

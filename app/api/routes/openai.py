@@ -17,6 +17,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
+from app.api import audit
+from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.openai_schemas import (
     AssistantMessage,
@@ -35,7 +37,7 @@ from app.api.openai_schemas import (
     OpenAIRequest,
 )
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
-from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_replayed
+from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import ConveyorError, JobFailed, ModelNotFound, SyncTimeout
@@ -135,10 +137,11 @@ async def completions(
     response: Response,
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
+    tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> BaseModel | Response:
     """OpenAI's (legacy) completions: one prompt, one choice; `stream: true` answers with its chunks."""
-    return await _answer(body, CompletionReply, request, response, jobs, settings, idempotency_key)
+    return await _answer(body, CompletionReply, request, response, jobs, settings, tenant, idempotency_key)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=SYNC_ERRORS)
@@ -148,10 +151,11 @@ async def chat_completions(
     response: Response,
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
+    tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> BaseModel | Response:
     """OpenAI's chat completions, rendered with the model's chat template; one choice."""
-    return await _answer(body, ChatReply, request, response, jobs, settings, idempotency_key)
+    return await _answer(body, ChatReply, request, response, jobs, settings, tenant, idempotency_key)
 
 
 class Reply:
@@ -244,20 +248,24 @@ async def _answer(
     response: Response,
     jobs: JobService,
     settings: Settings,
+    tenant: str,
     idempotency_key: str | None,
 ) -> BaseModel | Response:
     """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
     (`cancel_on_disconnect`), as on /v1/inference."""
-    submitted = await jobs.submit(body.to_job(), idempotency_key=idempotency_key)
+    job = body.to_job()
+    submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
     job_id, reply = submitted.record["id"], reply_type(submitted.record)
     if body.stream:
-        stream = _stream(jobs, job_id, reply, settings, include_usage=body.include_usage)
-        mark_replayed(stream, submitted)
+        notes = audit.fields(request)
+        stream = _stream(jobs, job_id, reply, settings, include_usage=body.include_usage, notes=notes)
+        mark_submitted(request, stream, submitted, job)
         return stream
-    mark_replayed(response, submitted)
+    mark_submitted(request, response, submitted, job)
     record = await wait_unless_gone(request, jobs, job_id, settings)
     if record is None:
         return Response(status_code=CLIENT_CLOSED)
+    audit.note_job(request, record)
     _check_succeeded(record, settings)
     return reply.whole(record)
 
@@ -281,7 +289,13 @@ def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
 
 
 def _stream(
-    jobs: JobService, job_id: str, reply: Reply, settings: Settings, *, include_usage: bool
+    jobs: JobService,
+    job_id: str,
+    reply: Reply,
+    settings: Settings,
+    *,
+    include_usage: bool,
+    notes: dict[str, Any],
 ) -> EventSourceResponse:
     """OpenAI's stream: `data: <chunk>` lines, then `data: [DONE]`. A job that ends without a
     completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`."""
@@ -297,7 +311,8 @@ def _stream(
         async for event in jobs.events(job_id):
             if event.event == "token" and event.data.get("text"):
                 yield data(reply.delta(event.data["text"]))
-        record = await jobs.get(job_id)  # the stream has ended: so has the job
+        record = await jobs.get(job_id, tenant=None)  # the stream has ended: so has the job
+        audit.note_job(notes, record)
         if record["status"] == JobStatus.SUCCEEDED:
             yield data(reply.last(record.get("finish_reason")))
             if include_usage:

@@ -2,10 +2,12 @@
 
 Each message is one JSON object `{"id": <stream entry id>, "event": <name>, "data": {...}}`: `token`
 events, then one final `done`, `error`, `cancelled` or `expired` carrying the job as polled, after
-which the server closes normally (1000). `?last_event_id=<entry id>` resumes after that event. The
-connection is refused by a close code (the reason holds the error code and message):
+which the server closes normally (1000). `?last_event_id=<entry id>` resumes after that event.
+Credentials go in the handshake's headers, as on every other route (`Authorization: Bearer` or
+`X-API-Key`). The connection is refused by a close code (the reason holds the error code and message):
 
-- 4404: no such job (unknown, or expired);
+- 4401: no credentials, or credentials that do not verify (`unauthorized`);
+- 4404: no such job (unknown, expired, or another tenant's);
 - 4422: a `last_event_id` that is not an entry id;
 - 1013 (try again later): Redis does not answer;
 - 1000 at once, without a message: the final event was already delivered (resuming after the end).
@@ -25,16 +27,18 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from app.api import audit
 from app.api.routes.jobs import EVENT_ID
 from app.api.schemas import JobPublic
 from app.api.service import FINAL_EVENTS, JobService
-from app.core.errors import ConveyorError, JobNotFound
+from app.core.errors import ConveyorError, JobNotFound, Unauthorized
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-NOT_FOUND = 4404  # 4000 + the HTTP status the same refusal has on GET /v1/jobs/{id}/events
+UNAUTHORIZED = 4401  # 4000 + the HTTP status the same refusal has on GET /v1/jobs/{id}/events
+NOT_FOUND = 4404
 INVALID = 4422
 MAX_REASON = 123  # bytes a close frame's reason may hold
 
@@ -43,6 +47,7 @@ MAX_REASON = 123  # bytes a close frame's reason may hold
 async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = None) -> None:
     jobs: JobService = websocket.app.state.jobs
     await websocket.accept()
+    audit.note(websocket, job_id=job_id)
     if last_event_id and not EVENT_ID.match(last_event_id):
         await _close(
             websocket, INVALID, "invalid_request: last_event_id must be an entry id like 1700000000000-0"
@@ -50,8 +55,13 @@ async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = 
         return
     after = last_event_id or None
     try:
-        if not await jobs.is_over(job_id, after):
+        principal = await websocket.app.state.auth.authenticate(websocket.headers)
+        audit.note(websocket, tenant=principal.tenant)
+        if not await jobs.is_over(job_id, after, tenant=principal.tenant):
             await _follow(websocket, jobs, job_id, after)
+    except Unauthorized as exc:
+        await _close(websocket, UNAUTHORIZED, f"{exc.code}: {exc.message}")
+        return
     except JobNotFound as exc:
         await _close(websocket, NOT_FOUND, f"{exc.code}: {exc.message}")
         return
@@ -74,7 +84,9 @@ async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: st
         async for event in jobs.events(job_id, after):
             data = event.data
             if event.event in FINAL_EVENTS:
-                data = JobPublic.from_record(await jobs.get(job_id)).model_dump(mode="json")
+                record = await jobs.get(job_id, tenant=None)  # checked before following
+                audit.note_job(websocket, record)
+                data = JobPublic.from_record(record).model_dump(mode="json")
             message = {"id": event.id, "event": event.event, "data": data}
             await websocket.send_text(json.dumps(message, separators=(",", ":"), ensure_ascii=False))
 

@@ -1,0 +1,222 @@
+"""Who is calling: API keys and JWT bearer tokens, each naming a tenant.
+
+Credentials come as `Authorization: Bearer <API key or JWT>` or `X-API-Key: <API key>`.
+
+- API keys are random (`cvk_` + 256 bits, `conveyor keys create`); only their SHA-256 is kept, in
+  `Settings.api_keys` or the `apikeys` hash in Redis, each naming its tenant. A fast hash is enough
+  for a key of that entropy (nobody can search 2^256), and the lookup is by digest, so no key
+  material is compared byte by byte.
+- A bearer value shaped like a JWT (three dot-separated parts) is verified with PyJWT against the
+  configured key, with the algorithms pinned in settings (the token's own `alg` header is never
+  trusted: `none`, or HS256 signed with an RS256 public key, is refused); `exp` is required, `nbf`,
+  `iat`, `aud` and `iss` are checked. The tenant is the first of `jwt_tenant_claims` present.
+
+With no API key anywhere (settings or Redis) and no JWT key, the API is open: every request is the
+tenant `anonymous` (credentials sent anyway, such as an OpenAI client's placeholder key, are ignored)
+and the API logs a WARNING at start. The Redis hash is looked at again at most once a second, so
+the first `conveyor keys create` closes an open API without a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509 import load_pem_x509_certificate
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
+
+from app.api import audit
+from app.core.config import Settings
+from app.core.errors import Unauthorized
+from app.core.keys import Keys
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = "anonymous"
+KEY_PREFIX = "cvk_"
+MAX_TENANT = 128  # characters of a tenant name: it is part of Redis keys and audit lines
+OPEN_RECHECK_S = 1.0  # an open API looks for newly created keys this often
+ASYMMETRIC = ("RS", "PS", "ES", "Ed")
+
+
+def new_api_key() -> str:
+    """A new API key: `cvk_` and 43 characters of base64url (256 random bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    method: str  # "api_key", "jwt" or "anonymous"
+
+
+def checked_tenant(value: object) -> str:
+    """A tenant a credential may name: printable, bounded, and never `anonymous` (the jobs made while
+    the API was open belong to nobody who holds a credential)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_TENANT or not value.isprintable():
+        raise Unauthorized(f"the tenant must be 1 to {MAX_TENANT} printable characters", invalid=True)
+    if value == ANONYMOUS:
+        raise Unauthorized(
+            f"{ANONYMOUS!r} is reserved for the open API; no credential may name it", invalid=True
+        )
+    return value
+
+
+class JwtVerifier:
+    """Verifies bearer JWTs with one key and pinned algorithms (all symmetric or all asymmetric)."""
+
+    def __init__(self, settings: Settings) -> None:
+        algorithms = list(settings.jwt_algorithms)
+        if not algorithms or any(a.lower() == "none" for a in algorithms):
+            raise ValueError("CONVEYOR_JWT_ALGORITHMS must name signing algorithms, never 'none'")
+        asymmetric = {a.startswith(ASYMMETRIC) for a in algorithms}
+        if len(asymmetric) != 1:
+            raise ValueError(
+                "CONVEYOR_JWT_ALGORITHMS mixes HMAC and public-key algorithms; one key cannot serve both"
+            )
+        text = settings.jwt_key
+        if text is None and settings.jwt_key_file is not None:
+            text = Path(settings.jwt_key_file).read_text()
+        if not text:
+            raise ValueError("no JWT key: set CONVEYOR_JWT_KEY or CONVEYOR_JWT_KEY_FILE")
+        self.key: Any = _public_key(text) if asymmetric == {True} else _secret(text)
+        self.algorithms = algorithms
+        self.audience = settings.jwt_audience
+        self.issuer = settings.jwt_issuer
+        self.leeway = settings.jwt_leeway_s
+        self.claims = list(settings.jwt_tenant_claims)
+        self.required = ["exp"] + (["aud"] if self.audience else []) + (["iss"] if self.issuer else [])
+
+    def tenant(self, token: str) -> str:
+        try:
+            payload = jwt.decode(
+                token,
+                self.key,
+                algorithms=self.algorithms,
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": self.required},
+            )
+        except jwt.InvalidTokenError as exc:
+            raise Unauthorized(f"invalid token: {exc}", invalid=True) from exc
+        for claim in self.claims:
+            if payload.get(claim) is not None:
+                return checked_tenant(payload[claim])
+        raise Unauthorized(f"the token names no tenant (claims {self.claims})", invalid=True)
+
+
+def _public_key(text: str) -> Any:
+    data = text.encode()
+    try:
+        if b"CERTIFICATE" in data:
+            return load_pem_x509_certificate(data).public_key()
+        return serialization.load_pem_public_key(data)
+    except ValueError as exc:
+        raise ValueError(f"the JWT key is not a PEM public key or certificate: {exc}") from exc
+
+
+def _secret(text: str) -> bytes:
+    if "-----BEGIN" in text:
+        raise ValueError("an HMAC algorithm is configured but the JWT key is a PEM key")
+    if len(text.encode()) < 32:
+        raise ValueError("the JWT HMAC secret must be at least 32 bytes (RFC 7518 3.2)")
+    return text.encode()
+
+
+class Authenticator:
+    """One per API process (app.state.auth): turns a request's headers into a Principal."""
+
+    def __init__(self, settings: Settings, redis: Any, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings_keys = dict(settings.api_keys)
+        configured = settings.jwt_key is not None or settings.jwt_key_file is not None
+        self.jwt = JwtVerifier(settings) if configured else None
+        self._open_until = 0.0  # monotonic time until which "no keys in Redis" is believed
+
+    @property
+    def configured(self) -> bool:
+        """Credentials in settings (Redis keys are looked up separately)."""
+        return bool(self.settings_keys) or self.jwt is not None
+
+    async def is_open(self) -> bool:
+        """No credential is configured anywhere: anonymous access."""
+        if self.configured:
+            return False
+        if time.monotonic() < self._open_until:
+            return True
+        if await self.redis.hlen(self.keys.api_keys()):
+            return False
+        self._open_until = time.monotonic() + OPEN_RECHECK_S
+        return True
+
+    async def authenticate(self, headers: Headers) -> Principal:
+        if await self.is_open():
+            return Principal(ANONYMOUS, "anonymous")
+        scheme, _, value = headers.get("authorization", "").partition(" ")
+        bearer = value.strip() if scheme.lower() == "bearer" else ""
+        api_key = headers.get("x-api-key", "").strip()
+        if bearer and bearer.count(".") == 2:
+            if self.jwt is None:
+                raise Unauthorized(
+                    "JWT bearer tokens are not accepted here (no JWT key configured)", invalid=True
+                )
+            return Principal(self.jwt.tenant(bearer), "jwt")
+        key = bearer or api_key
+        if not key:
+            raise Unauthorized(
+                "credentials required: send 'Authorization: Bearer <API key or JWT>' "
+                "or 'X-API-Key: <API key>'"
+            )
+        return Principal(await self._tenant_of_key(key), "api_key")
+
+    async def _tenant_of_key(self, key: str) -> str:
+        digest = key_digest(key)
+        tenant = self.settings_keys.get(digest)
+        if tenant is None:
+            raw = await self.redis.hget(self.keys.api_keys(), digest)
+            tenant = _stored_tenant(raw) if raw is not None else None
+        if tenant is None:
+            raise Unauthorized("invalid API key", invalid=True)
+        return checked_tenant(tenant)
+
+
+def _stored_tenant(raw: bytes | str) -> str:
+    return str(json.loads(raw)["tenant"])
+
+
+# The schemes are declared for the OpenAPI document (/docs' Authorize button); the Authenticator reads
+# the headers itself, so a missing or malformed header is its 401, not FastAPI's 403.
+_BEARER = HTTPBearer(auto_error=False, description="An API key or a JWT.")
+_API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False, description="An API key.")
+
+
+async def authenticate(
+    request: Request,
+    _bearer: HTTPAuthorizationCredentials | None = Depends(_BEARER),
+    _key: str | None = Depends(_API_KEY),
+) -> Principal:
+    """The FastAPI dependency every protected router carries (app/api/app.py); FastAPI caches it per
+    request, so a route asking for `current_tenant` too does not authenticate twice."""
+    principal = await request.app.state.auth.authenticate(request.headers)
+    audit.note(request, tenant=principal.tenant)
+    return principal  # type: ignore[no-any-return]
+
+
+async def current_tenant(principal: Principal = Depends(authenticate)) -> str:
+    return principal.tenant

@@ -1,0 +1,206 @@
+"""Per-tenant rate limits, shared by every API process: GCRA in one Lua script.
+
+Two limits per tenant, checked and charged together at submit (all or nothing):
+
+- requests: `rps` job-creating requests per second, `burst` of them at once;
+- tokens: `tokens_per_min` generated tokens per minute, a minute's worth at once. A job is charged
+  its `max_tokens` when it is submitted (what it may generate, not what it will: simple and never
+  under-charged); a job that is then not queued (admission refused it) is refunded.
+
+GCRA (the generic cell rate algorithm) keeps one number per limit: the theoretical arrival time
+`tat`, when the bucket would be full again. With `T` the interval per unit (1/rate) and `C` the
+capacity, a charge of `n` units at `now` is admitted when
+
+    max(tat, now) + n*T - now <= C*T
+
+and moves `tat` there. From idle, C units pass at once; over any window of D seconds at most
+C + rate*D do. The script reads Redis's clock (TIME) unless a test passes one, so API processes
+with skewed clocks still share one limit. The tenant's hash expires once both buckets are full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from app.core.config import Settings
+from app.core.errors import MaxTokensExceeded, RateLimited
+from app.core.keys import Keys
+
+# KEYS[1] = the tenant's hash. ARGV[1] = now in ms ('' = Redis's clock). Then per bucket b = 1
+# (requests), 2 (tokens), at ARGV[3b-1 .. 3b+1]: interval in ms per unit (0 = no limit), capacity
+# (units at once), cost (units; below 0 a refund, always applied).
+# Returns {admitted 0/1, refusing bucket (0 none), retry in ms, remaining 1, full in ms 1,
+# remaining 2, full in ms 2}: integers, as Redis converts Lua numbers to integers anyway.
+GCRA_LUA = """
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local fields = {'requests', 'tokens'}
+local out = {1, 0, 0, -1, 0, -1, 0}
+local tats = {}
+for b = 1, 2 do
+  local interval = tonumber(ARGV[3 * b - 1])
+  if interval > 0 then
+    local capacity = tonumber(ARGV[3 * b])
+    local cost = tonumber(ARGV[3 * b + 1])
+    local tat = tonumber(redis.call('HGET', KEYS[1], fields[b])) or now
+    local base = math.max(tat, now)
+    local new = math.max(base + cost * interval, now)
+    local dvt = capacity * interval
+    if cost > 0 and new - now > dvt then
+      local wait = math.ceil(new - now - dvt)
+      out[1] = 0
+      if wait > out[3] then
+        out[2] = b
+        out[3] = wait
+      end
+      new = base
+    end
+    tats[b] = new
+    out[2 + 2 * b] = math.floor((dvt - (new - now)) / interval)
+    out[3 + 2 * b] = math.ceil(new - now)
+  end
+end
+if out[1] == 1 then
+  local full = 0
+  for b = 1, 2 do
+    if tats[b] then
+      redis.call('HSET', KEYS[1], fields[b], string.format('%.3f', tats[b]))
+      full = math.max(full, tats[b] - now)
+    end
+  end
+  if full > 0 then redis.call('PEXPIRE', KEYS[1], math.ceil(full) + 1000) end
+end
+return out
+"""
+
+REQUESTS, TOKENS = "requests", "tokens"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One limit, resolved for a tenant: `capacity` units at once, one more every `interval_ms`."""
+
+    name: str
+    capacity: int
+    interval_ms: float
+
+    def describe(self) -> str:
+        if self.name == REQUESTS:
+            return f"{1000 / self.interval_ms:g} requests per second (burst {self.capacity})"
+        return f"{self.capacity} tokens per minute"
+
+
+@dataclass(frozen=True)
+class Policy:
+    requests: Bucket | None  # None: no limit
+    tokens: Bucket | None
+
+
+def policy_for(settings: Settings, tenant: str) -> Policy:
+    """The tenant's limits: its override in `rate_limits`, field by field, else the defaults."""
+    override = settings.rate_limits.get(tenant)
+    rps = settings.rate_limit_rps if override is None or override.rps is None else override.rps
+    burst = settings.rate_limit_burst if override is None or override.burst is None else override.burst
+    per_min = settings.rate_limit_tokens_per_min
+    if override is not None and override.tokens_per_min is not None:
+        per_min = override.tokens_per_min
+    return Policy(
+        requests=Bucket(REQUESTS, burst, 1000.0 / rps) if rps > 0 else None,
+        tokens=Bucket(TOKENS, per_min, 60_000.0 / per_min) if per_min > 0 else None,
+    )
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Where a tenant stands on one limit after a charge: the IETF draft's RateLimit-* headers
+    (Limit: the capacity; Remaining: units left now; Reset: seconds until the bucket is full)."""
+
+    name: str
+    limit: int
+    remaining: int
+    reset_s: int
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "RateLimit-Limit": str(self.limit),
+            "RateLimit-Remaining": str(max(0, self.remaining)),
+            "RateLimit-Reset": str(max(0, self.reset_s)),
+        }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    admitted: bool
+    refused_by: Bucket | None
+    retry_after_s: float
+    quotas: dict[str, Quota]
+
+    def reported(self) -> Quota:
+        """The quota the headers show: the refusing limit, else the one with the least left."""
+        if self.refused_by is not None:
+            return self.quotas[self.refused_by.name]
+        return min(self.quotas.values(), key=lambda q: q.remaining / max(1, q.limit))
+
+
+class RateLimiter:
+    """The tenant limits over redis.asyncio; one per API process (JobService holds it)."""
+
+    def __init__(self, redis: Any, keys: Keys, settings: Settings) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self._gcra = redis.register_script(GCRA_LUA)
+
+    async def charge(
+        self, tenant: str, *, requests: int, tokens: int, now: float | None = None
+    ) -> Outcome | None:
+        """Charge both limits at once (negative costs refund); None when the tenant has no limit."""
+        policy = policy_for(self.settings, tenant)
+        buckets = (policy.requests, policy.tokens)
+        if not any(buckets):
+            return None
+        args: list[Any] = ["" if now is None else repr(now * 1000)]
+        for bucket, cost in zip(buckets, (requests, tokens), strict=True):
+            args += [bucket.interval_ms, bucket.capacity, cost] if bucket else [0, 0, 0]
+        reply = [int(x) for x in await self._gcra(keys=[self.keys.rate_limit(tenant)], args=args)]
+        quotas = {
+            b.name: Quota(b.name, b.capacity, reply[3 + 2 * i], math.ceil(reply[4 + 2 * i] / 1000))
+            for i, b in enumerate(buckets)
+            if b is not None
+        }
+        refused_by = buckets[reply[1] - 1] if reply[1] else None
+        return Outcome(bool(reply[0]), refused_by, reply[2] / 1000, quotas)
+
+    async def take(self, tenant: str, *, tokens: int, now: float | None = None) -> Quota | None:
+        """Charge one job-creating request of up to `tokens` tokens; raise RateLimited (429) when
+        either limit is spent, MaxTokensExceeded (422) when the job alone is over the token limit.
+        Called by JobService before admission; `refund` when the job is then not queued."""
+        per_job = policy_for(self.settings, tenant).tokens
+        if per_job is not None and tokens > per_job.capacity:
+            raise MaxTokensExceeded(
+                f"max_tokens is {tokens}, over this tenant's limit of {per_job.capacity} tokens per minute",
+                limit=per_job.capacity,
+            )
+        outcome = await self.charge(tenant, requests=1, tokens=tokens, now=now)
+        if outcome is None:
+            return None
+        if outcome.refused_by is not None:
+            quota = outcome.reported()
+            raise RateLimited(
+                f"tenant {tenant!r} is over its limit of {outcome.refused_by.describe()}; "
+                f"retry in {max(1, math.ceil(outcome.retry_after_s))} s",
+                retry_after_s=outcome.retry_after_s,
+                rate_headers=quota.headers(),
+                limit=outcome.refused_by.name,
+            )
+        return outcome.reported()
+
+    async def refund(self, tenant: str, *, tokens: int, now: float | None = None) -> None:
+        """Give back the tokens of a job that was charged but not queued."""
+        if tokens > 0:
+            await self.charge(tenant, requests=0, tokens=-tokens, now=now)
