@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -36,9 +37,12 @@ class JobResult:
     server_ttft_s: float | None = None  # Conveyor: first_token_at - created_at
     batch_id: str | None = None  # Conveyor: the batch the job ran in
     batch_size: int | None = None
+    refused: bool = False  # Conveyor: the submit was answered 429 or 503 (backpressure, not a failure)
 
 
 Job = Callable[[httpx.AsyncClient, Prompt], Awaitable[JobResult]]
+OnToken = Callable[[float], None]  # called with the client's clock (perf_counter) at each token event
+REFUSED = (429, 503)  # admission's answers to overload: the service working, not failing
 
 
 def checked(job: JobResult, expected: int) -> JobResult:
@@ -116,6 +120,27 @@ def naive_job(max_tokens: int) -> Job:
 # ---------------------------------------------------------------- conveyor
 
 
+LINE_BREAK = re.compile(r"\r\n|\n|\r")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream, broken only where the SSE spec breaks them (CRLF, LF, CR).
+
+    httpx's `aiter_lines` also breaks at U+2028, U+0085 and the other Unicode separators, which a
+    token's text may hold unescaped in its JSON: a line cut there is JSON cut in two.
+    """
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk
+        end = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)  # a CR may be half a CRLF
+        *lines, rest = LINE_BREAK.split(buffer[:end])
+        buffer = rest + buffer[end:]
+        for line in lines:
+            yield line
+    for line in LINE_BREAK.split(buffer)[:-1]:
+        yield line
+
+
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
     """(event, data) pairs from the lines of a server-sent event stream; comments and ids are skipped."""
     event = "message"
@@ -131,18 +156,31 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]
             data.append(line[5:].removeprefix(" "))
 
 
-def conveyor_job(max_tokens: int) -> Job:
-    """POST /v1/jobs (greedy, exactly `max_tokens` tokens), then follow its events to the end."""
+def conveyor_job(max_tokens: int, *, priority: str | None = None, on_token: OnToken | None = None) -> Job:
+    """POST /v1/jobs (greedy, exactly `max_tokens` tokens), then follow its events to the end.
+
+    `priority` is sent when given (the server's default otherwise); `on_token` sees every token event.
+    A submit answered 429 or 503 is a failed result marked `refused`.
+    """
 
     async def job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
-        body = {"messages": prompt.messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        body: dict[str, Any] = {
+            "messages": prompt.messages,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        if priority is not None:
+            body["priority"] = priority
         started = time.perf_counter()
         try:
             answer = await client.post("/v1/jobs", json=body)
             if answer.status_code != 202:
                 error = f"POST /v1/jobs: HTTP {answer.status_code}: {answer.text[:200]}"
-                return failure(prompt, started, error)
-            job = await follow(client, prompt, answer.json()["urls"]["events"], started)
+                result = failure(prompt, started, error)
+                result.refused = answer.status_code in REFUSED
+                return result
+            job = await follow(client, prompt, answer.json()["urls"]["events"], started, on_token)
             return checked(job, max_tokens)
         except httpx.HTTPError as exc:
             return failure(prompt, started, f"{type(exc).__name__}: {exc}")
@@ -150,7 +188,13 @@ def conveyor_job(max_tokens: int) -> Job:
     return job
 
 
-async def follow(client: httpx.AsyncClient, prompt: Prompt, events_url: str, started: float) -> JobResult:
+async def follow(
+    client: httpx.AsyncClient,
+    prompt: Prompt,
+    events_url: str,
+    started: float,
+    on_token: OnToken | None = None,
+) -> JobResult:
     """Read the job's events up to `done` (or `error`): token times on the client, the final record."""
     first_token: float | None = None
     ids: list[int] = []
@@ -158,10 +202,13 @@ async def follow(client: httpx.AsyncClient, prompt: Prompt, events_url: str, sta
     async with client.stream("GET", events_url) as response:
         if response.status_code != 200:
             return failure(prompt, started, f"GET events: HTTP {response.status_code}")
-        async for event, data in sse_events(response.aiter_lines()):
+        async for event, data in sse_events(sse_lines(response.aiter_text())):
             if event == "token":
-                first_token = first_token or time.perf_counter()
+                now = time.perf_counter()
+                first_token = first_token or now
                 ids.append(int(json.loads(data)["token_id"]))
+                if on_token is not None:
+                    on_token(now)
             elif event in ("done", "error"):
                 final = json.loads(data)
                 break
