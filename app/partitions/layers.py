@@ -52,6 +52,26 @@ class BatchState:
         self.cache.batch_select_indices(rows)
         self.attention_mask = self.attention_mask[rows]
         self.seq_ids = list(seq_ids)
+        self._trim_padding()
+
+    def _trim_padding(self) -> None:
+        """Drop the leading columns that are padding in every remaining row.
+
+        A long-lived running batch absorbs joiners padded to its length; without this, the time
+        axis would only grow, and every step would attend over (and every join copy) columns that
+        no remaining sequence uses. Positions come from the mask, so they do not change.
+        """
+        used = self.attention_mask.bool().any(dim=0)  # [T]
+        if not bool(used.any()) or bool(used[0]):
+            return
+        first = int(used.int().argmax())
+        self.attention_mask = self.attention_mask[:, first:]
+        layers: list[Any] = list(self.cache.layers)
+        for layer in layers:
+            if layer.get_seq_length() == 0:
+                continue  # a layer this stage does not hold
+            layer.keys = layer.keys[:, :, first:, :]
+            layer.values = layer.values[:, :, first:, :]
 
     def absorb(self, other: BatchState) -> None:
         """Append another batch's rows (iteration-level batching: a batch joins a running one).

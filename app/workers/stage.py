@@ -141,6 +141,8 @@ class StageRuntime:
         """Decode: drop finished rows, append the rows of joining batches, make room for one token."""
         state = self.batches[msg.batch_id]
         joining = [self.batches.pop(batch_id) for batch_id in msg.merge]
+        for batch_id in msg.merge:
+            self.touched.pop(batch_id, None)
         for part in (state, *joining):
             mine = set(part.seq_ids)
             part.keep([s for s in msg.seq_ids if s in mine])

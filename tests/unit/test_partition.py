@@ -51,8 +51,10 @@ def test_keep_drops_finished_rows(model_and_tokenizer):  # type: ignore[no-untyp
     state = BatchState(model.config, ["a", "b"], mask)
     part(state, x)
     state.keep(["b"])
-    assert state.seq_ids == ["b"] and state.attention_mask.shape == (1, 3)
-    assert state.cache.layers[0].keys.shape[0] == 1
+    # b's one column of left padding is no one's any more: mask and cache lose it
+    assert state.seq_ids == ["b"] and state.attention_mask.shape == (1, 2)
+    assert state.attention_mask.tolist() == [[1, 1]]
+    assert state.cache.layers[0].keys.shape[0] == 1 and state.cache.layers[0].keys.shape[2] == 2
     with pytest.raises(KeyError):
         state.keep(["zzz"])
 
