@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -25,11 +26,13 @@ HTTP_CODES = {
 }
 
 
-def problem(status: int, code: str, message: str, **details: object) -> JSONResponse:
+def problem(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None, **details: object
+) -> JSONResponse:
     error: dict[str, object] = {"code": code, "message": message}
     if details:
         error["details"] = jsonable_encoder(details)
-    return JSONResponse({"error": error}, status_code=status)
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
@@ -71,9 +74,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         details = getattr(exc, "details", None) or {}  # BodyTooLarge (app/api/limits.py) states its limit
-        return problem(
-            exc.status_code, HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), **details
-        )
+        # Kept: the router's 405 names the methods the path has in `Allow` (RFC 9110 requires it).
+        code = HTTP_CODES.get(exc.status_code, "http_error")
+        return problem(exc.status_code, code, str(exc.detail), headers=exc.headers, **details)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -59,9 +59,14 @@ class OpenAIRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a job's seed (JobCreate.seed)
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, description="Only 1: one choice per request.")
+    # The schema states the rule; _one_choice enforces it with its own message.
+    n: int | None = Field(
+        default=None,
+        description="Only 1: one choice per request.",
+        json_schema_extra={"minimum": 1, "maximum": 1},
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted and ignored.")
@@ -119,7 +124,10 @@ class CompletionCreate(OpenAIRequest):
         json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time"}]},
     )
 
-    prompt: str | list[str] = Field(description="One prompt (a list of one string is accepted too).")
+    prompt: str | list[str] = Field(
+        description="One prompt (a list of one string is accepted too).",
+        json_schema_extra={"minItems": 1, "maxItems": 1},  # for the list; _one_prompt enforces it
+    )
 
     @field_validator("prompt")
     @classmethod

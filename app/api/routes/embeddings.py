@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api import audit
 from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
-from app.api.routes.jobs import ERRORS
+from app.api.routes.jobs import BODY_ERRORS, ERRORS
 from app.api.service import JobService
 from app.core.config import Settings
 
@@ -43,7 +43,13 @@ class EmbeddingsPublic(BaseModel):
     usage: EmbeddingsUsage
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingsPublic, responses={**ERRORS, 503: ERRORS[404]})
+# 429 rate_limited; 502 job_failed; 503 not_served where no embeddings pipeline runs, or unavailable;
+# 504 when the job does not finish within sync_timeout_s.
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingsPublic,
+    responses={**BODY_ERRORS, **{status: ERRORS[404] for status in (429, 502, 503, 504)}},
+)
 async def embeddings(
     body: EmbeddingsCreate,
     request: Request,

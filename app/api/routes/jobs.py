@@ -14,7 +14,7 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobPublic, JobUrls
-from app.api.service import FINAL_EVENTS, JobService, Submitted
+from app.api.service import FINAL_EVENTS, MAX_IDEMPOTENCY_KEY, JobService, Submitted
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
 
@@ -23,16 +23,23 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 EVENT_ID = re.compile(r"^\d+-\d+$")
 # Every protected route may answer 401 unauthorized (with WWW-Authenticate) and 413 payload_too_large.
 ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (401, 404, 413, 422)}
+# Routes that read a JSON body: 400 bad_request when it cannot be parsed at all (not UTF-8).
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {**ERRORS, 400: {"model": ErrorBody}}
 # Refusals at submit: 409 idempotency_conflict; 429 rate_limited, queue_full, deadline_unmeetable;
 # 503 overloaded, circuit_open, stage_unavailable, unavailable (each with Retry-After).
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
-    **ERRORS,
+    **BODY_ERRORS,
     **{status: {"model": ErrorBody} for status in (409, 429, 503)},
 }
 IDEMPOTENCY_KEY = Header(
     default=None,
     alias="Idempotency-Key",
     description="The same key (within its TTL) and body answer the same job, marked Idempotent-Replayed.",
+    # JobService's rule (1 to MAX_IDEMPOTENCY_KEY printable characters), declared in the schema and
+    # narrowed to what a header carries portably: visible ASCII, inner spaces (HTTP strips outer ones).
+    min_length=1,
+    max_length=MAX_IDEMPOTENCY_KEY,
+    pattern=r"^[!-~]([ -~]*[!-~])?$",
 )
 
 
@@ -117,7 +124,9 @@ async def job_events(
     jobs: JobService = Depends(get_jobs),
     settings: Settings = Depends(get_settings),
     tenant: str = Depends(current_tenant),
-    last_event_id: str | None = Header(default=None),
+    # A string, never null: absent is "" (a header has no null). The pattern is what _checked_event_id
+    # accepts; it answers the 422 with its own message.
+    last_event_id: str = Header(default="", json_schema_extra={"pattern": r"^(\d+-\d+)?$"}),
 ) -> Response:
     """Token events of a job; reconnect with `Last-Event-ID` to receive exactly the rest.
 
