@@ -130,12 +130,18 @@ class Batcher:
         inflight = {m: self.redis.hlen(self.keys.inflight(m)) for m in models}
         capacity = {m: self.settings.inflight_limit(self.stages) for m in models}
         budget = self.settings.sequence_budget()
-        room = None
-        if budget is not None:  # the progress set holds every scheduled or running sequence
-            room = dict.fromkeys(models, budget - self.redis.zcard(self.keys.progress()))
+        in_flight = int(self.redis.zcard(self.keys.progress()))  # every scheduled or running sequence
+        running = dict.fromkeys(models, in_flight)
+        room = None if budget is None else dict.fromkeys(models, budget - in_flight)
         now = self.clock()
         for batch in windows.plan(
-            self.pending, inflight=inflight, capacity=capacity, limits=self.limits, now=now, room=room
+            self.pending,
+            inflight=inflight,
+            capacity=capacity,
+            limits=self.limits,
+            now=now,
+            room=room,
+            running=running,
         ):
             self._dispatch(batch)
         # Jobs whose window has closed and still wait: the pipeline has no room for them.

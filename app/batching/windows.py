@@ -88,11 +88,13 @@ def plan(
     limits: Limits,
     now: float,
     room: Mapping[str, int] | None = None,
+    running: Mapping[str, int] | None = None,
 ) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
 
     `inflight`/`capacity`: batches in flight (with continuous batching: being prefilled) and how
-    many a pipeline takes; `room`: sequences a pipeline may still start (None: no such bound).
+    many a pipeline takes; `room`: sequences a pipeline may still start (None: no such bound);
+    `running`: sequences in flight — a pipeline is idle (no window to wait for) only with none.
     realtime and high may use one batch slot and one batch of sequences beyond both, so a
     saturated pipeline still starts them within a step.
     """
@@ -105,7 +107,7 @@ def plan(
     ]
     free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _, _ in groups}
     seats = {model: (room or {}).get(model, UNBOUNDED) for model, _, _ in groups}
-    idle = {model for model in free if inflight.get(model, 0) == 0}
+    idle = {m for m in free if inflight.get(m, 0) == 0 and (running or {}).get(m, 0) == 0}
     batches: list[Batch] = []
     for model, bucket, items in sorted(groups, key=lambda g: g[2][0].rank(now, limits.aging_s)):
         while items:

@@ -116,3 +116,15 @@ def test_the_sequence_budget_bounds_what_starts_and_urgent_work_has_a_reserve():
     high = [item(10, priority=1), item(11, priority=0)]
     batches = plan(high + normal, inflight={"m": 2}, capacity={"m": 2}, limits=LIMITS, now=1.0, room={"m": 0})
     assert ids(batches) == [["j11", "j10"]]
+
+
+def test_a_pipeline_with_sequences_running_is_not_idle_so_a_window_gathers_a_batch():
+    pending = [item(0)]
+    # No batch being prefilled, but sequences decoding: wait for the window (or a full batch).
+    assert plan(pending, inflight={}, capacity={"m": 2}, limits=LIMITS, now=0.01, running={"m": 5}) == []
+    assert ids(plan(pending, inflight={}, capacity={"m": 2}, limits=LIMITS, now=0.05, running={"m": 5})) == [
+        ["j0"]
+    ]
+    assert ids(plan(pending, inflight={}, capacity={"m": 2}, limits=LIMITS, now=0.01, running={"m": 0})) == [
+        ["j0"]
+    ]
