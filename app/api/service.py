@@ -33,7 +33,7 @@ from app.core.errors import (
     NotServed,
     SyncTimeout,
 )
-from app.core.jobs import TRANSITION_FUNCTION, JobStatus, Transition, decode_record
+from app.core.jobs import END_LUA, JobStatus, Transition, decode_record
 from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.webhooks.intake import CallbackIntake
@@ -43,23 +43,6 @@ log = logging.getLogger(__name__)
 FINAL_EVENTS = frozenset({"done", "error", "cancelled", "expired"})
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
 MAX_IDEMPOTENCY_KEY = 255
-
-# The move to `cancelled` and the final `cancelled` event, together or not at all (the shape of the
-# workers' final moves). KEYS = job hash, event stream, progress set. ARGV[1..6] = event, data,
-# stream maxlen, stream ttl, announce channel, job id; then the transition's arguments.
-CANCEL_LUA = (
-    TRANSITION_FUNCTION
-    + """
-local moved = transition(KEYS[1], 6)
-if moved[1] == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-  redis.call('ZREM', KEYS[3], ARGV[6])
-  redis.call('PUBLISH', ARGV[5], ARGV[1])
-end
-return moved
-"""
-)
 
 
 @dataclass(frozen=True)
@@ -87,7 +70,7 @@ class JobService:
         self.admission = Admission(redis, self.keys, settings)
         self.ratelimit = RateLimiter(redis, self.keys, settings)
         self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
-        self._cancel = redis.register_script(CANCEL_LUA)
+        self._cancel = redis.register_script(END_LUA)
         self._background: set[asyncio.Task[None]] = set()
 
     async def submit(

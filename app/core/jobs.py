@@ -84,6 +84,23 @@ end
 """
 TRANSITION_LUA = TRANSITION_FUNCTION + "return transition(KEYS[1], 0)"
 
+# A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
+# progress set. ARGV[1..6] = event, data, stream maxlen, stream ttl, announce channel, job id; then
+# the transition's arguments (above). Returns the transition's result.
+END_LUA = (
+    TRANSITION_FUNCTION
+    + """
+local moved = transition(KEYS[1], 6)
+if moved[1] == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('PUBLISH', ARGV[5], ARGV[1])
+end
+return moved
+"""
+)
+
 
 @dataclass(frozen=True)
 class Transition:

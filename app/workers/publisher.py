@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.jobs import TRANSITION_FUNCTION, JobStatus, JobStore, Transition
+from app.core.jobs import END_LUA, JobStatus, JobStore, Transition
 from app.core.keys import Keys
 
 # KEYS[1] = the progress sorted set; then, per row, the job hash and its event stream.
@@ -57,24 +57,6 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
 end
 return gone
 """
-
-
-# A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
-# progress set. ARGV[1..6] = event, data, stream maxlen, stream ttl, announce channel, job id; then
-# the transition's arguments (app.core.jobs). Returns the transition's result.
-END_LUA = (
-    TRANSITION_FUNCTION
-    + """
-local moved = transition(KEYS[1], 6)
-if moved[1] == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-  redis.call('ZREM', KEYS[3], ARGV[6])
-  redis.call('PUBLISH', ARGV[5], ARGV[1])
-end
-return moved
-"""
-)
 
 
 @dataclass(frozen=True)
