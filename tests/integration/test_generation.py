@@ -53,7 +53,7 @@ def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts
     late = ["late joiner number one", "ok"]
     running = []
     for prompt in long_prompts:  # one after another: each gets a batch of its own
-        running.append(submit(client, prompt=prompt, max_tokens=48, temperature=0, ignore_eos=True))
+        running.append(submit(client, prompt=prompt, max_tokens=160, temperature=0, ignore_eos=True))
         assert len(events(client, running[-1]["urls"]["events"], max_tokens=3)) == 3  # it is running now
     with ThreadPoolExecutor(2) as pool:
         joined = list(pool.map(lambda p: run_greedy(client, p, 12), late))
@@ -63,7 +63,7 @@ def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts
         stream = events(client, job["urls"]["events"])
         host_batches.add(stream[-1].data["batch"]["id"])
         ids = AutoTokenizer.from_pretrained(model_dir)(prompt).input_ids
-        ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48, min_new_tokens=48)
+        ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=160, min_new_tokens=160)
         assert [e.data["token_id"] for e in tokens(stream)] == ref[0, len(ids) :].tolist()
     for prompt, (job, stream) in zip(late, joined, strict=True):
         assert job["status"] == "succeeded"
