@@ -27,6 +27,7 @@ from typing import Any
 
 from app.batching.intake import intake_fields
 from app.core import breaker
+from app.core.jobs import text_of
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class Monitor:
         """Recover every stalled job; returns job id -> new status (recovering or failed)."""
         now = time.time() if now is None else now
         cutoff = now - self.stall_timeout_s
-        stalled = [_text(j) for j in self.redis.zrangebyscore(self.keys.progress(), "-inf", cutoff)]
+        stalled = [text_of(j) for j in self.redis.zrangebyscore(self.keys.progress(), "-inf", cutoff)]
         if not stalled:
             return {}
         pipe = self.redis.pipeline(transaction=False)
@@ -104,7 +105,7 @@ class Monitor:
             if model is None:  # the record expired: nothing to run
                 self.redis.zrem(self.keys.progress(), job_id)
                 continue
-            model, priority = _text(model), _text(priority or b"normal")
+            model, priority = text_of(model), text_of(priority or b"normal")
             if model not in ready:
                 ready[model] = self.pipeline_ready(model, now)
             if not ready[model]:
@@ -126,7 +127,7 @@ class Monitor:
             args: list[Any] = [job_id, cutoff, self.max_attempts, repr(now), self.stream_maxlen, self.ttl_s]
             args += [self.keys.announce(job_id), json.dumps(error)]
             args += [x for pair in entry.items() for x in pair]
-            status = _text(self._recover(keys=keys, args=args))
+            status = text_of(self._recover(keys=keys, args=args))
             if status == "failed":  # a pipeline that keeps losing workers trips its breaker
                 breaker.recorder(self.redis, self.keys, model)(0, 1)
             if status:
@@ -139,7 +140,7 @@ class Monitor:
         pipe = self.redis.pipeline(transaction=False)
         for stage in range(self.stages):
             pipe.zrangebyscore(self.keys.workers(model, stage), now - self.heartbeat_ttl_s, "+inf")
-        live = [{_text(m) for m in members} for members in pipe.execute()]
+        live = [{text_of(m) for m in members} for members in pipe.execute()]
         before = self.members.get(model)
         if before is not None and any(now_ - was for now_, was in zip(live, before, strict=True)):
             self.joined_at[model] = now
@@ -166,9 +167,3 @@ class Monitor:
         if dead:
             self.redis.hdel(self.keys.inflight(model), *dead)
         return len(dead)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.config import Settings
+from app.core.jobs import text_of
 from app.core.keys import Keys
 
 BUCKET_S = 1  # outcomes are counted per second; the window sums the last interval's buckets
@@ -238,7 +239,7 @@ class Breaker:
 
         def parse(replies: Sequence[Any]) -> Snapshot:
             state, *counts = replies
-            fields = {_text(k): _text(v) for k, v in state.items()}
+            fields = {text_of(k): text_of(v) for k, v in state.items()}
             buckets = {
                 s: (int(ok or 0), int(failed or 0))
                 for s, (ok, failed) in zip(seconds, counts, strict=True)
@@ -270,10 +271,6 @@ class Breaker:
 
     async def release_probe(self, model: str) -> None:
         await self._release(keys=[self.keys.breaker(model)], args=[])
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _float(value: str | None) -> float | None:

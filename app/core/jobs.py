@@ -124,7 +124,7 @@ class Transition:
 
 
 def check_result(transition: Transition, result: list[Any], *, strict: bool) -> bool:
-    applied, current = int(result[0]), _text(result[1])
+    applied, current = int(result[0]), text_of(result[1])
     if applied:
         return True
     if strict:
@@ -140,12 +140,15 @@ def encode_field(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _text(value: Any) -> str:
+def text_of(value: Any) -> str:
+    """A Redis reply as text: bytes decoded, None as the empty string."""
+    if value is None:
+        return ""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def decode_record(raw: Mapping[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {text_of(k): text_of(v) for k, v in raw.items()}
 
 
 class JobStore:
@@ -186,6 +189,6 @@ class JobStore:
         for job_id in job_ids:
             pipe.hmget(self.keys.job(job_id), list(fields))
         return [
-            {name: _text(v) for name, v in zip(fields, values, strict=True) if v is not None}
+            {name: text_of(v) for name, v in zip(fields, values, strict=True) if v is not None}
             for values in pipe.execute()
         ]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.jobs import END_LUA, JobStatus, JobStore, Transition
+from app.core.jobs import END_LUA, JobStatus, JobStore, Transition, text_of
 from app.core.keys import Keys
 
 # KEYS[1] = the progress sorted set; then, per row, the job hash and its event stream.
@@ -71,10 +71,6 @@ class TokenOut:
     emit: bool = True  # False for an end-of-sequence token that only finishes the job
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -114,7 +110,7 @@ class Publisher:
         finished = sum(1 for out in outs if out.finish_reason and out.job_id not in gone)
         if finished and self.outcomes is not None:
             self.outcomes(finished, 0)
-        return {_text(g) for g in gone}
+        return {text_of(g) for g in gone}
 
     def finish(self, job_id: str, fields: dict[str, Any]) -> None:
         """End a job that produces no token stream (an embedding) as succeeded, with its result."""
