@@ -78,6 +78,7 @@ def up(
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     supervisor = Supervisor(env)
+    metrics: list[str] = []
     redis_process = None
     if settings.redis_url:
         url = settings.redis_url
@@ -102,14 +103,13 @@ def up(
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
     me = [sys.executable, "-m", "app.cli"]
-    supervisor.add(Child("api", api_argv))
-    supervisor.add(Child("batcher", [*me, "batcher"]))
-    supervisor.add(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
-    supervisor.add(Child("callbacks", [*me, "webhooks", "worker"]))
+    children = [Child("batcher", [*me, "batcher"])]
+    children.append(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
+    children.append(Child("callbacks", [*me, "webhooks", "worker"]))
     for stage in range(settings.stages):
         argv = [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)]
         for replica in range(settings.replicas):
-            supervisor.add(Child(f"stage{stage}" + (f".{replica}" if settings.replicas > 1 else ""), argv))
+            children.append(Child(f"stage{stage}" + (f".{replica}" if settings.replicas > 1 else ""), argv))
     for stage in range(settings.embedding_stages):
         argv = [
             *me,
@@ -120,7 +120,13 @@ def up(
             "--stages",
             str(settings.embedding_stages),
         ]
-        supervisor.add(Child(f"embed{stage}", argv))
+        children.append(Child(f"embed{stage}", argv))
+    supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
+    for n, child in enumerate(children):  # every other process: one metrics port each, upwards
+        if settings.metrics_port:
+            child.env["CONVEYOR_METRICS_PORT"] = str(settings.metrics_port + n)
+            metrics.append(f"{child.name} :{settings.metrics_port + n}")
+        supervisor.add(child)
     if settings.flower:
         supervisor.add(
             Child(
@@ -141,6 +147,8 @@ def up(
     supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
+    if metrics:
+        supervisor.say("metrics " + ", ".join(metrics) + " (and the api's /metrics)")
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
 

@@ -30,6 +30,7 @@ class Child:
     name: str
     argv: list[str]
     restart: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's environment
     process: subprocess.Popen[bytes] | None = None
     restarts: deque[float] = field(default_factory=deque)
 
@@ -59,7 +60,7 @@ class Supervisor:
         # Its own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
         child.process = subprocess.Popen(
             child.argv,
-            env=self.env,
+            env={**self.env, **child.env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -6,6 +6,7 @@ Nothing here fakes Redis or Celery: integration and e2e tests run real processes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -33,6 +34,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (`conveyor up` numbers metrics ports upwards)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +132,7 @@ def start_stack(
             "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
             "CONVEYOR_DEFAULT_MODEL": default_model,
             "CONVEYOR_EMBEDDING_STAGES": "0",  # the embeddings pipeline only where a test asks for it
+            "CONVEYOR_METRICS_PORT": "0",  # worker metrics only where a test asks for them
             **(extra_env or {}),
         }
     )

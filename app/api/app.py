@@ -20,6 +20,8 @@ from app.api.auth import Authenticator, authenticate
 from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.limits import BodyLimitMiddleware
+from app.api.metrics import MetricsMiddleware
+from app.api.metrics import router as metrics_router
 from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, ws
 from app.api.service import JobService
 from app.core.config import Settings
@@ -83,7 +85,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    app.add_middleware(AuditMiddleware)  # added last: outermost, so it sees 401 and 413 too
+    app.add_middleware(AuditMiddleware)  # outside the body limit, so it sees 401 and 413 too
+    app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, whoever gave it
     # Every route but health and the docs needs credentials (app/api/auth.py); the WebSocket route
     # authenticates itself (a refusal there is a close code).
     protected = [Depends(authenticate)]
@@ -94,6 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(embeddings.router, dependencies=protected)
     app.include_router(openai.router, dependencies=protected)
     app.include_router(health.router)
+    app.include_router(metrics_router)
     return app
 
 

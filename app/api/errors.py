@@ -13,7 +13,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.core.errors import ConveyorError, Unavailable
+from app.core import metrics
+from app.core.errors import ConveyorError, Refused, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def problem(
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
+    if isinstance(exc, Refused):
+        metrics.ADMISSION_REFUSED.labels(exc.code).inc()
     return JSONResponse(jsonable_encoder(exc.body()), status_code=exc.status, headers=exc.headers() or None)
 
 

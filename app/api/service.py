@@ -19,6 +19,7 @@ from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.schemas import JobCreate
 from app.batching.intake import intake_fields
+from app.core import metrics
 from app.core.admission import Admission
 from app.core.config import Settings
 from app.core.errors import (
@@ -241,7 +242,9 @@ class JobService:
             if not status:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
             raise JobFinished(f"job {job_id} has already ended: {status}", job_id=job_id, status=status)
-        return await self.get(job_id, tenant=None)
+        view = await self.get(job_id, tenant=None)
+        metrics.job_ended(str(view.get("model", "")), "cancelled", "cancelled")
+        return view
 
     def cancel_soon(self, job_id: str, reason: str) -> None:
         """Cancel in the background (a client went away; nobody waits for the answer)."""

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from app.batching.intake import intake_fields
-from app.core import breaker
+from app.core import breaker, metrics
 from app.core.jobs import text_of
 from app.core.keys import Keys
 
@@ -130,6 +130,7 @@ class Monitor:
             status = text_of(self._recover(keys=keys, args=args))
             if status == "failed":  # a pipeline that keeps losing workers trips its breaker
                 breaker.recorder(self.redis, self.keys, model)(0, 1)
+                metrics.job_ended(model, "failed", "worker_lost")
             if status:
                 moved[job_id] = status
                 log.warning("job %s stalled for %.0f s: %s", job_id, self.stall_timeout_s, status)

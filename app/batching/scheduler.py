@@ -14,10 +14,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from app.batching import intake, windows
 from app.batching.recovery import Monitor
+from app.core import metrics
 from app.core.config import Settings
-from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.jobs import JobStatus, JobStore, Transition, text_of
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
 from app.workers.publisher import Publisher
@@ -29,6 +33,9 @@ MAX_BLOCK_MS = 1000
 # With jobs ready and no room, look again this often: sequences finishing free room without a
 # message (a finished batch, an arrival or a closing window wake the batcher at once).
 ROOM_POLL_MS = 20
+# An urgent batch not started after this long (its worker is busy with a long step, or gone) no
+# longer holds the urgent jobs that arrived after it.
+URGENT_HOLD_MAX_S = 2.0
 
 
 class Batcher:
@@ -53,6 +60,7 @@ class Batcher:
             max_wait_s=settings.max_wait_ms / 1000.0,
             length_buckets=tuple(sorted(settings.length_buckets)),
             aging_s=settings.aging_s,
+            max_prefill_tokens=settings.max_prefill_tokens if settings.batching == "continuous" else None,
         )
         self.pending: list[windows.Item] = []
         self.stages = settings.stages
@@ -72,6 +80,8 @@ class Batcher:
         )
         self.last_sweep = -float("inf")
         self.waiting_for_room = False
+        # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
+        self.unstarted: dict[str, tuple[str, float]] = {}
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -86,12 +96,22 @@ class Batcher:
             )
         )
         log.info("batcher up: %d jobs recovered from a previous run", len(self.pending))
+        away = False  # Redis unreachable: said once, not every round
         while not stop.is_set():
             try:
                 self.tick()
-            except Exception:  # the loop never dies on one bad round; Redis may be back next time
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if not away:
+                    log.warning("Redis unreachable, retrying every 0.5 s: %s", exc)
+                away = True
+                stop.wait(0.5)
+                continue
+            except Exception:  # the loop never dies on one bad round
                 log.exception("batcher round failed")
                 stop.wait(0.5)
+            if away:
+                log.info("Redis is back")
+                away = False
 
     def tick(self) -> None:
         """One round: wait for work or a window to close, then dispatch what the plan says."""
@@ -121,6 +141,9 @@ class Batcher:
             [it.job_id for it in late], reason="the job was not started before its timeout_s passed"
         )
         log.info("%d jobs expired in the queue", len(done))
+        models = {it.job_id: it.model for it in late}
+        for job_id in done:
+            metrics.job_ended(models[job_id], "expired", "expired")
         intake.ack(self.redis, self.keys, [(it.stream, it.entry_id) for it in late])
         gone = {id(it) for it in late}
         self.pending = [it for it in self.pending if id(it) not in gone]
@@ -142,10 +165,23 @@ class Batcher:
             now=now,
             room=room,
             running=running,
+            hold=self._held(now),
         ):
             self._dispatch(batch)
         # Jobs whose window has closed and still wait: the pipeline has no room for them.
         self.waiting_for_room = any(now - it.arrived >= self.limits.max_wait_s for it in self.pending)
+
+    def _held(self, now: float) -> set[str]:
+        """Models whose newest urgent batch has not started yet (its first job is still scheduled)."""
+        if not self.unstarted:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, _ in self.unstarted.values():
+            pipe.hget(self.keys.job(job_id), "status")
+        for (model, (_, at)), status in zip(list(self.unstarted.items()), pipe.execute(), strict=True):
+            if text_of(status or b"") != JobStatus.SCHEDULED or now - at > URGENT_HOLD_MAX_S:
+                del self.unstarted[model]
+        return set(self.unstarted)
 
     def _block_ms(self) -> int:
         deadline = windows.next_deadline(self.pending, self.limits)
@@ -154,6 +190,8 @@ class Batcher:
         wait_ms = (deadline - self.clock()) * 1000.0
         if self.waiting_for_room:  # jobs are ready but the pipeline is full: poll, don't spin
             wait_ms = max(wait_ms, ROOM_POLL_MS)
+        if self.unstarted:  # look again soon: urgent jobs wait for an urgent batch to start
+            wait_ms = min(wait_ms, ROOM_POLL_MS)
         return int(min(MAX_BLOCK_MS, max(1.0, wait_ms)))
 
     def _take(self, entries: Any) -> None:
@@ -210,6 +248,9 @@ class Batcher:
             else:
                 self.redis.hdel(self.keys.inflight(batch.model), batch_id)
         if scheduled:
+            self._observe(batch, set(scheduled))
+            if batch.priority < windows.URGENT:
+                self.unstarted[batch.model] = (scheduled[0], self.clock())
             message = StepMessage(
                 batch_id=batch_id,
                 model=batch.model,
@@ -218,6 +259,7 @@ class Batcher:
                 kind="prefill",
                 step=0,
                 seq_ids=scheduled,
+                priority=batch.priority,
             )
             self.redis.xadd(
                 self.keys.batch_log(),
@@ -240,12 +282,23 @@ class Batcher:
         taken = {id(it) for it in batch.items}
         self.pending = [it for it in self.pending if id(it) not in taken]
 
+    def _observe(self, batch: windows.Batch, scheduled: set[str]) -> None:
+        now = self.clock()
+        items = [it for it in batch.items if it.job_id in scheduled]
+        for it in items:
+            priority = PRIORITIES[it.priority] if 0 <= it.priority < len(PRIORITIES) else "normal"
+            metrics.INTAKE_WAIT.labels(batch.model, priority).observe(max(0.0, now - it.arrived))
+        metrics.BATCH_SIZE.labels(batch.model).observe(len(items))
+        longest = max(it.prompt_tokens for it in items)
+        padding = 1.0 - sum(it.prompt_tokens for it in items) / (longest * len(items)) if longest else 0.0
+        metrics.BATCH_PADDING.labels(batch.model).observe(padding)
+
 
 def run_batcher(settings: Settings) -> None:
     """Entry point of the batcher process."""
     import signal
 
-    from app.core.protocol import STEP_TASK
+    from app.core.protocol import STEP_TASK, broker_priority
     from app.core.redis import sync_client
     from app.workers.celery_app import create_celery_app
 
@@ -253,8 +306,9 @@ def run_batcher(settings: Settings) -> None:
     celery = create_celery_app(settings, url)
 
     def send(message: StepMessage, queue: str) -> None:
-        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue)
+        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue, priority=broker_priority(message))
 
+    metrics.serve(settings.metrics_port, "batcher", settings.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

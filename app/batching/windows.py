@@ -12,17 +12,23 @@ Rules (one call to `plan` per batcher wake-up):
 - a job that was recovered more than once (it may be what kills workers) runs alone, so a poison
   pill takes no batch-mates down with it;
 - a job still waiting at its deadline is not dispatched: `expired` names it;
-- a bucket led by a realtime or high job goes at once, without waiting for its window.
+- a bucket led by a realtime or high job goes at once, without waiting for its window, and may
+  take as many batch slots again as the pipeline has (its prefills are fetched and run first);
+- with `max_prefill_tokens`, a batch holds at most that many prompt positions (its size times its
+  longest prompt): one prefill is the longest a stage makes the decode steps and an urgent prefill
+  wait, so it is bounded (what vLLM calls max_num_batched_tokens).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-URGENT = 2  # classes 0 and 1 (realtime, high): no window, and a reserve beyond the pipeline's bounds
+from app.core.protocol import URGENT_CLASSES
+
+URGENT = URGENT_CLASSES  # realtime and high: no window, and a reserve beyond the pipeline's bounds
 UNBOUNDED = 1 << 30
 
 
@@ -49,6 +55,7 @@ class Limits:
     max_wait_s: float
     length_buckets: tuple[int, ...]
     aging_s: float = 30.0
+    max_prefill_tokens: int | None = None  # prompt positions (size x longest prompt) per batch
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class Batch:
     model: str
     bucket: int
     items: tuple[Item, ...]
+
+    @property
+    def priority(self) -> int:
+        """The most urgent class among its jobs."""
+        return min(it.priority for it in self.items)
 
 
 def length_bucket(prompt_tokens: int, bounds: Sequence[int]) -> int:
@@ -89,14 +101,18 @@ def plan(
     now: float,
     room: Mapping[str, int] | None = None,
     running: Mapping[str, int] | None = None,
+    hold: Collection[str] = (),
 ) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
 
     `inflight`/`capacity`: batches in flight (with continuous batching: being prefilled) and how
     many a pipeline takes; `room`: sequences a pipeline may still start (None: no such bound);
     `running`: sequences in flight — a pipeline is idle (no window to wait for) only with none.
-    realtime and high may use one batch slot and one batch of sequences beyond both, so a
-    saturated pipeline still starts them within a step.
+    `hold`: models with an urgent batch dispatched and not started yet; their urgent jobs wait for it
+    to start and then go together (a stage runs prefills one at a time, so one prefill of several
+    jobs ends sooner than several prefills of one job each, with decode steps in between).
+    realtime and high may use as many batch slots again and one batch of sequences beyond the
+    budget, so a saturated pipeline still starts them within a step.
     """
     late = {id(it) for it in expired(pending, now)}
     live = [it for it in pending if id(it) not in late]
@@ -112,17 +128,19 @@ def plan(
     for model, bucket, items in sorted(groups, key=lambda g: g[2][0].rank(now, limits.aging_s)):
         while items:
             urgent = items[0].priority < URGENT
-            reserve = 1 if urgent else 0
-            size = min(limits.max_batch_size, seats[model] + reserve * limits.max_batch_size)
-            if free[model] + reserve <= 0 or size <= 0:
+            slots = capacity.get(model, 1) if urgent else 0  # the urgent classes' reserve
+            size = min(limits.max_batch_size, seats[model] + (limits.max_batch_size if urgent else 0))
+            if free[model] + slots <= 0 or size <= 0:
                 break
             # realtime and high do not wait for a window to fill: latency is what they pay for
-            full = len(items) >= limits.max_batch_size or items[0].alone or urgent
+            full = len(items) >= limits.max_batch_size or items[0].alone or (urgent and model not in hold)
+            if urgent and model in hold and not full:
+                break
             waited = now - min(it.arrived for it in items) >= limits.max_wait_s
             if not (full or waited or model in idle):
                 break
             size = 1 if items[0].alone else size
-            take = items[:size]
+            take = within_tokens(items[:size], limits.max_prefill_tokens)
             if urgent and (free[model] <= 0 or seats[model] < len(take)):  # on the reserve: urgent only
                 take = [it for it in take if it.priority < URGENT]
             chosen = {id(it) for it in take}
@@ -132,6 +150,19 @@ def plan(
             seats[model] -= len(take)
             idle.discard(model)
     return batches
+
+
+def within_tokens(items: Sequence[Item], max_tokens: int | None) -> list[Item]:
+    """The longest head of `items` whose padded prefill (count x longest prompt) fits `max_tokens`;
+    at least one item, whatever its length."""
+    if max_tokens is None:
+        return list(items)
+    longest = 0
+    for n, it in enumerate(items):
+        longest = max(longest, it.prompt_tokens)
+        if n and (n + 1) * longest > max_tokens:
+            return list(items[:n])
+    return list(items)
 
 
 def next_deadline(pending: Sequence[Item], limits: Limits) -> float | None:

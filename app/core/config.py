@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     flower_port: int = 5555
+    # Prometheus metrics of a process other than the api (which serves them at /metrics on its own
+    # port): this port; None or 0: not served. `conveyor up` gives each child its own, upwards.
+    metrics_port: int | None = 9100
+    metrics_host: str = (
+        "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
+    )
     flower: bool = True
 
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
@@ -67,6 +73,10 @@ class Settings(BaseSettings):
     batching: Literal["continuous", "request"] = "continuous"
     # Sequences in one running batch, joiners included; past it a new batch runs on its own.
     max_running_sequences: int = 64
+    # Continuous batching: prompt positions (batch size x longest prompt) one prefill batch may hold.
+    # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
+    # prefill waits behind. A longer prompt still goes, alone.
+    max_prefill_tokens: int = Field(default=512, ge=1)
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 

@@ -40,6 +40,9 @@ class StepMessage:
     routes: list[str | None] = field(default_factory=list)
     # Batches whose rows join this one at this step (after this batch's own rows, in order).
     merge: list[str] = field(default_factory=list)
+    # The most urgent priority class among the batch's jobs (an index into PRIORITIES, 0 = realtime):
+    # its prefill is fetched and run ahead of less urgent work on every stage.
+    priority: int = 2
     sent_at: float = 0.0
     v: int = PROTOCOL_VERSION
 
@@ -54,3 +57,22 @@ class StepMessage:
 
     def forward(self, **changes: Any) -> StepMessage:
         return replace(self, **changes)
+
+    @property
+    def urgent(self) -> bool:
+        """A realtime or high prefill: it goes before queued decode steps and less urgent prefills."""
+        return self.kind == "prefill" and self.priority < URGENT_CLASSES
+
+
+# Classes 0 and 1 (realtime, high) are urgent: no batch window, a reserve slot, first in line.
+URGENT_CLASSES = 2
+# Broker priority of a prefill by class (kombu on Redis: 0 is fetched first, steps 0/3/6/9).
+BROKER_PRIORITY = (0, 0, 3, 6)
+
+
+def broker_priority(message: StepMessage) -> int:
+    """The Celery message priority of a stage message: decode and release steps go first (they
+    rarely travel through the broker), prefills by their batch's most urgent class."""
+    if message.kind != "prefill":
+        return 0
+    return BROKER_PRIORITY[min(max(message.priority, 0), len(BROKER_PRIORITY) - 1)]

@@ -264,6 +264,7 @@ def run_dispatcher(settings: Settings) -> None:
     """Entry point of `conveyor webhooks dispatcher`."""
     import signal
 
+    from app.core import metrics
     from app.core.redis import sync_client
     from app.webhooks.delivery import DELIVER_TASK
     from app.workers.celery_app import create_celery_app
@@ -276,6 +277,7 @@ def run_dispatcher(settings: Settings) -> None:
     def send(message: dict[str, Any]) -> None:
         celery.send_task(DELIVER_TASK, args=[message], queue=queue)
 
+    metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -30,6 +30,7 @@ def register_deliver_task(app: Celery, deliverer: Deliverer) -> None:
 
 def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     """Entry point of `conveyor webhooks worker`."""
+    from app.core import metrics
     from app.core.redis import sync_client
     from app.workers.celery_app import create_celery_app
 
@@ -43,6 +44,7 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     register_deliver_task(app, Deliverer(sync_client(url), keys, settings, guard=guard, secrets=secrets))
     for name in ("celery.app.trace", "celery.worker.strategy", "httpx"):  # each attempt is logged in Redis
         logging.getLogger(name).setLevel(logging.WARNING)
+    metrics.serve(settings.metrics_port, "callbacks worker", settings.metrics_host)
     log.info("callbacks worker on %s, %d threads", keys.callbacks_queue(), settings.webhook_concurrency)
     app.worker_main(
         [

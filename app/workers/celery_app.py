@@ -15,11 +15,19 @@ if TYPE_CHECKING:
     from app.workers.lane import LaneConsumer
 
 VISIBILITY_TIMEOUT_S = 3600
+PRIORITY_STEPS = (0, 3, 6, 9)
 
 
 def create_celery_app(settings: Settings, broker_url: str) -> Celery:
     app = Celery("conveyor", broker=broker_url, set_as_current=False)
-    transport = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+    transport = {
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        # A queue is one Redis list per priority step, BRPOPed in step order: 0 is fetched first.
+        # Urgent prefills go at 0, normal at 3, batch at 6 (app.core.protocol.broker_priority); the
+        # lists are `<queue>`, `<queue>:3`, `<queue>:6`, `<queue>:9` (what an autoscaler counts).
+        "priority_steps": list(PRIORITY_STEPS),
+        "sep": ":",
+    }
     app.conf.update(
         # msgpack carries tensor bytes as they are; json is what Flower's control commands use.
         # pickle is refused, so a broker cannot run code in a worker.
@@ -63,15 +71,23 @@ def serve(
     lane: LaneConsumer | None = None,
     device: str = "cpu",
     loglevel: str = "INFO",
+    labels: tuple[str, str] = ("", ""),
+    slots: int = 1,
 ) -> None:
-    """Run a solo-pool worker on `queues` (one process owns one partition), beating its heartbeat.
+    """Run a worker on `queues` (one process owns one partition), beating its heartbeat.
 
     Called by the stage and embeddings worker entry points once their model is loaded. A stage
     worker also consumes its `lane` on a thread of its own for as long as the Celery worker runs.
+    `slots` > 1 runs tasks on that many threads (the caller serialises the model's work): a message
+    is then fetched while another waits its turn, so an urgent prefill can go before a normal one
+    that arrived first. With 1, the solo pool runs each task in the consumer's own thread.
     """
     import logging
 
+    from app.core import metrics
     from app.workers.heartbeat import Heartbeat
+
+    metrics.serve(settings.metrics_port, hostname, settings.metrics_host)
 
     # One line per step would drown the log; Flower and the metrics show the tasks.
     for name in ("celery.app.trace", "celery.worker.strategy"):
@@ -84,6 +100,7 @@ def serve(
         ttl_s=settings.heartbeat_ttl_s,
         devices_key=Keys(settings.namespace).devices(),
         device=device,
+        labels=labels,
     )
     heartbeat.beat()
     heartbeat.start()
@@ -93,8 +110,8 @@ def serve(
         app.worker_main(
             [
                 "worker",
-                "--pool=solo",
-                "--concurrency=1",
+                "--pool=threads" if slots > 1 else "--pool=solo",
+                f"--concurrency={slots}",
                 f"--loglevel={loglevel}",
                 f"--hostname={hostname}@%h",
                 "--queues",

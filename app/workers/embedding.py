@@ -167,4 +167,5 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
         hostname=f"embed{stage}-{worker}",
         queues=[keys.embed_queue(stage)],
         loglevel=loglevel,
+        labels=(EMBEDDING_MODEL, str(stage)),
     )

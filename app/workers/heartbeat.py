@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+from app.core import metrics
 from app.workers.device import device_stats
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class Heartbeat(threading.Thread):
         ttl_s: float,
         devices_key: str | None = None,  # where GPU workers report their device's state
         device: str = "cpu",
+        labels: tuple[str, str] = ("", ""),  # (model, stage) of the heartbeat metric
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.redis = redis
@@ -33,6 +35,7 @@ class Heartbeat(threading.Thread):
         self.ttl_s = ttl_s
         self.devices_key = devices_key
         self.device = device
+        self.labels = labels
         self._stopping = threading.Event()
 
     def beat(self) -> None:
@@ -41,11 +44,13 @@ class Heartbeat(threading.Thread):
         pipe.zadd(self.key, {self.member: now})
         pipe.zremrangebyscore(self.key, 0, now - 10 * self.ttl_s)  # forget long-dead replicas
         pipe.expire(self.key, int(10 * self.ttl_s))
-        stats = device_stats(self.device) if self.devices_key else None
-        if stats is not None:
+        stats = device_stats(self.device)
+        if stats is not None and self.devices_key:
             pipe.hset(self.devices_key, self.member, json.dumps(stats))
             pipe.expire(self.devices_key, int(10 * self.ttl_s))
         pipe.execute()
+        metrics.HEARTBEAT.labels(*self.labels, self.member).set(now)
+        metrics.device_observed(self.device, stats)
 
     def run(self) -> None:
         while not self._stopping.wait(self.interval_s):

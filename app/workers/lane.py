@@ -14,9 +14,12 @@ batch is rescheduled from the job records (the recovery path), not from its lane
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -92,20 +95,41 @@ class TurnLock:
     `threading.Lock` is not fair: the lane thread, whose next decode step is usually waiting
     already, would take it back at once, again and again, while a new batch's prefill waits in
     the Celery thread for many steps. Taking turns bounds that wait to the step in progress.
+
+    An urgent turn (a realtime or high prefill) goes before every waiting ordinary turn: its wait
+    is the step in progress, not the decode steps queued behind it. Ordinary turns keep their
+    order among themselves; urgent ones among themselves.
     """
 
     def __init__(self) -> None:
         self._turns = threading.Condition()
-        self._next = 0  # the next ticket to hand out
-        self._serving = 0  # the ticket whose turn it is
+        self._tickets = itertools.count()
+        self._waiting: list[tuple[int, int]] = []  # heap of (0 urgent / 1 ordinary, ticket)
+        self._busy = False
+
+    def acquire(self, *, urgent: bool = False) -> None:
+        mine = (0 if urgent else 1, next(self._tickets))
+        with self._turns:
+            heapq.heappush(self._waiting, mine)
+            self._turns.wait_for(lambda: not self._busy and self._waiting[0] == mine)
+            heapq.heappop(self._waiting)
+            self._busy = True
+
+    def release(self) -> None:
+        with self._turns:
+            self._busy = False
+            self._turns.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self, *, urgent: bool = False) -> Iterator[None]:
+        self.acquire(urgent=urgent)
+        try:
+            yield
+        finally:
+            self.release()
 
     def __enter__(self) -> None:
-        with self._turns:
-            ticket = self._next
-            self._next += 1
-            self._turns.wait_for(lambda: self._serving == ticket)
+        self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        with self._turns:
-            self._serving += 1
-            self._turns.notify_all()
+        self.release()

@@ -16,7 +16,7 @@ from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.jobs import JobStore
 from app.core.keys import Keys
-from app.core.protocol import STEP_TASK, StepMessage
+from app.core.protocol import STEP_TASK, StepMessage, broker_priority
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
@@ -93,7 +93,14 @@ def run_worker(
     def send(message: StepMessage, queue: str) -> None:
         # argsrepr: Celery would otherwise render the tensor bytes as text for monitoring, every step.
         summary = f"<{message.kind} {message.batch_id[:8]} step {message.step} -> stage {message.stage}>"
-        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue, argsrepr=summary, kwargsrepr="{}")
+        celery.send_task(
+            STEP_TASK,
+            args=[message.to_wire()],
+            queue=queue,
+            priority=broker_priority(message),
+            argsrepr=summary,
+            kwargsrepr="{}",
+        )
 
     runtime = StageRuntime(
         identity=identity,
@@ -129,7 +136,7 @@ def run_worker(
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        with one_at_a_time:
+        with one_at_a_time.turn(urgent=message.urgent):
             runtime.handle(message)
 
     register_step_task(celery, handle)
@@ -145,6 +152,10 @@ def run_worker(
         lane=lane.LaneConsumer(redis, identity.lane, handle),
         device=device,
         loglevel=loglevel,
+        labels=(model, str(stage)),
+        # Two task threads and the lane thread take turns on the runtime (urgent first): a normal
+        # prefill waiting for its turn no longer keeps an urgent one in the broker.
+        slots=2,
     )
 
 

@@ -118,8 +118,9 @@ class Publisher:
         self._end(pipe, job_id, JobStatus.SUCCEEDED, fields, "done", {}, time.time())
         pipe.execute()
 
-    def fail(self, job_ids: list[str], *, code: str, message: str) -> None:
-        """End jobs as failed, with a reason a client can read, from whatever state they are in."""
+    def fail(self, job_ids: list[str], *, code: str, message: str) -> int:
+        """End jobs as failed, with a reason a client can read, from whatever state they are in;
+        returns how many ended here (the others had ended already)."""
         now = time.time()
         error = {"code": code, "message": message}
         pipe = self.redis.pipeline(transaction=False)
@@ -128,6 +129,7 @@ class Publisher:
         failed = sum(int(applied) for applied, _ in pipe.execute())
         if failed and self.outcomes is not None:
             self.outcomes(0, failed)
+        return failed
 
     def expire(self, job_ids: list[str], *, reason: str) -> list[str]:
         """End queued jobs whose deadline passed before they started; returns those that expired."""

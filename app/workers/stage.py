@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from app.core import metrics
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
@@ -48,6 +49,9 @@ class Sequence:
     ignore_eos: bool = False
     generated: int = 0
     finish_reason: str | None = None
+    created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
+    priority: str = "normal"
+    last_token_at: float | None = None  # unix time of its previous token: inter-token latency
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,10 @@ class StageRuntime:
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
         started = time.perf_counter()
         out = self.partition(state, x)
+        took = time.perf_counter() - started
+        metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
         if self.latency is not None:
-            self.latency.observe(time.perf_counter() - started)
+            self.latency.observe(took)
         if self.partition.is_last:
             self._sample(msg, out)
         else:
@@ -191,7 +197,7 @@ class StageRuntime:
 
     def _load_sequences(self, batch_id: str, job_ids: list[str]) -> dict[str, Sequence]:
         sequences = {}
-        records = self.jobs.get_many(job_ids, "request", "attempts")
+        records = self.jobs.get_many(job_ids, "request", "attempts", "created_at", "priority")
         for job_id, record in zip(job_ids, records, strict=True):
             request = json.loads(record["request"])
             params = SamplingParams(
@@ -208,6 +214,8 @@ class StageRuntime:
                 max_tokens=request["max_tokens"],
                 text=TextStream(self.tokenizer, request.get("stop") or []),
                 ignore_eos=bool(request.get("ignore_eos")),
+                created_at=float(record["created_at"]) if record.get("created_at") else None,
+                priority=record.get("priority") or "normal",
             )
             if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
                 for token in self.publisher.emitted(job_id):
@@ -236,6 +244,7 @@ class StageRuntime:
         tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
         outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
+        self._observe(rows, outs, gone)
         alive = [
             (s.job_id, t)
             for s, t in zip(rows, tokens, strict=True)
@@ -251,6 +260,27 @@ class StageRuntime:
             # sequences count against the pipeline's sequence budget (the progress set) instead.
             self._notify_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
+
+    def _observe(self, rows: list[Sequence], outs: list[TokenOut], gone: set[str]) -> None:
+        """Metrics of one sampled step: first tokens, gaps between tokens, jobs that ended."""
+        now, model = time.time(), self.identity.model
+        emitted = 0
+        for seq, out in zip(rows, outs, strict=True):
+            if seq.job_id in gone:
+                continue
+            if out.emit:
+                emitted += 1
+                if out.index == 0 and seq.created_at is not None:
+                    metrics.TTFT.labels(model, seq.priority).observe(max(0.0, now - seq.created_at))
+                elif seq.last_token_at is not None:
+                    metrics.INTER_TOKEN.labels(model).observe(now - seq.last_token_at)
+                seq.last_token_at = now
+            if out.finish_reason is not None:
+                metrics.job_ended(model, "succeeded", out.finish_reason)
+                if seq.created_at is not None:
+                    metrics.JOB_LATENCY.labels(model, seq.priority).observe(max(0.0, now - seq.created_at))
+        if emitted:
+            metrics.TOKENS.labels(model).inc(emitted)
 
     def _join_running(self, msg: StepMessage, alive: list[tuple[str, int]]) -> bool:
         """Park a just-prefilled batch on a running one (Orca's iteration-level batching)."""
@@ -352,11 +382,12 @@ class StageRuntime:
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
         held = self.batches[msg.batch_id].seq_ids if msg.batch_id in self.batches else []
         job_ids = list(dict.fromkeys([*msg.seq_ids, *held]))
-        self.publisher.fail(
+        failed = self.publisher.fail(
             job_ids,
             code="worker_error",
             message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}",
         )
+        metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
         self._finish_batch(msg)
 
     def _forget(self, batch_id: str) -> None:

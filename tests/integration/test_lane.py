@@ -90,3 +90,31 @@ def test_turns_are_taken_in_arrival_order_so_a_waiting_prefill_is_not_starved():
     take("next decode step")  # the lane thread comes straight back for its next step
     prefill.join(5)
     assert order == ["prefill", "next decode step"]
+
+
+def test_an_urgent_prefill_goes_before_waiting_decode_steps_but_not_the_step_in_progress():
+    import threading
+    import time
+
+    turns = lane.TurnLock()
+    order: list[str] = []
+
+    def take(name: str, urgent: bool) -> None:
+        with turns.turn(urgent=urgent):
+            order.append(name)
+
+    turns.acquire()  # a decode step is running
+    waiters = [
+        threading.Thread(target=take, args=("normal prefill", False)),
+        threading.Thread(target=take, args=("decode step", False)),
+        threading.Thread(target=take, args=("high prefill", True)),
+        threading.Thread(target=take, args=("realtime prefill", True)),
+    ]
+    for waiter in waiters:
+        waiter.start()
+        time.sleep(0.05)  # each is waiting before the next arrives
+    assert order == []  # nobody takes the step in progress's turn
+    turns.release()
+    for waiter in waiters:
+        waiter.join(5)
+    assert order == ["high prefill", "realtime prefill", "normal prefill", "decode step"]

@@ -49,3 +49,31 @@ def test_classes_drain_in_priority_order(tmp_path, redis_url, tiny_model):  # ty
     order = sorted(jobs, key=lambda name: jobs[name]["timings"]["scheduled_at"])
     assert order == ["realtime", "high", "normal", "low0", "low1"]
     assert jobs["low0"]["priority"] == "batch"  # `low` is an alias of `batch`, stored as its class
+
+
+def test_an_urgent_prefill_is_fetched_from_the_stage_queue_before_earlier_ones(redis_url, redis):  # type: ignore[no-untyped-def]
+    # The stage worker fetches with BRPOP over the queue's priority lists in step order; a
+    # basic_get walks them in the same order, so this is the order a stage worker runs them.
+    import uuid
+
+    from app.core.config import Settings
+    from app.core.protocol import STEP_TASK, StepMessage, broker_priority
+    from app.workers.celery_app import create_celery_app
+
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    app = create_celery_app(Settings(namespace=namespace), redis_url)
+    queue = f"{namespace}.stage.m.0"
+    sent = [("normal-1", 2), ("batch", 3), ("normal-2", 2), ("high", 1), ("realtime", 0)]
+    for name, priority in sent:
+        message = StepMessage(name, "m", 0, 1, "prefill", 0, ["job"], priority=priority)
+        app.send_task(STEP_TASK, args=[message.to_wire()], queue=queue, priority=broker_priority(message))
+    # What an autoscaler counts: one Redis list per priority step.
+    assert [redis.llen(queue), redis.llen(f"{queue}:3"), redis.llen(f"{queue}:6")] == [2, 2, 1]
+    fetched = []
+    with app.connection_for_read() as connection:
+        simple = connection.SimpleQueue(queue, no_ack=True, accept=["msgpack"])
+        for _ in sent:
+            body = simple.get(timeout=5).decode()
+            fetched.append(body[0][0]["batch_id"])
+        simple.close()
+    assert fetched == ["high", "realtime", "normal-1", "normal-2", "batch"]

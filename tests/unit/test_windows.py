@@ -1,4 +1,4 @@
-from app.batching.windows import Item, Limits, expired, length_bucket, next_deadline, plan
+from app.batching.windows import Item, Limits, expired, length_bucket, next_deadline, plan, within_tokens
 
 LIMITS = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64, 128, 256))
 
@@ -127,4 +127,37 @@ def test_a_pipeline_with_sequences_running_is_not_idle_so_a_window_gathers_a_bat
     ]
     assert ids(plan(pending, inflight={}, capacity={"m": 2}, limits=LIMITS, now=0.01, running={"m": 0})) == [
         ["j0"]
+    ]
+
+
+def test_a_prefill_batch_holds_at_most_max_prefill_tokens_padded_positions():
+    limits = Limits(8, 0.0, (64, 128, 256), max_prefill_tokens=256)
+    pending = [Item(f"j{i}", "m", n, 2, arrived=0.0) for i, n in enumerate([100, 90, 120, 80, 110])]
+    # One bucket (<=128): 2 x 120 = 240 fits, a third would pad to 3 x 120 = 360.
+    assert ids(plan(pending, inflight={}, capacity={"m": 1}, limits=limits, now=1.0)) == [["j0", "j1"]]
+    # A prompt longer than the cap still goes, alone.
+    long = [Item("long", "m", 300, 2, arrived=0.0), Item("next", "m", 290, 2, arrived=0.0)]
+    assert ids(plan(long, inflight={}, capacity={"m": 1}, limits=limits, now=1.0)) == [["long"]]
+    assert within_tokens(pending, None) == pending
+
+
+def test_urgent_batches_may_take_as_many_slots_again_as_the_pipeline_has():
+    highs = [item(i, priority=1, arrived=float(i)) for i in range(4)]
+    limits = Limits(1, 0.0, (64,))
+    # Both slots held by normal batches: two urgent batches still start, a third waits.
+    batches = plan(highs, inflight={"m": 2}, capacity={"m": 2}, limits=limits, now=5.0, room={"m": 1})
+    assert ids(batches) == [["j0"], ["j1"]]
+
+
+def test_urgent_jobs_wait_for_an_urgent_batch_that_has_not_started_and_then_go_together():
+    highs = [item(i, priority=1, arrived=0.01 * i) for i in range(3)]
+    held = plan(highs, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=1.0, hold={"m"})
+    assert held == []
+    # Once it started: one batch of all three (up to a full batch, which goes even while held).
+    assert ids(plan(highs, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=1.0)) == [
+        ["j0", "j1", "j2"]
+    ]
+    four = [*highs, item(3, priority=0)]
+    assert ids(plan(four, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=1.0, hold={"m"})) == [
+        ["j3", "j0", "j1", "j2"]
     ]
