@@ -35,6 +35,9 @@ class JobResult:
     error: str | None = None
     token_ids: list[int] = field(default_factory=list)
     server_ttft_s: float | None = None  # Conveyor: first_token_at - created_at
+    # Conveyor: where that time went: in the intake (created -> scheduled), on the way to the stage
+    # (scheduled -> started: the broker and the stage's step in progress), the prefill (-> first token)
+    phases_s: dict[str, float] = field(default_factory=dict)
     batch_id: str | None = None  # Conveyor: the batch the job ran in
     batch_size: int | None = None
     refused: bool = False  # Conveyor: the submit was answered 429 or 503 (backpressure, not a failure)
@@ -235,6 +238,15 @@ def finished(
         if timings.get("first_token_at") and timings.get("created_at")
         else None
     )
+    marks = ("created_at", "scheduled_at", "started_at", "first_token_at")
+    phases = (
+        {
+            name: timings[b] - timings[a]
+            for name, a, b in zip(("intake", "handoff", "prefill"), marks, marks[1:], strict=False)
+        }
+        if all(timings.get(m) for m in marks)
+        else {}
+    )
     tokens = int(final["usage"]["completion_tokens"])
     if len(ids) != tokens:
         return failure(prompt, started, f"{len(ids)} token events for {tokens} tokens")
@@ -246,6 +258,7 @@ def finished(
         tokens,
         token_ids=ids,
         server_ttft_s=server_ttft,
+        phases_s=phases,
         batch_id=batch.get("id"),
         batch_size=batch.get("size"),
     )

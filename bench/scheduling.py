@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import tempfile
@@ -144,9 +143,7 @@ async def priority_run(
         except TimeoutError:
             say(f"priority: normal jobs still in flight after {plan.drain_cap_s:.0f} s, given up")
     batches = await batch_log(stack)
-    probing.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await probing
+    await stop_probe(probing)
     in_b = [t for t in normal_done if b_start <= t.submitted < b_end]
     b_tokens = tokens.between(b_start, b_end) / (b_end - b_start)
     c_tokens = tokens.between(b_end, c_end) / (c_end - b_end)
@@ -199,9 +196,7 @@ async def poisson_run(
         end = time.perf_counter()
     load.append(loadavg())
     batches = await batch_log(stack)
-    probing.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await probing
+    await stop_probe(probing)
     summary = class_summary(done, submitted=len(offsets))
     summary.update(throughput(done, start))
     summary["drain_s"] = max(0.0, summary["span_s"] - offsets[-1])
@@ -216,6 +211,12 @@ async def poisson_run(
         "load_average": load,
         "jobs": [job_line(t, start, "poisson") for t in done],
     }
+
+
+async def stop_probe(probing: asyncio.Task[None]) -> None:
+    """Cancel the probe and wait for it, briefly: a Redis client cancelled mid-command may not close."""
+    probing.cancel()
+    await asyncio.wait({probing}, timeout=5.0)
 
 
 def job_line(t: Timed, origin: float, phase: str) -> dict[str, Any]:

@@ -172,6 +172,10 @@ def class_summary(jobs: Sequence[Timed], submitted: int | None = None) -> dict[s
         "ttft_p95_s": percentile(ttfts, 95),
         "ttft_p99_s": percentile(ttfts, 99),
         "server_ttft_p95_s": percentile(server, 95),
+        "phases_p95_s": {
+            name: percentile([j.phases_s[name] for j in ok if name in j.phases_s], 95)
+            for name in ("intake", "handoff", "prefill")
+        },
         "latency_p50_s": percentile(latencies, 50),
         "latency_p99_s": percentile(latencies, 99),
         "errors": sorted({t.job.error for t in jobs if t.job.error and not t.job.refused}),

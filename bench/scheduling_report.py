@@ -104,7 +104,14 @@ def priority_section(prio: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"{fmt(sat['step_ewma_median_s'], 1000, 0)} ms",
         f"- high P95 TTFT on the server's clock (first_token_at - created_at): unloaded "
         f"{fmt(prio['high_unloaded']['server_ttft_p95_s'], 1000, 0)} ms, saturated "
-        f"{fmt(prio['high_saturated']['server_ttft_p95_s'], 1000, 0)} ms",
+        f"{fmt(prio['high_saturated']['server_ttft_p95_s'], 1000, 0)} ms; P95 of its parts, unloaded / "
+        "saturated: "
+        + ", ".join(
+            f"{name} {fmt(prio['high_unloaded']['phases_p95_s'].get(name), 1000, 0)} / "
+            f"{fmt(prio['high_saturated']['phases_p95_s'].get(name), 1000, 0)} ms"
+            for name in ("intake", "handoff", "prefill")
+        )
+        + " (intake: created -> scheduled; handoff: -> started on stage 0; prefill: -> first token)",
         f"- windows: unloaded {prio['windows_s']['unloaded']:.0f} s, saturated "
         f"{prio['windows_s']['saturated']:.0f} s (each high stream's window lasts until its last job ends)",
         batch_line("batches while saturated", prio["batches"]["saturated"]),

@@ -125,7 +125,7 @@ def conveyor_server(tokens: int, usage: int) -> httpx.MockTransport:
     done = {
         "status": "succeeded",
         "usage": {"completion_tokens": usage},
-        "timings": {"created_at": 10.0, "first_token_at": 10.25},
+        "timings": {"created_at": 10.0, "scheduled_at": 10.03, "started_at": 10.1, "first_token_at": 10.25},
         "batch": {"id": "b1", "size": 3},
     }
 
@@ -157,6 +157,11 @@ def test_conveyor_job_reads_tokens_and_the_final_record():
     assert job.ok and job.error is None and job.prompt == 5
     assert job.token_ids == [0, 1, 2, 3] and job.tokens == 4
     assert job.server_ttft_s == 0.25 and (job.batch_id, job.batch_size) == ("b1", 3)
+    assert {k: round(v, 3) for k, v in job.phases_s.items()} == {
+        "intake": 0.03,
+        "handoff": 0.07,
+        "prefill": 0.15,
+    }
     assert job.ttft_s is not None and 0 <= job.ttft_s <= job.latency_s
     assert run_conveyor_job(8, 4, 4).error == "generated 4 tokens, not 8"
     assert run_conveyor_job(4, 3, 4).error == "3 token events for 4 tokens"
