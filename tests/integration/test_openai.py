@@ -191,3 +191,14 @@ def test_a_job_cancelled_mid_stream_ends_it_with_an_error(stack, oai):  # type: 
         for _ in stream:
             pass
     assert caught.value.code == "cancelled" and "cancelled" in caught.value.message
+
+
+def test_a_job_that_cannot_start_within_its_timeout_is_a_429_not_a_server_error(stack):  # type: ignore[no-untyped-def]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "timeout_s": 5e-324}
+    with stack.client() as client:
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 429
+    error = answer.json()["error"]
+    # Refused at once when the queue already predicts a wait, else expired before it started.
+    assert error["code"] in ("deadline_unmeetable", "expired")
+    assert error["type"] == "rate_limit_error"

@@ -54,10 +54,11 @@ class JobCancelled(ConveyorError):
 
 
 class JobExpired(ConveyorError):
-    """A synchronous OpenAI request whose job was not started within its timeout_s."""
+    """A synchronous OpenAI request whose job was not started within its timeout_s: the load did
+    not let it start in the time the client allowed, as when admission refuses it at once (429)."""
 
     code = "expired"
-    status = 504
+    status = 429
 
 
 def error_type(status: int) -> str:
