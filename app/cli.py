@@ -140,6 +140,7 @@ def up(
                     "flower",
                     f"--port={settings.flower_port}",
                     "--address=127.0.0.1",
+                    *([f"--basic-auth={settings.flower_basic_auth}"] if settings.flower_basic_auth else []),
                 ],
             )
         )

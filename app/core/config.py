@@ -49,6 +49,7 @@ class Settings(BaseSettings):
         "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
     )
     flower: bool = True
+    flower_basic_auth: str | None = None  # "user:password[,user2:password2]": Flower asks for a login
 
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
     max_tokens_limit: int = 1024

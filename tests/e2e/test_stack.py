@@ -20,6 +20,7 @@ def embedded_stack(tmp_path_factory, tiny_model):  # type: ignore[no-untyped-def
         models={"tiny": tiny_model},
         default_model="tiny",
         flower=True,
+        extra_env={"CONVEYOR_FLOWER_BASIC_AUTH": "ops:s3cret"},
     )
     yield stack
     stack.stop()
@@ -38,7 +39,7 @@ def children(stack) -> dict[str, psutil.Process]:  # type: ignore[no-untyped-def
     return found
 
 
-def test_embedded_stack_serves_a_chat_job_and_flower(embedded_stack):  # type: ignore[no-untyped-def]
+def test_embedded_stack_serves_a_chat_job_and_flower_behind_its_login(embedded_stack):  # type: ignore[no-untyped-def]
     assert set(children(embedded_stack)) == {
         "redis-server",
         "app.cli api",
@@ -57,12 +58,14 @@ def test_embedded_stack_serves_a_chat_job_and_flower(embedded_stack):  # type: i
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, auth=("ops", "s3cret")).status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.5)
     else:
         raise AssertionError(f"Flower did not answer at {url}")
+    assert httpx.get(url, timeout=5).status_code == 401
+    assert httpx.get(url, timeout=5, auth=("ops", "wrong")).status_code == 401
 
 
 def test_a_killed_worker_is_restarted_and_the_stack_keeps_serving(embedded_stack):  # type: ignore[no-untyped-def]
