@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench lint clean
+.PHONY: install run test test-fast bench bench-full lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,14 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/conveyor model pull
-	$(BIN)/python -m bench.slice
+	$(BIN)/python -m bench.suite --quick
+
+bench-full: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/conveyor model pull
+	$(BIN)/python -m bench.suite
 
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench

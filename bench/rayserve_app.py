@@ -1,0 +1,125 @@
+"""Ray Serve as the seeds ran it: one replica, `@serve.batch` around the same model's `model.generate`.
+
+Requests are batched by Ray Serve (up to `MAX_BATCH_SIZE` per call, waiting at most `BATCH_WAIT_S` for
+a batch to fill); a batch is one left-padded `generate` call for the longest answer any of its requests
+asks for (request-level batching: a batch runs until its longest sequence ends, and a request that
+arrives meanwhile waits for the next batch). Each request gets its own tokens, cut to its own length.
+The body and the answer are the naive server's (bench/naive_server.py), so bench.load's `naive_job`
+drives both; the prompt is rendered by the naive server's `Engine`, so every system sees the same ids.
+
+Run (bench.suite does this for you; needs the `bench` extra: `pip install -e '.[bench]'`):
+
+    .venv/bin/python -m bench.rayserve_app --model .conveyor/models/SmolLM2-135M-Instruct --port 8200
+
+It starts a local Ray instance (2 CPUs, no dashboard), deploys the app at / on `--port`, prints a line
+when it is ready, and serves until SIGTERM or SIGINT, then shuts Ray down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+MAX_BATCH_SIZE = 32
+BATCH_WAIT_S = 0.05
+NUM_CPUS = 2  # the replica's: torch in it uses both cores, as the other systems' workers do
+MAX_ONGOING_REQUESTS = 1024  # Ray's default (5) would cap a batch at 5: the open loop sends many more
+
+
+def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> Any:
+    """The Serve application: one `Generator` replica over the model at `model_path`."""
+    import torch
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from bench.naive_server import Engine, GenerateRequest
+    from bench.raw import left_pad
+
+    @serve.deployment(
+        num_replicas=1,
+        ray_actor_options={"num_cpus": NUM_CPUS},
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        max_queued_requests=-1,
+    )
+    class Generator:
+        def __init__(self) -> None:
+            torch.set_num_threads(NUM_CPUS)
+            self.engine = Engine(model_path)
+
+        def generate(self, rows: list[tuple[list[int], int, bool]]) -> list[list[int]]:
+            """One `generate` call for the batch; row i's answer cut to its own `max_tokens`."""
+            ids, mask = left_pad([r[0] for r in rows], int(self.engine.tokenizer.pad_token_id))
+            longest = max(r[1] for r in rows)
+            with torch.inference_mode():
+                output = self.engine.model.generate(
+                    input_ids=ids,  # [B, S], left-padded
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest if all(r[2] for r in rows) else None,
+                    pad_token_id=self.engine.tokenizer.pad_token_id,
+                )
+            new = output[:, ids.shape[1] :]  # [B, longest]
+            return [new[i, : r[1]].tolist() for i, r in enumerate(rows)]
+
+        @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_s)
+        async def batched(self, rows: list[tuple[list[int], int, bool]]) -> list[list[int]]:
+            # In a thread: the replica's event loop keeps taking requests into the next batch meanwhile.
+            return await asyncio.to_thread(self.generate, rows)
+
+        async def __call__(self, request: Request) -> JSONResponse:
+            if request.method == "GET":
+                return JSONResponse({"status": "ok"})
+            try:
+                body = GenerateRequest.model_validate(await request.json())
+            except ValueError as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=422)
+            prompt_ids = self.engine.encode(body)
+            token_ids = await self.batched((prompt_ids, body.max_tokens, body.ignore_eos))
+            return JSONResponse(
+                {
+                    "text": self.engine.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    "token_ids": token_ids,
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(token_ids),
+                }
+            )
+
+    return Generator.bind()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE)
+    parser.add_argument("--batch-wait-s", type=float, default=BATCH_WAIT_S)
+    args = parser.parse_args(argv)
+    import ray
+    from ray import serve
+
+    # address="local": a fresh instance of our own, never one another program started on this machine
+    ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, object_store_memory=200 * 2**20)
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(signum, lambda *_: stopping.set())
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        app = build_app(args.model, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_s)
+        serve.run(app, name="generator", route_prefix="/")
+        print(f"ray serve: ready on port {args.port}", flush=True)
+        stopping.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
