@@ -61,7 +61,7 @@ from bench.scheduling_load import (
     throughput,
 )
 from bench.scheduling_report import markdown, payload
-from bench.scheduling_stack import Model, Probe, Stack, batch_log, smollm2, stack, tiny, warm_up
+from bench.scheduling_stack import Model, Probe, Stack, batch_log, chosen_model, stack, warm_up
 
 HIGH_SEED = SEED + 1  # the high stream's arrivals and prompts
 POISSON_SEED = SEED + 2
@@ -275,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     plan, args = parse(argv)
     terminate_on_sigterm()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-scheduling-"))
-    model = tiny(workdir) if args.model == "tiny" else smollm2()
-    if not (model.path / "config.json").exists():
-        say(f"no model at {model.path}; run `.venv/bin/conveyor model pull` first")
+    model = chosen_model(args.model, workdir)
+    if model is None:
         return 2
     tokenizer = AutoTokenizer.from_pretrained(model.path)
     normals = make_prompts(tokenizer, 64)

@@ -33,6 +33,15 @@ READY_TIMEOUT_S = 180.0
 PROBE_EVERY_S = 0.5
 
 
+def chosen_model(name: str, workdir: Path) -> Model | None:
+    """`tiny` (made in `workdir`) or SmolLM2; None, said, when SmolLM2 has not been pulled yet."""
+    model = tiny(workdir) if name == "tiny" else smollm2()
+    if not (model.path / "config.json").exists():
+        say(f"no model at {model.path}; run `.venv/bin/conveyor model pull` first")
+        return None
+    return model
+
+
 @dataclass(frozen=True)
 class Model:
     name: str

@@ -50,7 +50,7 @@ from bench.processes import say, terminate_on_sigterm
 from bench.prompts import SEED, Prompt, make_prompts
 from bench.report import RESULTS_DIR, git_commit, token_stats, write_results
 from bench.scheduling_load import poisson_arrivals
-from bench.scheduling_stack import Model, smollm2, tiny
+from bench.scheduling_stack import Model, chosen_model
 from bench.suite_load import (
     BURST_FACTOR,
     OUTPUT_MEDIAN,
@@ -383,9 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     terminate_on_sigterm()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-suite-"))
-    model = tiny(workdir) if args.model == "tiny" else smollm2()
-    if not (model.path / "config.json").exists():
-        say(f"no model at {model.path}; run `.venv/bin/conveyor model pull` first")
+    model = chosen_model(args.model, workdir)
+    if model is None:
         return 2
     tokenizer = AutoTokenizer.from_pretrained(model.path)
     work = workload(tokenizer, plan)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import resource
 import sys
-import time
 from typing import Any
 
 from prometheus_client import (
@@ -179,11 +178,3 @@ def serve(port: int | None, process: str, host: str = "127.0.0.1") -> None:
         log.warning("%s: metrics not served, port %d: %s", process, port, exc)
         return
     log.info("%s: metrics on :%d/metrics", process, port)
-
-
-def since(unix_time: float | str | bytes | None, now: float | None = None) -> float | None:
-    """Seconds from a record's unix timestamp to now; None when it has none."""
-    if unix_time in (None, b"", ""):
-        return None
-    value = float(unix_time.decode() if isinstance(unix_time, bytes) else unix_time)  # type: ignore[union-attr, arg-type]
-    return max(0.0, (time.time() if now is None else now) - value)
