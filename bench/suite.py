@@ -18,14 +18,16 @@ lognormal (median 64, clipped to 16-256), prompts bench.prompts' seeded chat req
    window that opens once the ramp's prefills have drained (steady state), against raw `generate` at
    batch 32 and 64 (64 tokens, prefill included; the better of the two).
 3. Burst (Conveyor 1 stage): `normal` jobs at a low rate that steps up 10x for a window and back, plus
-   `high` jobs at a steady rate; the high jobs' queue wait (scheduled_at - created_at, from each job's
-   final record) before and during the burst, and that no accepted job was lost.
+   `high` jobs at a steady rate; the high jobs' queue wait (started_at - created_at, from each job's final
+   record: the intake, the broker and the step in progress, until its prefill began) before and during
+   the burst, and that no accepted job was lost.
 
     .venv/bin/python -m bench.suite [--quick | --smoke] [--model smollm2|tiny] [--systems "naive server,..."]
-                                    [--no-raw] [--results DIR]
+                                    [--rates 0.5,0.75,1] [--no-raw] [--results DIR]
 
 --quick (what `make bench` runs) is under 10 minutes on 2 cores (shorter windows, 2 rates, the 2-stage
-layout at the main rate only); the full plan (`make bench-full`) about an hour. `--smoke --model tiny`
+layout at the main rate only); the full plan (`make bench-full`) about an hour;
+`--rates` narrows its sweep (three rates: about 45 minutes). `--smoke --model tiny`
 runs the tests' tiny random Llama for seconds a phase: a check of the machinery, not a measurement.
 Writes bench/results/suite.md, suite.json, suite_latency_cdf.png, suite_load.png and suite_burst.png.
 """
@@ -40,7 +42,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -367,15 +369,44 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}"
     )
+    parser.add_argument(
+        "--rates",
+        type=rates_arg,
+        help="the sweep's rates in jobs/s, comma-separated (default: the plan's); must include its main rate",
+    )
     parser.add_argument("--no-raw", action="store_true", help="skip the raw generate limit")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="where the report and plots go")
     return parser.parse_args(argv)
 
 
+def rates_arg(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(sorted({float(r) for r in text.split(",") if r.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers: {text!r}")
+    return rates
+
+
+def with_rates(plan: Plan, rates: tuple[float, ...] | None) -> Plan:
+    """The plan with its sweep narrowed or widened; the second layout runs the rates it ran before."""
+    if rates is None:
+        return plan
+    if plan.main_rate not in rates:
+        raise ValueError(f"--rates must include the comparison point, {plan.main_rate:g} jobs/s")
+    second = tuple(r for r in rates if r in plan.second_layout_rates) or (plan.main_rate,)
+    return replace(plan, rates=rates, second_layout_rates=second)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    try:
+        plan = with_rates(SMOKE if args.smoke else QUICK if args.quick else FULL, args.rates)
+    except ValueError as exc:
+        say(str(exc))
+        return 2
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:

@@ -269,12 +269,20 @@ def job_figures(run: OpenRun) -> dict[str, Any]:
     }
 
 
+def queue_wait_s(job: JobResult) -> float | None:
+    """started_at - created_at: the time a job waited anywhere (intake, broker, the step in progress)
+    before its prefill began. None without the job's timings."""
+    if "intake" not in job.phases_s or "handoff" not in job.phases_s:
+        return None
+    return job.phases_s["intake"] + job.phases_s["handoff"]
+
+
 def queue_waits(run: OpenRun) -> list[tuple[float, float]]:
-    """(submit time from the run's start, scheduled_at - created_at) of each job that succeeded."""
+    """(submit time from the run's start, queue wait) of each job that succeeded."""
     return sorted(
-        (t.submitted - run.start, t.job.phases_s["intake"])
+        (t.submitted - run.start, wait)
         for t in run.done
-        if t.job.ok and "intake" in t.job.phases_s
+        if t.job.ok and (wait := queue_wait_s(t.job)) is not None
     )
 
 
@@ -299,7 +307,7 @@ def job_rows(run: OpenRun) -> list[dict[str, Any]]:
                 "latency_s": j.latency_s,
                 "ttft_s": j.ttft_s,
                 "itl_s": itl_s(j),
-                "queue_wait_s": j.phases_s.get("intake"),
+                "queue_wait_s": queue_wait_s(j),
                 "error": j.error,
             }
         )

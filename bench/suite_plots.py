@@ -3,7 +3,7 @@
 suite_latency_cdf.png   end-to-end latency CDF per system at the comparison rate; the curve is a
                         fraction of the jobs submitted, so unfinished jobs keep it below 1
 suite_load.png          throughput and P99 latency (with unfinished jobs) against the offered load
-suite_burst.png         Conveyor's queue wait (scheduled_at - created_at) by submit time in the burst,
+suite_burst.png         Conveyor's queue wait (started_at - created_at) by submit time in the burst,
                         per priority class, the burst window shaded
 """
 
@@ -112,7 +112,7 @@ def burst_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> Non
     else:
         ax.text(0.5, 0.5, "burst not measured", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("submit time (s from the start)")
-    ax.set_ylabel("queue wait, scheduled_at - created_at (ms)")
+    ax.set_ylabel("queue wait, started_at - created_at (ms)")
     ax.set_title(f"{CONVEYOR_1}: queue wait through a 10x burst ({meta['model']}, {meta['plan']['name']})")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -206,8 +206,8 @@ def burst_section(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"`normal` jobs at {plan['burst_normal_rate']:g}/s for {plan['burst_before_s']:.0f} s, "
         f"{10 * plan['burst_normal_rate']:g}/s for {plan['burst_s']:.0f} s, "
         f"{plan['burst_normal_rate']:g}/s for {plan['burst_after_s']:.0f} s; `high` jobs at "
-        f"{plan['burst_high_rate']:g}/s throughout. Queue wait: scheduled_at - created_at from each job's "
-        "final record, by submit time.",
+        f"{plan['burst_high_rate']:g}/s throughout. Queue wait: started_at - created_at (until "
+        "its prefill began) from each job's final record, by submit time.",
         "",
         *burst_rows(burst),
         "",

@@ -91,7 +91,7 @@ def timed(
 ):
     job = JobResult(index, ok, latency, ttft, tokens if ok else 0, None if ok else "boom", refused=refused)
     if wait is not None:
-        job.phases_s = {"intake": wait}
+        job.phases_s = {"intake": wait / 4, "handoff": wait * 3 / 4}
     return Timed("s", submitted, job)
 
 
@@ -208,3 +208,23 @@ def test_each_system_runs_its_rates_and_conveyor_1_stage_also_the_burst_and_the_
     assert phases_of(CONVEYOR_2, FULL) == phases_of(RAY, FULL)
     for plan in (QUICK, FULL):
         assert plan.main_rate in plan.rates and list(plan.rates) == sorted(plan.rates)
+
+
+def test_rates_narrow_the_sweep_but_keep_the_comparison_point():
+    import argparse
+
+    import pytest
+
+    from bench.suite import FULL, QUICK, rates_arg, with_rates
+
+    assert rates_arg("1, 0.5,0.75,0.5") == (0.5, 0.75, 1.0)
+    for bad in ("fast", "0,1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            rates_arg(bad)
+    narrow = with_rates(FULL, (0.5, 0.75, 1.0))
+    assert narrow.rates == narrow.second_layout_rates == (0.5, 0.75, 1.0)
+    assert narrow.window_s == FULL.window_s  # only the sweep changes
+    assert with_rates(QUICK, (0.4, 0.75, 1.0)).second_layout_rates == (0.75,)
+    assert with_rates(FULL, None) is FULL
+    with pytest.raises(ValueError, match="comparison point"):
+        with_rates(FULL, (0.5, 1.0))
