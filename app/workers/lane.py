@@ -14,12 +14,9 @@ batch is rescheduled from the job records (the recovery path), not from its lane
 
 from __future__ import annotations
 
-import contextlib
-import heapq
-import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -41,9 +38,9 @@ def send(redis: Any, lane: str, wire: dict[str, Any], ttl_s: int = LANE_TTL_S) -
 class LaneConsumer(threading.Thread):
     """Pops this worker's lane and hands each message to `handle`, one at a time.
 
-    `handle` runs on this thread; the caller serialises it with whatever else touches the same
-    state (the stage worker shares one lock with its Celery task). A message that cannot be
-    decoded is logged and dropped; Redis going away is retried with backoff.
+    `handle` is called on this thread; the stage worker's hands the message to its compute thread
+    (`app.workers.compute`), which also runs the Celery task's. A message that cannot be decoded is
+    logged and dropped; Redis going away is retried with backoff.
     """
 
     def __init__(self, redis: Any, lane: str, handle: Callable[[dict[str, Any]], None]) -> None:
@@ -87,49 +84,3 @@ class LaneConsumer(threading.Thread):
             self.redis.delete(self.lane)
         except Exception:
             log.debug("could not delete lane %s", self.lane, exc_info=True)
-
-
-class TurnLock:
-    """A lock granted in arrival order, shared by a stage's Celery task and its lane thread.
-
-    `threading.Lock` is not fair: the lane thread, whose next decode step is usually waiting
-    already, would take it back at once, again and again, while a new batch's prefill waits in
-    the Celery thread for many steps. Taking turns bounds that wait to the step in progress.
-
-    An urgent turn (a realtime or high prefill) goes before every waiting ordinary turn: its wait
-    is the step in progress, not the decode steps queued behind it. Ordinary turns keep their
-    order among themselves; urgent ones among themselves.
-    """
-
-    def __init__(self) -> None:
-        self._turns = threading.Condition()
-        self._tickets = itertools.count()
-        self._waiting: list[tuple[int, int]] = []  # heap of (0 urgent / 1 ordinary, ticket)
-        self._busy = False
-
-    def acquire(self, *, urgent: bool = False) -> None:
-        mine = (0 if urgent else 1, next(self._tickets))
-        with self._turns:
-            heapq.heappush(self._waiting, mine)
-            self._turns.wait_for(lambda: not self._busy and self._waiting[0] == mine)
-            heapq.heappop(self._waiting)
-            self._busy = True
-
-    def release(self) -> None:
-        with self._turns:
-            self._busy = False
-            self._turns.notify_all()
-
-    @contextlib.contextmanager
-    def turn(self, *, urgent: bool = False) -> Iterator[None]:
-        self.acquire(urgent=urgent)
-        try:
-            yield
-        finally:
-            self.release()
-
-    def __enter__(self) -> None:
-        self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

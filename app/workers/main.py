@@ -23,6 +23,7 @@ from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
+from app.workers.compute import ComputeThread
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
@@ -52,8 +53,6 @@ def run_worker(
     path = settings.model_path(model)
     if path is None:
         raise ModelNotFound(f"model {model!r} is not available; run `conveyor model pull`", model=model)
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
     keys = Keys(settings.namespace)
     worker = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     identity = StageIdentity(
@@ -67,11 +66,13 @@ def run_worker(
         first_queue=keys.stage_queue(model, 0),
     )
 
-    # Weights load here, at worker start, never at import: this stage's tensors only.
+    # Weights load here, at worker start, never at import: this stage's tensors only, on the
+    # thread that will run them (see app.workers.compute).
     layers = stage_layers(settings, path, stage=stage, num_stages=num_stages)
     device = resolve_device(settings.device, stage)
-    partition = StagePartition.load(path, layers, device=device)
-    partition.warmup()
+    compute = ComputeThread()
+    compute.start()
+    partition = compute.call(lambda: load_partition(path, layers, device, settings.torch_threads))
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
     log.info(
         "stage %d/%d of %s: layers %d-%d on %s, %.1f MiB of parameters, %d CPU threads",
@@ -132,12 +133,10 @@ def run_worker(
         stale_after_s=4 * settings.stall_timeout_s,
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
-    one_at_a_time = lane.TurnLock()  # the Celery task and the lane thread take turns on the runtime
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        with one_at_a_time.turn(urgent=message.urgent):
-            runtime.handle(message)
+        compute.call(lambda: runtime.handle(message), urgent=message.urgent)
 
     register_step_task(celery, handle)
 
@@ -153,10 +152,20 @@ def run_worker(
         device=device,
         loglevel=loglevel,
         labels=(model, str(stage)),
-        # Two task threads and the lane thread take turns on the runtime (urgent first): a normal
-        # prefill waiting for its turn no longer keeps an urgent one in the broker.
+        # Two task threads and the lane thread queue their messages for the compute thread (urgent
+        # first): a normal prefill waiting for its turn no longer keeps an urgent one in the broker.
         slots=2,
     )
+    compute.stop()
+
+
+def load_partition(path: Path, layers: LayerRange, device: str, threads: int | None) -> StagePartition:
+    """Load and warm up one stage's layers (on the compute thread, which runs them from then on)."""
+    if threads:
+        torch.set_num_threads(threads)
+    partition = StagePartition.load(path, layers, device=device)
+    partition.warmup()
+    return partition
 
 
 def stage_layers(settings: Settings, path: Path, *, stage: int, num_stages: int) -> LayerRange:

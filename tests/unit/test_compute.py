@@ -1,0 +1,121 @@
+"""The stage worker's compute thread: one thread runs all model work, in turn, urgent work first."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from app.workers.compute import ComputeThread
+
+
+@pytest.fixture
+def compute():  # type: ignore[no-untyped-def]
+    thread = ComputeThread()
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+def occupy(compute: ComputeThread) -> tuple[threading.Event, threading.Thread]:
+    """Start a long item (a step in progress); set the event to let it finish."""
+    release, started = threading.Event(), threading.Event()
+
+    def step() -> None:
+        started.set()
+        release.wait(5)
+
+    caller = threading.Thread(target=compute.call, args=(step,))
+    caller.start()
+    assert started.wait(5)
+    return release, caller
+
+
+def queue_in_order(
+    compute: ComputeThread, items: list[tuple[str, bool]], order: list[str]
+) -> list[threading.Thread]:
+    """Hand `items` (name, urgent) to the compute thread from threads of their own, one after the other."""
+    callers = []
+    for name, urgent in items:
+        caller = threading.Thread(
+            target=compute.call, args=(lambda name=name: order.append(name),), kwargs={"urgent": urgent}
+        )
+        caller.start()
+        callers.append(caller)
+        time.sleep(0.05)  # each is waiting before the next arrives
+    return callers
+
+
+def test_all_work_runs_on_the_one_compute_thread(compute):  # type: ignore[no-untyped-def]
+    seen: set[int] = set()
+    callers = [
+        threading.Thread(target=compute.call, args=(lambda: seen.add(threading.get_ident()),))
+        for _ in range(4)
+    ]
+    for caller in callers:
+        caller.start()
+    seen.add(compute.call(threading.get_ident))
+    for caller in callers:
+        caller.join(5)
+    assert seen == {compute.ident}
+    assert compute.ident != threading.get_ident()
+
+
+def test_it_returns_what_the_work_returns_and_raises_what_it_raises(compute):  # type: ignore[no-untyped-def]
+    assert compute.call(lambda: 6 * 7) == 42
+
+    def broken() -> None:
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        compute.call(broken)
+    assert compute.call(lambda: "still serving") == "still serving"
+
+
+def test_waiting_work_runs_in_arrival_order_so_a_waiting_prefill_is_not_starved(compute):  # type: ignore[no-untyped-def]
+    order: list[str] = []
+    release, step = occupy(compute)  # the lane thread's decode step is running
+    callers = queue_in_order(compute, [("prefill", False), ("next decode step", False)], order)
+    release.set()
+    for caller in (step, *callers):
+        caller.join(5)
+    assert order == ["prefill", "next decode step"]
+
+
+def test_an_urgent_prefill_goes_before_waiting_work_but_not_the_step_in_progress(compute):  # type: ignore[no-untyped-def]
+    order: list[str] = []
+    release, step = occupy(compute)
+    items = [
+        ("normal prefill", False),
+        ("decode step", False),
+        ("high prefill", True),
+        ("realtime prefill", True),
+    ]
+    callers = queue_in_order(compute, items, order)
+    assert order == []  # nothing overtakes the step in progress
+    release.set()
+    for caller in (step, *callers):
+        caller.join(5)
+    assert order == ["high prefill", "realtime prefill", "normal prefill", "decode step"]
+
+
+def test_a_stopped_compute_thread_finishes_what_was_queued_and_refuses_more():
+    compute = ComputeThread()
+    compute.start()
+    order: list[str] = []
+    release, step = occupy(compute)
+    callers = queue_in_order(compute, [("queued", False)], order)
+    stopper = threading.Thread(target=compute.stop)
+    stopper.start()
+    release.set()
+    for caller in (step, *callers, stopper):
+        caller.join(5)
+    assert order == ["queued"]
+    assert not compute.is_alive()
+    with pytest.raises(RuntimeError, match="stopped"):
+        compute.call(lambda: None)
+
+
+def test_work_that_calls_back_into_the_compute_thread_runs_at_once(compute):  # type: ignore[no-untyped-def]
+    assert compute.call(lambda: compute.call(lambda: "nested")) == "nested"
