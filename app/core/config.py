@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
     # prefill waits behind. A longer prompt still goes, alone.
     max_prefill_tokens: int = Field(default=512, ge=1)
+    # A realtime or high prefill reaching a stage runs between two layers of the step in progress
+    # (which then goes on), instead of waiting for that step to end.
+    preempt_between_layers: bool = True
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 

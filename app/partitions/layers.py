@@ -7,6 +7,7 @@ KV cache and attention mask (`BatchState`); positions are derived from the mask,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,11 +171,15 @@ class StagePartition(nn.Module):
         return source.dtype  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def forward(self, state: BatchState, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, state: BatchState, x: torch.Tensor, between_layers: Callable[[], object] | None = None
+    ) -> torch.Tensor:
         """Run one step over this stage's layers.
 
         x: token ids [B, S] on the first stage, hidden states [B, S, D] on the others; the caller
         has already extended `state.attention_mask` to cover these S new positions.
+        `between_layers` is called after every layer but the last: the step can be interrupted
+        there for other batches' work (it touches nothing of this step's).
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V].
         """
         x = x.to(self.device)
@@ -192,7 +197,9 @@ class StagePartition(nn.Module):
             layer_idx=self.range.start,
         )
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if index and between_layers is not None:
+                between_layers()
             hidden = layer(
                 hidden,
                 attention_mask=causal_mask,

@@ -12,7 +12,10 @@ their work and wait for the outcome.
 The queue is also the scheduling point between the two kinds of work. Work runs one item at a
 time, in arrival order, so a waiting prefill is not starved by the lane thread coming straight back
 with its next decode step; urgent work (a realtime or high prefill) goes before every waiting
-ordinary item: its wait is the step in progress, not the decode steps queued behind it.
+ordinary item. It does not even wait for the step in progress: the model calls `yield_to_urgent`
+between two layers, which runs the urgent work waiting then, on this thread, and returns, so the
+interrupted step goes on where it was (its batch's state is its own). An urgent job's wait for
+the stage is one layer of the step in progress, not a whole decode step or a long prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +49,8 @@ class ComputeThread(threading.Thread):
         self._ready = threading.Condition()
         self._tickets = itertools.count()
         self._waiting: list[_Work] = []
+        self._urgent = 0  # urgent items among _waiting (read without the lock between layers)
+        self._rank: int | None = None  # of the item running now
         self._stopping = False
 
     def call(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
@@ -56,6 +62,7 @@ class ComputeThread(threading.Thread):
             if self._stopping:
                 raise RuntimeError("the compute thread has stopped")
             heapq.heappush(self._waiting, work)
+            self._urgent += work.rank == 0
             self._ready.notify()
         work.done.wait()
         if work.error is not None:
@@ -68,12 +75,40 @@ class ComputeThread(threading.Thread):
                 self._ready.wait_for(lambda: self._waiting or self._stopping)
                 if not self._waiting:
                     return  # stopping, and nothing left to run
-                work = heapq.heappop(self._waiting)
-            try:
-                work.result = work.fn()
-            except BaseException as exc:  # handed back to the caller, which decides
-                work.error = exc
-            work.done.set()
+                work = self._pop()
+            self._run(work)
+
+    def yield_to_urgent(self) -> float:
+        """Run the urgent work waiting now, if an ordinary item is running; the seconds it took.
+
+        Called by the running item at a point where it can be interrupted (between two layers);
+        a no-op elsewhere, and while urgent work runs (urgent items keep their order).
+        """
+        if not self._urgent or self._rank != 1 or threading.current_thread() is not self:
+            return 0.0
+        started = time.perf_counter()
+        while True:
+            with self._ready:
+                if not self._waiting or self._waiting[0].rank != 0:
+                    break
+                work = self._pop()
+            self._run(work)
+        return time.perf_counter() - started
+
+    def _pop(self) -> _Work:
+        work = heapq.heappop(self._waiting)
+        self._urgent -= work.rank == 0
+        return work
+
+    def _run(self, work: _Work) -> None:
+        outer, self._rank = self._rank, work.rank
+        try:
+            work.result = work.fn()
+        except BaseException as exc:  # handed back to the caller, which decides
+            work.error = exc
+        finally:
+            self._rank = outer
+        work.done.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Run what is already queued, then end the thread; later calls raise."""

@@ -124,6 +124,7 @@ def run_worker(
         pad_id=_pad_id(partition.config),
         continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
+        preempt=compute.yield_to_urgent if settings.preempt_between_layers else None,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
         codec=CodecSpec(
             settings.stage_codec,

@@ -97,6 +97,11 @@ class StageRuntime:
     sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)
     routes: dict[str, list[str | None]] = field(default_factory=dict)
     joins: dict[str, list[Join]] = field(default_factory=dict)
+    # Runs the urgent work waiting now, between two layers of an ordinary step; the seconds it took
+    # (the worker's compute thread, `ComputeThread.yield_to_urgent`). None: steps run uninterrupted.
+    preempt: Callable[[], float] | None = None
+    # Batches whose prefill is running (an urgent prefill may run inside it): not yet join hosts.
+    prefilling: set[str] = field(default_factory=set)
     # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
     stale_after_s: float = 120.0
     touched: dict[str, float] = field(default_factory=dict)
@@ -129,19 +134,38 @@ class StageRuntime:
             if not msg.seq_ids:
                 self._finish_batch(msg)
                 return
+            self.prefilling.add(msg.batch_id)
         else:
             state = self._resume(msg)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
+        try:
+            out, took = self._run_layers(state, x)
+            metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
+            if self.latency is not None:
+                self.latency.observe(took)
+            if self.partition.is_last:
+                self._sample(msg, out)
+            else:
+                self._forward(msg, state, out)
+        finally:
+            self.prefilling.discard(msg.batch_id)
+
+    def _run_layers(self, state: BatchState, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """This stage's layers over one step, and the seconds they took (urgent work run between
+        two of them, for other batches, not counted)."""
+        if self.preempt is None:
+            started = time.perf_counter()
+            out = self.partition(state, x)
+            return out, time.perf_counter() - started
+        preempt, lent = self.preempt, 0.0
+
+        def between_layers() -> None:
+            nonlocal lent
+            lent += preempt()
+
         started = time.perf_counter()
-        out = self.partition(state, x)
-        took = time.perf_counter() - started
-        metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
-        if self.latency is not None:
-            self.latency.observe(took)
-        if self.partition.is_last:
-            self._sample(msg, out)
-        else:
-            self._forward(msg, state, out)
+        out = self.partition(state, x, between_layers)
+        return out, time.perf_counter() - started - lent
 
     def _resume(self, msg: StepMessage) -> BatchState:
         """Decode: drop finished rows, append the rows of joining batches, make room for one token."""
@@ -309,7 +333,10 @@ class StageRuntime:
         sizes = {
             batch_id: len(self.sequences[batch_id]) + sum(len(j.alive) for j in self.joins.get(batch_id, []))
             for batch_id, routes in self.routes.items()
-            if batch_id != msg.batch_id and batch_id not in waiting and routes == msg.routes
+            if batch_id != msg.batch_id
+            and batch_id not in waiting
+            and batch_id not in self.prefilling  # it may itself join another, leaving us behind
+            and routes == msg.routes
         }
         if len(sizes) < msg.num_stages:
             return None

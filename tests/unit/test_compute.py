@@ -119,3 +119,55 @@ def test_a_stopped_compute_thread_finishes_what_was_queued_and_refuses_more():
 
 def test_work_that_calls_back_into_the_compute_thread_runs_at_once(compute):  # type: ignore[no-untyped-def]
     assert compute.call(lambda: compute.call(lambda: "nested")) == "nested"
+
+
+def test_urgent_work_runs_between_the_layers_of_ordinary_work_in_progress(compute):  # type: ignore[no-untyped-def]
+    order: list[str] = []
+    lent: list[float] = []
+    started, proceed = threading.Event(), threading.Event()
+
+    def ordinary_step() -> None:
+        order.append("layer 1")
+        started.set()
+        proceed.wait(5)  # meanwhile another decode step and an urgent prefill arrive
+        lent.append(compute.yield_to_urgent())  # between two layers
+        order.append("layer 2")
+
+    def high_prefill() -> None:
+        order.append("high prefill")
+        time.sleep(0.2)
+
+    step = threading.Thread(target=compute.call, args=(ordinary_step,))
+    step.start()
+    assert started.wait(5)
+    callers = queue_in_order(compute, [("decode step", False)], order)
+    urgent = threading.Thread(target=compute.call, args=(high_prefill,), kwargs={"urgent": True})
+    urgent.start()
+    time.sleep(0.05)
+    proceed.set()
+    for caller in (step, urgent, *callers):
+        caller.join(5)
+    assert order == ["layer 1", "high prefill", "layer 2", "decode step"]
+    assert 0.2 <= lent[0] < 1.0  # the time lent to urgent work, which the step does not count
+
+
+def test_yielding_is_a_no_op_with_no_urgent_work_and_inside_urgent_work(compute):  # type: ignore[no-untyped-def]
+    assert compute.call(compute.yield_to_urgent) == 0.0
+    assert compute.yield_to_urgent() == 0.0  # not on the compute thread: nothing to interrupt
+    order: list[str] = []
+    started, proceed = threading.Event(), threading.Event()
+
+    def first_urgent() -> None:
+        started.set()
+        proceed.wait(5)  # meanwhile a second urgent prefill arrives
+        compute.yield_to_urgent()  # urgent work is not interrupted, even by urgent work
+        order.append("first urgent")
+
+    first = threading.Thread(target=compute.call, args=(first_urgent,), kwargs={"urgent": True})
+    first.start()
+    assert started.wait(5)
+    callers = queue_in_order(compute, [("second urgent", True)], order)
+    proceed.set()
+    for caller in (first, *callers):
+        caller.join(5)
+    assert order == ["first urgent", "second urgent"]

@@ -59,6 +59,39 @@ def test_keep_drops_finished_rows(model_and_tokenizer):  # type: ignore[no-untyp
         state.keep(["zzz"])
 
 
+def test_a_step_interrupted_between_layers_by_another_batch_stays_exact(model_and_tokenizer):  # type: ignore[no-untyped-def]
+    """An urgent prefill runs between two layers of a running batch's step (the worker's
+    preemption): both batches get the tokens they get alone."""
+    model, tokenizer = model_and_tokenizer
+    part = StagePartition(model, LayerRange(0, model.config.num_hidden_layers))
+    running = [tokenizer(p).input_ids for p in ["a running batch", "of two prompts, one longer"]]
+    urgent = [tokenizer("an urgent prompt").input_ids]
+    alone_running = greedy([part], model.config, running, 4)
+    alone_urgent = greedy([part], model.config, urgent, 4)
+
+    calls: list[int] = []
+    got_urgent: list[list[int]] = []
+
+    def urgent_work() -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:  # between the second and third layers of the running step
+            got_urgent.extend(greedy([part], model.config, urgent, 4))
+
+    x, mask = left_pad(running, pad_id=0)
+    state = BatchState(model.config, ["a", "b"], mask)
+    got_running: list[list[int]] = [[], []]
+    for step in range(4):
+        if step:
+            state.extend(1)
+        nxt = part(state, x, urgent_work if step == 2 else None).argmax(-1)
+        for row, token in enumerate(nxt.tolist()):
+            got_running[row].append(token)
+        x = nxt[:, None]
+    assert len(calls) == model.config.num_hidden_layers - 1  # between every two layers, once
+    assert got_urgent == alone_urgent
+    assert got_running == alone_running
+
+
 def test_even_split_covers_every_layer_once():
     ranges = [LayerRange.even_split(30, 4, s) for s in range(4)]
     assert ranges[0].start == 0 and ranges[-1].stop == 30
