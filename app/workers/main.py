@@ -153,9 +153,11 @@ def run_worker(
         device=device,
         loglevel=loglevel,
         labels=(model, str(stage)),
-        # Two task threads and the lane thread queue their messages for the compute thread (urgent
-        # first): a normal prefill waiting for its turn no longer keeps an urgent one in the broker.
-        slots=2,
+        # Task threads and the lane thread queue their messages for the compute thread (urgent
+        # first). The batcher keeps at most stages x replicas + 1 ordinary prefills in flight (two
+        # or three at one worker) plus urgent ones: with four task threads, ordinary prefills
+        # waiting for their turn still leave one free to fetch an urgent prefill at once.
+        slots=4,
     )
     compute.stop()
 
