@@ -38,9 +38,9 @@ def send(redis: Any, lane: str, wire: dict[str, Any], ttl_s: int = LANE_TTL_S) -
 class LaneConsumer(threading.Thread):
     """Pops this worker's lane and hands each message to `handle`, one at a time.
 
-    `handle` is called on this thread; the stage worker's hands the message to its compute thread
-    (`app.workers.compute`), which also runs the Celery task's. A message that cannot be decoded is
-    logged and dropped; Redis going away is retried with backoff.
+    `handle` is called on this thread; the stage worker's handler passes the message to its compute
+    thread (`app.workers.compute`), which runs the Celery task's messages too. A message that cannot
+    be decoded is logged and dropped; Redis going away is retried with backoff.
     """
 
     def __init__(self, redis: Any, lane: str, handle: Callable[[dict[str, Any]], None]) -> None:
