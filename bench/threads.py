@@ -3,19 +3,21 @@
 A stage worker receives messages on several threads (Celery's task threads, its lane thread). Torch
 runs its CPU kernels on an OpenMP team that belongs to the calling thread. This benchmark runs the
 same decode steps of a batch of 32 sequences (SmolLM2-135M-Instruct, fp32, torch's default threads)
-in three layouts, each in a fresh process since the effect depends on the process's history:
+in four layouts, each in a fresh process since the effect depends on the process's history:
 
     main thread        weights loaded and steps run on the main thread
     loaded elsewhere   weights loaded (and warmed up) on the main thread, steps run on another
+                       thread
     spread             as loaded elsewhere, and two more threads (Celery's task threads) have each
                        run a prefill: the stage worker before its compute thread
     compute thread     weights loaded, warmed up and run on one thread that is not the main
                        thread, which never runs a kernel: the stage worker now
 
 Each layout: one prefill of 32 prompts, then decode steps for `--seconds`; the median step time.
-Ratios are against the main thread, measured in the same run.
+The layouts take turns for `--rounds` rounds (a slow spell of the shared machine hits all of them);
+a layout's figure is the median over its rounds. Ratios are against the main thread, in one run.
 
-    .venv/bin/python -m bench.threads [--seconds 20]
+    .venv/bin/python -m bench.threads [--seconds 8] [--rounds 3]     (about 3 minutes)
 
 Writes bench/results/threads.md.
 """
@@ -76,21 +78,19 @@ def decode_steps(seconds: float) -> dict[str, Any]:
         worker.join()
         return out[0]
 
-    def prefill_on_threads(partition: StagePartition, count: int) -> list[threading.Thread]:
-        """Threads that each ran one prefill and stay alive (their OpenMP teams with them)."""
+    def prefill_on_threads(partition: StagePartition, count: int) -> None:
+        """Start threads that each run one prefill, then stay alive (their OpenMP teams with them)."""
         ids, mask = left_pad([p.ids for p in prompts[:4]], int(tokenizer.pad_token_id))
-        stop, ran = threading.Event(), threading.Semaphore(0)
+        never, ran = threading.Event(), threading.Semaphore(0)
 
         def task() -> None:
             partition(BatchState(partition.config, ["a", "b", "c", "d"], mask.clone()), ids)
             ran.release()
-            stop.wait()
+            never.wait()
 
-        threads = [threading.Thread(target=task, daemon=True) for _ in range(count)]
-        for thread in threads:
-            thread.start()
+        for _ in range(count):
+            threading.Thread(target=task, daemon=True).start()
             ran.acquire()
-        return threads
 
     layout = sys.argv[2]
     if layout == "main thread":
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running every layout once")
     args = parser.parse_args(argv)
     runs: dict[str, list[dict[str, Any]]] = {layout: [] for layout in LAYOUTS}
-    for round_ in range(args.rounds):  # interleaved: a slow spell of the machine hits every layout
+    for round_ in range(args.rounds):
         for layout in LAYOUTS:
             child = [sys.executable, "-m", "bench.threads", "--child", layout, str(args.seconds)]
             done = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True)

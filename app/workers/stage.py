@@ -153,18 +153,15 @@ class StageRuntime:
     def _run_layers(self, state: BatchState, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """This stage's layers over one step, and the seconds they took (urgent work run between
         two of them, for other batches, not counted)."""
-        if self.preempt is None:
-            started = time.perf_counter()
-            out = self.partition(state, x)
-            return out, time.perf_counter() - started
         preempt, lent = self.preempt, 0.0
 
         def between_layers() -> None:
             nonlocal lent
-            lent += preempt()
+            if preempt is not None:
+                lent += preempt()
 
         started = time.perf_counter()
-        out = self.partition(state, x, between_layers)
+        out = self.partition(state, x, between_layers if preempt is not None else None)
         return out, time.perf_counter() - started - lent
 
     def _resume(self, msg: StepMessage) -> BatchState:
