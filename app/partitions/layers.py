@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask
 
+from app.partitions.kvcache import SlabLayer
 from app.partitions.loading import build_on_meta, materialize
 
 
@@ -38,8 +40,18 @@ class BatchState:
 
     def __init__(self, config: PretrainedConfig, seq_ids: list[str], attention_mask: torch.Tensor) -> None:
         self.cache = DynamicCache(config=config)
+        kinds = {type(layer) for layer in self.cache.layers}
+        if kinds - {DynamicLayer}:
+            raise ValueError(
+                f"only full-attention layers are supported, not {sorted(k.__name__ for k in kinds)}"
+            )
+        self.cache.layers = [SlabLayer() for _ in self.cache.layers]
         self.seq_ids = list(seq_ids)
         self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
+
+    @property
+    def slabs(self) -> list[SlabLayer]:
+        return self.cache.layers  # type: ignore[return-value]
 
     def keep(self, seq_ids: list[str]) -> None:
         """Drop the rows of sequences that have finished (the TGI `filter` rule)."""
@@ -49,9 +61,10 @@ class BatchState:
         missing = [s for s in seq_ids if s not in position]
         if missing:
             raise KeyError(f"sequences not in this batch: {missing}")
-        rows = torch.tensor([position[s] for s in seq_ids], dtype=torch.long)
-        self.cache.batch_select_indices(rows)
-        self.attention_mask = self.attention_mask[rows]
+        rows = [position[s] for s in seq_ids]
+        for layer in self.slabs:
+            layer.select(rows)
+        self.attention_mask = self.attention_mask[torch.tensor(rows, dtype=torch.long)]
         self.seq_ids = list(seq_ids)
         self._trim_padding()
 
@@ -67,12 +80,8 @@ class BatchState:
             return
         first = int(used.int().argmax())
         self.attention_mask = self.attention_mask[:, first:]
-        layers: list[Any] = list(self.cache.layers)
-        for layer in layers:
-            if layer.get_seq_length() == 0:
-                continue  # a layer this stage does not hold
-            layer.keys = layer.keys[:, :, first:, :]
-            layer.values = layer.values[:, :, first:, :]
+        for layer in self.slabs:
+            layer.trim(first)
 
     def absorb(self, other: BatchState) -> None:
         """Append another batch's rows (iteration-level batching: a batch joins a running one).
@@ -81,14 +90,8 @@ class BatchState:
         positions come from the mask, so the joined rows keep theirs.
         """
         length = max(self.length, other.length)
-        layers: list[tuple[Any, Any]] = list(zip(self.cache.layers, other.cache.layers, strict=True))
-        for mine, theirs in layers:
-            if mine.get_seq_length() == 0 and theirs.get_seq_length() == 0:
-                continue  # a layer this stage does not hold
-            mine.keys = torch.cat([_left_pad_time(mine.keys, length), _left_pad_time(theirs.keys, length)])
-            mine.values = torch.cat(
-                [_left_pad_time(mine.values, length), _left_pad_time(theirs.values, length)]
-            )
+        for mine, theirs in zip(self.slabs, other.slabs, strict=True):
+            mine.absorb(theirs)
         self.attention_mask = torch.cat(
             [_left_pad_time(self.attention_mask, length), _left_pad_time(other.attention_mask, length)]
         )
@@ -213,15 +216,12 @@ class StagePartition(nn.Module):
         return self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
 
 
-def _left_pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad the time axis to `length`: dim 1 of a mask [B, T], dim 2 of keys/values [B, H, T, D]."""
-    axis = 1 if x.dim() == 2 else 2
-    missing = length - x.shape[axis]
+def _left_pad_time(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad an attention mask [B, T] with zeros to [B, length]."""
+    missing = length - mask.shape[1]
     if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[axis] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=axis)
+        return mask
+    return torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
