@@ -52,6 +52,14 @@ def fresh(rows: int, length: int) -> tuple[SlabLayer, Plain]:
     return slab, Plain(k, v)
 
 
+def step(slab: SlabLayer, plain: Plain, rows: int) -> None:
+    """One decode step's new column on both caches."""
+    k, v = kv(rows, 1)
+    with torch.inference_mode():
+        slab.update(k, v)
+    plain.update(k, v)
+
+
 def same(slab: SlabLayer, plain: Plain) -> None:
     assert slab.keys is not None and slab.values is not None
     assert torch.equal(slab.keys, plain.keys)
@@ -70,10 +78,7 @@ def test_decode_steps_write_in_place_until_the_buffer_is_outgrown() -> None:
         same(slab, plain)
         assert buffer is not None and keys.data_ptr() == buffer.data_ptr()  # no copy
     for _ in range(200):  # past the spare columns: reallocated once, then in place again
-        k, v = kv(3, 1)
-        with torch.inference_mode():
-            slab.update(k, v)
-        plain.update(k, v)
+        step(slab, plain, 3)
     same(slab, plain)
 
 
@@ -92,10 +97,7 @@ def test_a_joining_batch_is_padded_to_the_longer_history(host_len: int, joiner_l
     slab.absorb(joiner)
     plain.absorb(joiner_plain)
     same(slab, plain)
-    k, v = kv(5, 1)
-    with torch.inference_mode():
-        slab.update(k, v)
-    plain.update(k, v)
+    step(slab, plain, 5)
     same(slab, plain)
 
 
@@ -108,10 +110,7 @@ def test_a_random_life_matches_the_plain_cache() -> None:
         rows = plain.keys.shape[0]
         op = rng.random()
         if op < 0.55 and rows:
-            k, v = kv(rows, 1)
-            with torch.inference_mode():
-                slab.update(k, v)
-            plain.update(k, v)
+            step(slab, plain, rows)
         elif op < 0.75 and rows > 1:
             kept = sorted(rng.sample(range(rows), rng.randint(1, rows - 1)))
             if rng.random() < 0.3:
