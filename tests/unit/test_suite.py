@@ -224,7 +224,7 @@ def test_rates_narrow_the_sweep_but_keep_the_comparison_point():
     narrow = with_rates(FULL, (0.5, 0.75, 1.0))
     assert narrow.rates == narrow.second_layout_rates == (0.5, 0.75, 1.0)
     assert narrow.window_s == FULL.window_s  # only the sweep changes
-    assert with_rates(QUICK, (0.4, 0.75, 1.0)).second_layout_rates == (0.75,)
+    assert with_rates(QUICK, (0.5, 0.75, 1.0)).second_layout_rates == (1.0,)
     assert with_rates(FULL, None) is FULL
     with pytest.raises(ValueError, match="comparison point"):
-        with_rates(FULL, (0.5, 1.0))
+        with_rates(FULL, (0.5, 0.75))
