@@ -8,15 +8,27 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+from fastapi import FastAPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
 from bench.naive_server import Engine, create_app  # noqa: E402
 
 WAITING = 64  # more than the 40 tokens of anyio's default thread pool
+
+
+@asynccontextmanager
+async def served(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app, its lifespan (the model loaded) around it."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://naive") as client:
+            yield client
 
 
 def test_answers_leave_as_generations_end_with_more_waiting_than_the_thread_pool(tiny_model: Path) -> None:
@@ -43,18 +55,16 @@ def test_answers_leave_as_generations_end_with_more_waiting_than_the_thread_pool
 
     async def main() -> list[tuple[int, int]]:
         arrivals: list[tuple[int, int]] = []  # (answers received before this one, generations ended by then)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://naive") as client:
+        async with served(app) as client:
 
-                async def one(i: int) -> None:
-                    body = {"prompt": f"request {i}", "max_tokens": 4, "ignore_eos": True}
-                    answer = await client.post("/generate", json=body, timeout=120)
-                    assert answer.status_code == 200, answer.text
-                    assert answer.json()["completion_tokens"] == 4
-                    arrivals.append((len(arrivals), len(ended)))
+            async def one(i: int) -> None:
+                body = {"prompt": f"request {i}", "max_tokens": 4, "ignore_eos": True}
+                answer = await client.post("/generate", json=body, timeout=120)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["completion_tokens"] == 4
+                arrivals.append((len(arrivals), len(ended)))
 
-                await asyncio.gather(*(one(i) for i in range(WAITING)))
+            await asyncio.gather(*(one(i) for i in range(WAITING)))
         return arrivals
 
     Engine.generate = counted  # type: ignore[method-assign]
@@ -73,14 +83,12 @@ def test_bad_requests_get_a_422(tiny_model: Path) -> None:
     app = create_app(tiny_model)
 
     async def main() -> list[int]:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://naive") as client:
-                bodies = [
-                    {"max_tokens": 4},  # neither prompt nor messages
-                    {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
-                    {"prompt": "hi", "max_tokens": 0},
-                ]
-                return [(await client.post("/generate", json=b)).status_code for b in bodies]
+        async with served(app) as client:
+            bodies = [
+                {"max_tokens": 4},  # neither prompt nor messages
+                {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+                {"prompt": "hi", "max_tokens": 0},
+            ]
+            return [(await client.post("/generate", json=b)).status_code for b in bodies]
 
     assert asyncio.run(main()) == [422, 422, 422]
