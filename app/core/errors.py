@@ -47,6 +47,12 @@ class ModelNotFound(ConveyorError):
     status = 404
 
 
+class UnsupportedModel(InvalidRequest):
+    """A model whose architecture the stage workers cannot run exactly: refused before any weight loads."""
+
+    code = "model_unsupported"
+
+
 class JobNotFound(ConveyorError):
     code = "job_not_found"
     status = 404
