@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate
+from app.api.openai_schemas import UNSUPPORTED, ChatCompletionCreate, CompletionCreate
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 # As guidellm sends them for a fixed output length.
@@ -76,3 +78,9 @@ def test_what_would_change_the_answer_is_refused(extra):  # type: ignore[no-unty
     with pytest.raises(ValidationError) as caught:
         CompletionCreate.model_validate({"prompt": "hi", **extra})
     assert next(iter(extra)) in str(caught.value)
+
+
+def test_the_compatibility_table_names_every_refused_field():
+    table = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    missing = [name for name in UNSUPPORTED if f"`{name}`" not in table]
+    assert not missing, f"docs/openai.md does not list {missing}"

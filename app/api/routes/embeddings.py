@@ -22,7 +22,8 @@ DIMENSIONS = 384  # all-MiniLM-L6-v2's hidden size: the one size its vectors com
 
 
 class EmbeddingsCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"input": ["a cat", "a dog"]}]})
+    # Unknown fields are accepted and ignored, as on the other OpenAI endpoints (docs/openai.md).
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": [{"input": ["a cat", "a dog"]}]})
 
     input: str | list[str] = Field(description="A text or a list of texts (each truncated at 256 tokens).")
     model: str | None = Field(default=None, description="all-MiniLM-L6-v2 (the only embeddings model).")
