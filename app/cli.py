@@ -253,6 +253,10 @@ def worker(
     run_worker(settings, model=model or settings.default_model, stage=stage, num_stages=settings.stages)
 
 
+# How `conveyor submit` exits, by the job's final status (1 also when the submission is refused).
+EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 3, "expired": 4}
+
+
 @cli.command()
 def submit(
     prompt: Annotated[str, typer.Argument(help="The user message (or raw prompt with --raw).")],
@@ -263,16 +267,20 @@ def submit(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     priority: Annotated[str, typer.Option(help="realtime, high, normal or batch (low = batch).")] = "normal",
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly --max-tokens tokens.")] = False,
     url: Annotated[str | None, typer.Option(help="API base URL.")] = None,
     api_key: Annotated[str | None, typer.Option(help="An API key (`conveyor keys create`).")] = None,
 ) -> None:
-    """Submit a job and print its text."""
+    """Submit a job and print its text; its id goes to stderr. Exit status: 0 succeeded, 1 failed (or
+    refused), 3 cancelled, 4 expired; a job that did not succeed also prints its status to stderr."""
     import httpx
 
     settings = _settings()
     base = url or f"http://{settings.api_host}:{settings.api_port}"
     body: dict[str, object] = {"max_tokens": max_tokens, "temperature": temperature, "priority": priority}
     body.update({"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]})
+    if ignore_eos:
+        body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(10.0, read=None)
     with httpx.Client(base_url=base, timeout=timeout, headers=headers) as client:
@@ -281,25 +289,39 @@ def submit(
             typer.echo(answer.text, err=True)
             raise typer.Exit(1)
         job = answer.json()
+        typer.echo(f"job {job['id']}", err=True)
         if stream:
-            with client.stream("GET", job["urls"]["events"]) as events:
-                for event, data in _sse(events.iter_lines()):
-                    if event == "token":
-                        typer.echo(json.loads(data)["text"], nl=False)
-                    elif event in ("done", "error"):
-                        typer.echo()
-                        final = json.loads(data)
-                        break
+            final = _follow(client, job)
         else:
-            while True:
-                final = client.get(job["urls"]["self"]).json()
-                if final["status"] in ("succeeded", "failed", "cancelled", "expired"):
-                    break
-                time.sleep(0.2)
+            final = _poll(client, job)
             typer.echo(final["text"])
     if final["status"] != "succeeded":
         typer.echo(f"job {final['id']} {final['status']}: {final.get('error')}", err=True)
-        raise typer.Exit(1)
+    raise typer.Exit(EXIT_CODES.get(final["status"], 1))
+
+
+def _follow(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Print the job's tokens as they come; the job as its final event (done, error, cancelled or
+    expired) carries it."""
+    from app.api.service import FINAL_EVENTS
+
+    with client.stream("GET", job["urls"]["events"]) as events:
+        for event, data in _sse(events.iter_lines()):
+            if event == "token":
+                typer.echo(json.loads(data)["text"], nl=False)
+            elif event in FINAL_EVENTS:
+                typer.echo()
+                return dict(json.loads(data))
+    typer.echo()
+    return _poll(client, job)  # no final event: the stream had ended before (204), or was cut
+
+
+def _poll(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    while True:
+        record: dict[str, Any] = client.get(job["urls"]["self"]).json()
+        if record["status"] in EXIT_CODES:
+            return record
+        time.sleep(0.2)
 
 
 def _sse(lines):  # type: ignore[no-untyped-def]

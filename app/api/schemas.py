@@ -59,6 +59,12 @@ class JobCreate(BaseModel):
         "Refused at once (429) when the predicted wait is already longer.",
     )
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens (for benchmarks).")
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="End of sequence cannot end the job before this many tokens (a stop string still "
+        "can). At most max_tokens.",
+    )
     # Webhooks (app/webhooks/): signed POSTs of the job's events to this URL.
     callback_url: str | None = Field(
         default=None,

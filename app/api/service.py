@@ -104,6 +104,10 @@ class JobService:
                 f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
                 limit=self.settings.max_tokens_limit,
             )
+        if request.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens is {request.min_tokens}, over max_tokens ({max_tokens})", limit=max_tokens
+            )
         stop = request.stop_list()
         self._check_stop(stop)
         if request.messages is not None:
@@ -176,6 +180,7 @@ class JobService:
             "seed": request.seed,
             "stop": stop,
             "ignore_eos": request.ignore_eos,
+            "min_tokens": request.min_tokens,
         }
         deadline = now + request.timeout_s if request.timeout_s is not None else None
         record = {

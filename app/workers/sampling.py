@@ -68,3 +68,17 @@ def sample(
     for j, row in enumerate(rows):
         tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
     return tokens
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:
+    """Logits with each row's banned token ids at -inf, so no rule of `sample` can pick them (the last
+    stage bans end-of-sequence ids until a job has its `min_tokens`). logits: [B, V]; one set per row.
+    Ids outside the vocabulary are skipped."""
+    vocab = logits.shape[-1]
+    cells = [(row, t) for row, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
+    if not cells:
+        return logits
+    rows, cols = zip(*cells, strict=True)
+    out = logits.clone()
+    out[list(rows), list(cols)] = float("-inf")
+    return out

@@ -28,7 +28,7 @@ from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher, TokenOut
-from app.workers.sampling import SamplingParams, make_generator, sample
+from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Sequence:
     max_tokens: int
     text: TextStream
     ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence is banned until this many tokens are generated
     generated: int = 0
     finish_reason: str | None = None
     created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
@@ -235,6 +236,7 @@ class StageRuntime:
                 max_tokens=request["max_tokens"],
                 text=TextStream(self.tokenizer, request.get("stop") or []),
                 ignore_eos=bool(request.get("ignore_eos")),
+                min_tokens=int(request.get("min_tokens") or 0),
                 created_at=float(record["created_at"]) if record.get("created_at") else None,
                 priority=record.get("priority") or "normal",
             )
@@ -262,6 +264,8 @@ class StageRuntime:
         sequences = self.sequences[msg.batch_id]
         rows = [sequences[j] for j in msg.seq_ids]
         logits = logits.float().cpu()  # sampling runs on the CPU with per-sequence generators
+        held = [self.eos_ids if s.generated < s.min_tokens else frozenset() for s in rows]
+        logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
         tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
         outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now

@@ -1,4 +1,4 @@
-"""Liveness and readiness."""
+"""Liveness and readiness: /health (as vLLM and TGI answer it), /healthz and /readyz."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
@@ -16,6 +16,17 @@ from app.core.config import Settings
 from app.core.keys import Keys
 
 router = APIRouter(tags=["health"])
+
+
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The API process is up. An empty body."}},
+)
+async def health() -> Response:
+    """The process is alive: 200 with an empty body, as vLLM and TGI answer it, for the load balancers
+    and benchmark tools that probe `/health`. Says nothing of Redis or workers (that is /readyz)."""
+    return Response(status_code=200)
 
 
 @router.get("/healthz", response_model=Health)
