@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     replicas: int = 1  # workers per stage, sharing the stage's queue (load balancing)
     plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
     device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
+    # Serving precision of the stage workers: auto picks bf16 on GPUs that have it (fp16 on older
+    # ones) and on CPUs with native bf16 where it measures faster, else fp32. A model added with
+    # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
