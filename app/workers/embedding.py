@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.embedding import load_piece, plan_on_meta, pool_and_normalize, tokenize
@@ -27,7 +28,6 @@ from app.workers.publisher import Publisher
 log = logging.getLogger(__name__)
 
 EMBED_TASK = "conveyor.embed.step"
-EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 MASK = "attention_mask"  # a graph input every stage keeps: the last one pools with it
 PLAN = "plan"  # the message field with the sender's plan fingerprint
 

@@ -12,7 +12,7 @@ from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
 from app.api.service import JobService
 from app.core.breaker import Action, decide
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.keys import Keys
 
 router = APIRouter(tags=["health"])
@@ -39,7 +39,8 @@ async def healthz() -> Health:
 async def readyz(
     request: Request, settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
 ) -> JSONResponse:
-    """Redis answers, and every stage of the default model's pipeline has a live worker.
+    """Redis answers, and every stage of the default model's pipeline (of every generation model
+    `conveyor up` serves) has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
     per priority class, each GPU worker's device state, and whether this process's event
@@ -52,13 +53,17 @@ async def readyz(
         await redis.ping()
         checks["redis"] = {"ok": True, "latency_ms": round((time.perf_counter() - started) * 1000, 2)}
         now = time.time()
-        stages = {}
-        for stage in range(settings.stages):
-            live = await redis.zrangebyscore(
-                keys.workers(settings.default_model, stage), now - settings.heartbeat_ttl_s, "+inf"
-            )
-            stages[str(stage)] = len(live)
+        live_per_model = {}
+        for model in _generation_models(settings):
+            stages = {}
+            for stage in range(settings.stages):
+                live = await redis.zcount(keys.workers(model, stage), now - settings.heartbeat_ttl_s, "+inf")
+                stages[str(stage)] = int(live)
+            live_per_model[model] = stages
+        stages = live_per_model[settings.default_model]
         checks["workers"] = {"model": settings.default_model, "live_per_stage": stages}
+        if len(live_per_model) > 1:  # `conveyor up --model A --model B`: every pipeline counts
+            checks["models"] = {model: {"live_per_stage": s} for model, s in live_per_model.items()}
         breaker = jobs.admission.breaker
         snap = await breaker.snapshot(settings.default_model, now)
         ok, failed = snap.counted(now, breaker.policy.interval_s)
@@ -79,10 +84,16 @@ async def readyz(
         }
         if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
             checks["devices"] = devices
-        ready = all(n > 0 for n in stages.values())
+        ready = all(n > 0 for s in live_per_model.values() for n in s.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         ready = False
     checks["events"] = {"subscribed": jobs.hub.subscribed}
     body = Health(status="ready" if ready else "not_ready", checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+
+def _generation_models(settings: Settings) -> list[str]:
+    """The default model first, then the other generation models `conveyor up` started."""
+    others = [m for m in settings.served_models if m not in (settings.default_model, EMBEDDING_MODEL)]
+    return [settings.default_model, *others]

