@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
+from app.core.errors import UnsupportedModel
 
 if TYPE_CHECKING:
     import redis
+    import torch
 
     from app.core.keys import Keys
     from app.partitions.planner import Plan
@@ -372,7 +374,10 @@ def plan_command(
     model: Annotated[str, typer.Option(help="A model dir, a config.json, or a bundled config name.")] = "",
     max_mem: Annotated[float | None, typer.Option(help="Memory budget per device, MiB.")] = None,
     stages: Annotated[int | None, typer.Option(help="A fixed number of stages instead of a budget.")] = None,
-    dtype: Annotated[str, typer.Option(help="Weight dtype: float16, bfloat16, float32.")] = "float16",
+    dtype: Annotated[
+        str,
+        typer.Option(help="Weight dtype: float16, bfloat16, float32; default: what the workers will use."),
+    ] = "",
     kv_tokens: Annotated[int, typer.Option(help="KV-cache tokens in flight each stage must hold.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the plan here (for `conveyor up --plan`).")] = None,
     rebalance: Annotated[
@@ -385,11 +390,13 @@ def plan_command(
 ) -> None:
     """Plan stage cut points on the meta device (no weights), or rebalance a plan from measurements."""
     from app.partitions import planner
+    from app.partitions.families import family_for
 
     settings = _settings()
     source = model or str(settings.model_path(settings.default_model) or settings.default_model)
     try:
         config = planner.load_config(source)
+        family_for(config)  # plan only what a worker can run
         if rebalance is not None:
             old = planner.Plan.from_json(rebalance.read_text())
             measured = _latencies(settings, old, latency_s)
@@ -402,19 +409,30 @@ def plan_command(
                 stages = stages or (None if max_mem else 1)
             result = planner.plan_decoder(
                 config,
-                dtype=planner.parse_dtype(dtype),
+                dtype=planner.parse_dtype(dtype or _workers_dtype(settings, source)),
                 max_mem_mb=max_mem,
                 stages=stages,
                 kv_budget_tokens=kv_tokens,
                 name=Path(source).name if model else settings.default_model,
             )
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, UnsupportedModel) as exc:
         typer.echo(f"conveyor plan: {exc}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(planner.format_table(result))
     if out is not None:
         out.write_text(result.to_json())
         typer.echo(f"plan written to {out}; start it with `conveyor up --plan {out}`")
+
+
+def _workers_dtype(settings: Settings, source: str) -> torch.dtype:
+    """The dtype stage 0's worker would load this model in (its `model add --dtype`, else the setting)."""
+    from app.core.modelstore import registered_dtype
+    from app.partitions.precision import resolve_dtype
+    from app.workers.main import resolve_device
+
+    chosen = registered_dtype(Path(source)) if Path(source).is_dir() else None
+    setting = chosen if chosen not in (None, "auto") else settings.dtype
+    return resolve_dtype(setting, resolve_device(settings.device, 0))
 
 
 def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]:

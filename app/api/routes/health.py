@@ -43,7 +43,8 @@ async def readyz(
     `conveyor up` serves) has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
-    per priority class, each GPU worker's device state, and whether this process's event
+    per priority class, what each stage worker serves (layers, dtype, device), each GPU worker's
+    device state, and whether this process's event
     subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
@@ -84,6 +85,13 @@ async def readyz(
         }
         if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
             checks["devices"] = devices
+        served = {
+            worker.decode(): info
+            for worker, raw in (await redis.hgetall(keys.stage_info())).items()
+            if now - (info := json.loads(raw)).pop("at", 0) <= settings.heartbeat_ttl_s
+        }
+        if served:  # what each live stage worker serves: model, layers, family, dtype, device
+            checks["stages"] = served
         ready = all(n > 0 for s in live_per_model.values() for n in s.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
