@@ -24,6 +24,7 @@ import redis as redis_lib
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from families import save_families  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,12 @@ def redis(redis_url: str) -> redis_lib.Redis:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """Every supported family's tiny model, saved once (tests/families.py)."""
+    return save_families(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="session")
