@@ -146,6 +146,11 @@ def up(
         )
     scheme = "https" if ssl_certfile else "http"
     supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
+    if settings.auth == "none":
+        supervisor.say(
+            "WARNING: the API is open (CONVEYOR_AUTH=none): anyone who reaches it is served, as tenant "
+            "'anonymous', without credentials"
+        )
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
     if metrics:
