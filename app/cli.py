@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from app.core.keys import Keys
+    from app.launcher import Child
     from app.partitions.planner import Plan
 
 cli = typer.Typer(
@@ -70,7 +71,7 @@ def up(
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import start_embedded, wait_for_redis
-    from app.launcher import Child, Supervisor
+    from app.launcher import Child, Supervisor, die_with_parent
 
     api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
     if plan is not None:
@@ -81,7 +82,6 @@ def up(
     models = served_models(settings, model or [])
     if plan is not None and len(models) > 1:
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
-    _ensure_models(settings, models)
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
     # Every child learns which models this stack serves: the api lists them (and only them) and
@@ -90,31 +90,6 @@ def up(
     env["CONVEYOR_SERVED_MODELS"] = json.dumps(models + _embedding_model(settings))
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
-    supervisor = Supervisor(env)
-    metrics: list[str] = []
-    redis_process = None
-    if settings.redis_url:
-        url = settings.redis_url
-        if not wait_for_redis(url, timeout_s=10):
-            raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
-        supervisor.say(f"using Redis at {url}")
-    else:
-        try:
-            redis_process, url = start_embedded(settings.home / "redis", settings.embedded_redis_port)
-        except RuntimeError as exc:
-            typer.echo(f"conveyor: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
-    env["REDIS_URL"] = url
-    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
-        from app.webhooks.signing import ensure_secret_file
-
-        secret_file = settings.home / "webhook_secret"
-        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
-        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
-    if redis_process is not None:
-        supervisor.add(Child("redis", [], restart=False), redis_process)
-
     me = [sys.executable, "-m", "app.cli"]
     children = [Child("batcher", [*me, "batcher"])]
     children.append(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
@@ -137,6 +112,35 @@ def up(
             str(settings.embedding_stages),
         ]
         children.append(Child(f"embed{stage}", argv))
+    _refuse_ports_in_use(settings, children)
+    _ensure_models(settings, models)
+    supervisor = Supervisor(env)
+    metrics: list[str] = []
+    redis_process = None
+    if settings.redis_url:
+        url = settings.redis_url
+        if not wait_for_redis(url, timeout_s=10):
+            raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
+        supervisor.say(f"using Redis at {url}")
+    else:
+        try:
+            redis_process, url = start_embedded(
+                settings.home / "redis", settings.embedded_redis_port, preexec_fn=die_with_parent()
+            )
+        except RuntimeError as exc:
+            typer.echo(f"conveyor: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
+    env["REDIS_URL"] = url
+    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
+        from app.webhooks.signing import ensure_secret_file
+
+        secret_file = settings.home / "webhook_secret"
+        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
+        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
+    if redis_process is not None:
+        supervisor.add(Child("redis", [], restart=False), redis_process)
+
     supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
     for n, child in enumerate(children):  # every other process: one metrics port each, upwards
         if settings.metrics_port:
@@ -162,12 +166,40 @@ def up(
         )
     scheme = "https" if ssl_certfile else "http"
     supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
+    if settings.auth == "none":
+        supervisor.say(
+            "WARNING: the API is open (CONVEYOR_AUTH=none): anyone who reaches it is served, as tenant "
+            "'anonymous', without credentials"
+        )
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
     if metrics:
         supervisor.say("metrics " + ", ".join(metrics) + " (and the api's /metrics)")
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
+
+
+def _refuse_ports_in_use(settings: Settings, children: list[Child]) -> None:
+    """Name every port of the stack another program holds (a stack left running, say), and stop
+    before anything starts: a child that cannot bind its port only says that it exited."""
+    from app.launcher import ports_in_use
+
+    ports = [(settings.api_host, settings.api_port, "the API")]
+    if not settings.redis_url:
+        ports.append(("127.0.0.1", settings.embedded_redis_port, "the embedded Redis"))
+    if settings.flower:
+        ports.append(("127.0.0.1", settings.flower_port, "Flower"))
+    if settings.metrics_port:  # numbered as `up` hands them out
+        ports += [
+            (settings.metrics_host, settings.metrics_port + n, f"metrics of {child.name}")
+            for n, child in enumerate(children)
+        ]
+    problems = ports_in_use(ports)
+    for problem in problems:
+        typer.echo(f"conveyor: {problem}", err=True)
+    if problems:
+        typer.echo("conveyor: stop what holds them, or choose other ports (docs/operations.md)", err=True)
+        raise typer.Exit(1)
 
 
 def api_command(me: list[str], certfile: Path | None, keyfile: Path | None) -> list[str]:

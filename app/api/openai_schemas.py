@@ -21,8 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from app.api.schemas import ChatMessage, JobCreate, Priority
+from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature
 from app.core.errors import InvalidRequest
+from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -79,8 +80,10 @@ class OpenAIRequest(BaseModel):
 
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=MAX_TEMPERATURE, description="0 means greedy; default 1."
+    )
+    top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a job's seed (JobCreate.seed)
     stop: str | list[str] | None = None
     # The schema states the rule; _one_choice enforces it with its own message.
@@ -92,11 +95,16 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted and ignored.")
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
     timeout_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        return None if value is None else checked_temperature(value)
 
     @field_validator("n")
     @classmethod
