@@ -143,6 +143,8 @@ def start_stack(
             "CONVEYOR_DEFAULT_MODEL": default_model,
             "CONVEYOR_EMBEDDING_STAGES": "0",  # the embeddings pipeline only where a test asks for it
             "CONVEYOR_METRICS_PORT": "0",  # worker metrics only where a test asks for them
+            # Tests compare tokens with fp32 `generate`; `auto` would pick bf16 on a CPU that has it.
+            "CONVEYOR_DTYPE": "float32",
             **(extra_env or {}),
         }
     )

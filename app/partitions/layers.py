@@ -250,7 +250,8 @@ class StagePartition(nn.Module):
         new = x.shape[1]
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]  # [B, S]
         hidden = self._embed(x, position_ids) if self.embed_tokens is not None else x  # [B, S, D]
-        masks = {kind: self._mask(mask, new, kind, hidden.dtype) for kind in set(self.kinds)}
+        unpadded = bool(mask.bool().all())
+        masks = {kind: self._mask(mask, new, kind, hidden.dtype, unpadded) for kind in set(self.kinds)}
         rotary = self._rotary(hidden, position_ids)
         for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
             if index and between_layers is not None:
@@ -289,8 +290,12 @@ class StagePartition(nn.Module):
         table = self.rotary_emb(hidden, position_ids=position_ids)
         return dict.fromkeys(set(self.kinds), table)
 
-    def _mask(self, mask: torch.Tensor, new: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        """The 4-D attention mask of one step for layers of one kind: [B, 1, S, K].
+    def _mask(
+        self, mask: torch.Tensor, new: int, kind: str, dtype: torch.dtype, unpadded: bool
+    ) -> torch.Tensor | None:
+        """The 4-D attention mask of one step for layers of one kind: [B, 1, S, K], or None where
+        SDPA's own causal rule is the same mask (no padding, and every key within the window):
+        transformers skips the mask there too, and the same kernel gives the same numbers.
 
         Query i sits at column T - S + i of the batch's history (mask [B, T]); it sees key column k
         when k <= its column and k holds a real token, and for a sliding layer when it is within
@@ -300,6 +305,9 @@ class StagePartition(nn.Module):
         would be NaN, which even a zero attention weight would carry into real rows.
         """
         total = mask.shape[1]
+        within_window = kind != SLIDING or (self.window is not None and total <= self.window)
+        if unpadded and within_window and not self.eager:
+            return None
         q = torch.arange(total - new, total, device=mask.device)[:, None]  # [S, 1]
         k = torch.arange(total, device=mask.device)[None, :]  # [1, T]
         allowed = (k <= q) & mask.bool()[:, None, :]  # [B, S, T]

@@ -62,3 +62,29 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir, 
     assert len(held) == stages
     if stages > 1:  # each worker holds only its partition
         assert max(held) <= 0.65 * whole, (held, whole)
+
+
+@pytest.mark.slow
+def test_smollm2_in_bf16_through_the_stack_answers_paris(tmp_path, redis_url, smollm2_dir):  # type: ignore[no-untyped-def]
+    """The bf16 stack end to end (2 stages, bf16 hand-offs); /readyz says the dtype."""
+    stack = start_stack(
+        tmp_path,
+        redis_url=redis_url,
+        models={SMOLLM2: smollm2_dir},
+        default_model=SMOLLM2,
+        extra_env={"CONVEYOR_STAGES": "2", "CONVEYOR_DTYPE": "bfloat16"},
+    )
+    try:
+        with stack.client() as client:
+            job = submit(
+                client, messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=24, temperature=0
+            )
+            stream = events(client, job["urls"]["events"])
+            served = client.get("/readyz").json()["checks"]["stages"]
+    finally:
+        stack.stop()
+    assert stream[-1].data["status"] == "succeeded"
+    assert "Paris" in stream[-1].data["text"]
+    assert {info["dtype"] for info in served.values()} == {"bfloat16"}
+    assert sorted(info["stage"] for info in served.values()) == [0, 1]
+    assert "in bfloat16" in stack.log.read_text()

@@ -3,13 +3,13 @@ that hold what the workers hold."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from families import CONFIGS
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from app.partitions import planner
@@ -37,37 +37,55 @@ def test_auto_on_a_cpu_without_native_bf16_is_fp32(tmp_path: Path) -> None:
         assert resolve_dtype("auto", "cpu") == torch.float32
 
 
-def _argmax_agreement(path: Path, model: Any, prompt: list[int]) -> float:
-    """Teacher-forced along HF's own bf16 greedy path: how often the bf16 stages pick HF's token."""
-    reference = copy.deepcopy(model).to(torch.bfloat16)  # the shared fp32 model stays as saved
-    ids = torch.tensor([prompt])
-    path_tokens = reference.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS
-    )[0, len(prompt) :].tolist()
+PROMPTS = [
+    [8, 9, 10, 11, 12, 13, 14, 15],
+    [20, 21, 22],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49],
+    [60, 61, 62],
+]
+
+
+def _agreement(path: Path) -> float:
+    """Teacher-forced along HF's own bf16 greedy path, 64 steps per prompt: the share of steps where
+    the bf16 stages pick HF's token. The reference is loaded as a user loads a bf16 model
+    (`from_pretrained(dtype=bfloat16)`: rotary tables stay fp32; casting a loaded fp32 model with
+    `.to(bfloat16)` would round them and flip ~1% of near-tied steps of its own)."""
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     parts = [
         StagePartition.load(path, LayerRange.even_split(6, 2, s), dtype=torch.bfloat16) for s in range(2)
     ]
-    x, mask = left_pad([prompt], pad_id=0)
-    states = [BatchState(parts[0].config, ["a"], mask.clone()) for _ in parts]
-    agree = 0
-    for step, expected in enumerate(path_tokens):
-        if step:
-            for state in states:
-                state.extend(1)
-            x = torch.tensor([[path_tokens[step - 1]]])
-        h = x
-        for part, state in zip(parts, states, strict=True):
-            h = part(state, h)
-        agree += int(h.argmax(-1)[0]) == expected
-    return agree / len(path_tokens)
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        path_tokens = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=STEPS,
+            min_new_tokens=STEPS,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
+        x, mask = left_pad([prompt], pad_id=0)
+        states = [BatchState(parts[0].config, ["a"], mask.clone()) for _ in parts]
+        for step, expected in enumerate(path_tokens):
+            if step:
+                for state in states:
+                    state.extend(1)
+                x = torch.tensor([[path_tokens[step - 1]]])
+            h = x
+            for part, state in zip(parts, states, strict=True):
+                h = part(state, h)
+            agree += int(h.argmax(-1)[0]) == expected
+            total += 1
+    return agree / total
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_bf16_stages_agree_with_hf_bf16_generate(
     family_models: dict[str, tuple[Path, Any]], name: str
 ) -> None:
-    path, model = family_models[name]
-    assert _argmax_agreement(path, model, [8, 9, 10, 11, 12, 13, 14, 15]) >= 0.99
+    path, _ = family_models[name]
+    assert _agreement(path) >= 0.99
 
 
 def test_bf16_stage_holds_about_half_the_fp32_parameter_bytes(tiny_model: Path) -> None:
