@@ -65,6 +65,10 @@ class Keys:
         """Hash: worker -> its GPU's memory, utilisation and temperature (JSON), from its heartbeat."""
         return f"{self.namespace}:devices"
 
+    def health(self) -> str:
+        """Hash: stage worker -> its health record (JSON, app/core/health.py), from its heartbeat."""
+        return f"{self.namespace}:health"
+
     def latency(self, model: str) -> str:
         """Hash: stage -> its measured step latency (JSON), for `conveyor plan --rebalance`."""
         return f"{self.namespace}:latency:{model}"

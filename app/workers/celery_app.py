@@ -12,6 +12,7 @@ from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
 
 if TYPE_CHECKING:
+    from app.workers.health import HealthMonitor
     from app.workers.lane import LaneConsumer
 
 VISIBILITY_TIMEOUT_S = 3600
@@ -73,6 +74,7 @@ def serve(
     loglevel: str = "INFO",
     labels: tuple[str, str] = ("", ""),
     slots: int = 1,
+    health: HealthMonitor | None = None,
 ) -> None:
     """Run a worker on `queues` (one process owns one partition), beating its heartbeat.
 
@@ -81,6 +83,8 @@ def serve(
     `slots` > 1 runs tasks on that many threads (the caller serialises the model's work): a message
     is then fetched while another waits its turn, so an urgent prefill can go before a normal one
     that arrived first. With 1, the solo pool runs each task in the consumer's own thread.
+    `health` (stage workers) judges each heartbeat's report and stops the consumer taking `queues`
+    while the replica is unhealthy (app/workers/health.py).
     """
     import logging
 
@@ -101,7 +105,10 @@ def serve(
         devices_key=Keys(settings.namespace).devices(),
         device=device,
         labels=labels,
+        observe=health.observe if health is not None else None,
     )
+    if health is not None:
+        health.install(app)
     heartbeat.beat()
     heartbeat.start()
     if lane is not None:
@@ -125,3 +132,8 @@ def serve(
         if lane is not None:
             lane.stop()
         heartbeat.stop()
+        if health is not None:
+            try:
+                health.withdraw()
+            except Exception:  # Redis away at shutdown: the record expires on its own
+                logging.getLogger(__name__).debug("could not withdraw the health record", exc_info=True)

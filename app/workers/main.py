@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from app.core import breaker
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
+from app.core.health import Thresholds
 from app.core.jobs import JobStore
 from app.core.keys import Keys
 from app.core.protocol import STEP_TASK, StepMessage, broker_priority
@@ -24,6 +25,7 @@ from app.partitions.layers import LayerRange, StagePartition
 from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.compute import ComputeThread
+from app.workers.health import HealthMonitor
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
@@ -139,7 +141,24 @@ def run_worker(
         message = StepMessage.from_wire(wire)
         compute.call(lambda: runtime.handle(message), urgent=message.urgent)
 
-    register_step_task(celery, handle)
+    health = HealthMonitor(
+        redis,
+        keys,
+        model=model,
+        stage=stage,
+        worker=worker,
+        queue=identity.shared_queue,
+        thresholds=Thresholds.from_settings(settings),
+    )
+
+    def from_shared_queue(wire: dict[str, object]) -> None:
+        # Fetched before this replica turned unhealthy: another replica of the stage takes it.
+        if health.hand_on():
+            send(StepMessage.from_wire(wire), identity.shared_queue)
+            return
+        handle(wire)
+
+    register_step_task(celery, from_shared_queue)
 
     serve(
         celery,
@@ -158,6 +177,7 @@ def run_worker(
         # or three at one worker) plus urgent ones: with four task threads, ordinary prefills
         # waiting for their turn still leave one free to fetch an urgent prefill at once.
         slots=4,
+        health=health,
     )
     compute.stop()
 

@@ -13,6 +13,7 @@ from app.api.schemas import Health
 from app.api.service import JobService
 from app.core.breaker import Action, decide
 from app.core.config import Settings
+from app.core.health import not_healthy
 from app.core.keys import Keys
 
 router = APIRouter(tags=["health"])
@@ -31,8 +32,8 @@ async def readyz(
     """Redis answers, and every stage of the default model's pipeline has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
-    per priority class, each GPU worker's device state, and whether this process's event
-    subscription is up."""
+    per priority class, each GPU worker's device state, the stage replicas that are unhealthy (or
+    probing) and why, and whether this process's event subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
     checks: dict[str, object] = {}
@@ -68,6 +69,10 @@ async def readyz(
         }
         if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
             checks["devices"] = devices
+        # Replicas that take no new batches (or have just come back), by worker: model, stage, state,
+        # reason (temperature, memory, redis_rtt), detail, since. The other replicas serve meanwhile.
+        sick = not_healthy(await redis.hgetall(keys.health()), now, settings.heartbeat_ttl_s)
+        checks["health"] = {"not_healthy": sick}
         ready = all(n > 0 for n in stages.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
