@@ -138,8 +138,8 @@ def table(rows: list[Row]) -> list[str]:
     for r in rows:
         lines.append(
             f"| {r.tensor} | {r.case} | {r.wire_bytes:,} | {r.wire_bytes / raw[r.tensor]:.2f} "
-            f"| {r.encode_us:,.0f} | {r.decode_us:,.0f} | {r.gbps(r.encode_us):.2f} | {r.gbps(r.decode_us):.2f} "
-            f"| {r.gbps():.2f} | {r.max_abs_err:.3g} | {r.reps} |"
+            f"| {r.encode_us:,.0f} | {r.decode_us:,.0f} | {r.gbps(r.encode_us):.2f} "
+            f"| {r.gbps(r.decode_us):.2f} | {r.gbps():.2f} | {r.max_abs_err:.3g} | {r.reps} |"
         )
     return lines
 
@@ -157,7 +157,7 @@ def report(rows: list[Row], source: str, x: torch.Tensor, command: str) -> str:
             "Round trip = encode + msgpack pack + unpack + decode, median over `reps`; encode is "
             "`CodecSpec.encode` + pack, decode is unpack + `decode_tensor`; GB/s counts the tensor's own "
             "float32 bytes. zfp tolerance is an absolute error bound. arrow+zstd and arrow+lz4 are "
-            "byte-exact: their \"vs raw\" is the compression ratio on these activations.",
+            'byte-exact: their "vs raw" is the compression ratio on these activations.',
             f"Commit {git_commit()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
             f"{os.cpu_count()} CPUs, load average {load[0]:.2f}.",
             "",

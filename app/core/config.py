@@ -221,9 +221,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _min_batch_within_max(self) -> Settings:
         if self.min_batch_size > self.max_batch_size:
-            raise ValueError(
-                f"min_batch_size ({self.min_batch_size}) must not exceed max_batch_size ({self.max_batch_size})"
-            )
+            limits = f"min_batch_size {self.min_batch_size}, max_batch_size {self.max_batch_size}"
+            raise ValueError(f"min_batch_size must not exceed max_batch_size ({limits})")
         return self
 
     @cached_property

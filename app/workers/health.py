@@ -2,21 +2,24 @@
 
 The rule (thresholds, cool-down, probe) is `app.core.health.judge`; this module acts on it. New
 batches reach a stage as prefills on its shared Celery queue, which every replica consumes; there
-is no router that could skip one replica. So the replica keeps itself away: while it is unhealthy,
-its Celery consumer stops consuming the shared queue (Celery's own `cancel_task_queue`, what the
-`cancel_consumer` control command does, run on the consumer's thread), and it consumes again when
-the probe passes (`add_task_queue`). The other replicas of the stage, consuming the same queue,
-take every new batch meanwhile. What it had already fetched (a few prefills: the task threads fetch
-ahead) it hands on: `hand_on` says whether to put such a message back on the shared queue, which
-it does while another live replica of the stage is not unhealthy (with none, the work runs here
-rather than nowhere). Batches already running on it go on: their KV cache lives in this process, so
-their decode steps keep coming over its lane (app/workers/lane.py); they are not new batches.
+is no router that could skip one replica, so the replica keeps itself away, with nothing but the
+queue's own semantics: a message it fetches from the shared queue while it is unhealthy goes back to
+that queue for another replica (`hand_on`), and the task thread that handed it on then waits until
+the replica is healthy again (at most a cool-down at a time) before it returns. Celery fetches at
+most one message per task thread ahead (prefetch multiplier 1, acknowledged late), so once each of
+its task threads holds one handed-on message the replica fetches nothing more: the other replicas
+of its stage take every new batch. When it recovers, the threads return (the messages they hold are
+acknowledged: their copies have run elsewhere) and it fetches again. Batches already running on it
+go on: their KV cache lives in this process, so their decode steps keep coming over its lane
+(app/workers/lane.py); they are not new batches.
 
-If every replica of a stage is unhealthy, the stage takes no new batches until one of them has
-cooled down and passed its probe; jobs wait in the queue meanwhile (their `timeout_s` applies).
+With no other live replica of the stage that is not unhealthy, the message runs here: slower work
+beats none. (Celery's cancel_consumer / add_consumer would be the other way to stop fetching; on
+kombu's Redis transport, consuming a queue again while a BRPOP was in flight desynchronised the
+connection and crashed the worker, so it is not used.)
 
-Who calls: the heartbeat thread calls `observe` at every beat with the replica's report; the Celery
-task calls `hand_on` for each message from the shared queue; `install` adds the consumer bootstep.
+Who calls: the heartbeat thread calls `observe` at every beat with the replica's report; the stage
+task's handler for the shared queue is `gated`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-from celery import Celery, bootsteps
 
 from app.core import metrics
 from app.core.health import Health, Report, State, Thresholds, judge, not_healthy, record
@@ -58,9 +59,9 @@ class HealthMonitor:
         self.thresholds = thresholds
         self.clock = clock
         self.health = Health()
-        self.consuming = True  # whether the Celery consumer takes the shared queue (as applied)
-        self._consumer: Any = None  # Celery's worker Consumer, once it has started
-        self._lock = threading.Lock()
+        self.handed_on = 0  # messages put back on the shared queue for another replica
+        self._recovered = threading.Event()  # set while the replica takes new batches
+        self._recovered.set()
 
     # ---------------------------------------------------------------- the heartbeat's side
 
@@ -75,10 +76,15 @@ class HealthMonitor:
         self._metric(previous)
         ttl = max(1, int(10 * self.thresholds.fresh_s))
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.health(), self.worker, record(self.health, report, model=self.model, stage=self.stage))
+        pipe.hset(
+            self.keys.health(), self.worker, record(self.health, report, model=self.model, stage=self.stage)
+        )
         pipe.expire(self.keys.health(), ttl)
         pipe.execute()
-        self._apply()
+        if self.health.takes_new_batches:
+            self._recovered.set()
+        else:
+            self._recovered.clear()
         return self.health
 
     def _metric(self, previous: Health) -> None:
@@ -94,44 +100,14 @@ class HealthMonitor:
         """At shutdown: this replica's record goes (it is not unhealthy; it is gone)."""
         self.redis.hdel(self.keys.health(), self.worker)
 
-    # ---------------------------------------------------------------- the Celery consumer's side
+    def wait_until_healthy(self, timeout_s: float) -> bool:
+        """Block the calling task thread until the replica takes new batches again (or `timeout_s`, or
+        `stop`); True when it does."""
+        return self._recovered.wait(timeout_s)
 
-    def install(self, app: Celery) -> None:
-        """Let the worker's consumer be reached: a bootstep hands it over once its task consumer runs."""
-        monitor = self
-
-        class HealthGate(bootsteps.StartStopStep):  # type: ignore[misc]
-            requires = {"celery.worker.consumer.tasks:Tasks"}
-
-            def start(self, c: Any) -> None:
-                monitor._attach(c)
-
-            def stop(self, c: Any) -> None:
-                monitor._attach(None)
-
-        app.steps["consumer"].add(HealthGate)
-
-    def _attach(self, consumer: Any) -> None:
-        with self._lock:
-            self._consumer = consumer
-            self.consuming = True  # a (re)started consumer takes the queues it was given
-        if consumer is not None:
-            self._apply(now_on_this_thread=True)
-
-    def _apply(self, *, now_on_this_thread: bool = False) -> None:
-        """Make the consumer's state follow the health: Celery's queue calls run on its own thread
-        (`call_soon`), unless we are on it already (the bootstep)."""
-        with self._lock:
-            consumer, want = self._consumer, self.health.takes_new_batches
-            if consumer is None or want == self.consuming:
-                return
-            self.consuming = want
-        change = (consumer.add_task_queue if want else consumer.cancel_task_queue, self.queue)
-        if now_on_this_thread:
-            change[0](change[1])
-        else:
-            consumer.call_soon(*change)
-        log.info("stage %d replica %s %s %s", self.stage, self.worker, "consumes" if want else "left", self.queue)
+    def stop(self) -> None:
+        """At shutdown: release the task threads waiting in `wait_until_healthy`."""
+        self._recovered.set()
 
     # ---------------------------------------------------------------- the task's side
 
@@ -141,7 +117,31 @@ class HealthMonitor:
         if self.health.takes_new_batches:
             return False
         now = self.clock()
-        live = self.redis.zrangebyscore(self.keys.workers(self.model, self.stage), now - self.thresholds.fresh_s, "+inf")
+        live = self.redis.zrangebyscore(
+            self.keys.workers(self.model, self.stage), now - self.thresholds.fresh_s, "+inf"
+        )
         sick = not_healthy(self.redis.hgetall(self.keys.health()), now, self.thresholds.fresh_s)
         names = {w.decode() if isinstance(w, bytes) else str(w) for w in live}
         return any(w != self.worker and sick.get(w, {}).get("state") != State.UNHEALTHY for w in names)
+
+
+def gated(
+    monitor: HealthMonitor,
+    handle: Callable[[dict[str, Any]], None],
+    hand_on: Callable[[dict[str, Any]], None],
+) -> Callable[[dict[str, Any]], None]:
+    """The stage task's handler for the shared queue: a message fetched while this replica is
+    unhealthy goes back to the queue (`hand_on`) when another replica can take it, and the thread
+    then holds its fetch slot until the replica recovers; the rest go to `handle`."""
+
+    def from_shared_queue(wire: dict[str, Any]) -> None:
+        if monitor.hand_on():
+            hand_on(wire)
+            monitor.handed_on += 1
+            while not monitor.wait_until_healthy(monitor.thresholds.cooldown_s or 1.0):
+                if not monitor.hand_on():  # no other replica left to take new batches: serve again
+                    break
+            return
+        handle(wire)
+
+    return from_shared_queue

@@ -25,7 +25,7 @@ from app.partitions.layers import LayerRange, StagePartition
 from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.compute import ComputeThread
-from app.workers.health import HealthMonitor
+from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
@@ -151,14 +151,9 @@ def run_worker(
         thresholds=Thresholds.from_settings(settings),
     )
 
-    def from_shared_queue(wire: dict[str, object]) -> None:
-        # Fetched before this replica turned unhealthy: another replica of the stage takes it.
-        if health.hand_on():
-            send(StepMessage.from_wire(wire), identity.shared_queue)
-            return
-        handle(wire)
-
-    register_step_task(celery, from_shared_queue)
+    # Prefills fetched just before this replica turned unhealthy go back to the stage's queue.
+    requeue = lambda wire: send(StepMessage.from_wire(wire), identity.shared_queue)  # noqa: E731
+    register_step_task(celery, gated(health, handle, requeue))
 
     serve(
         celery,

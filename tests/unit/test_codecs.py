@@ -216,7 +216,10 @@ def test_zfp_parameters_are_checked():
 
 
 def test_unknown_codec_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown tensor codec 'pickle'; known: \['arrow', 'arrow\+lz4', 'arrow\+zstd', 'raw', 'zfp'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown tensor codec 'pickle'; known: \['arrow', 'arrow\+lz4', 'arrow\+zstd', 'raw', 'zfp'\]",
+    ):
         encode_tensor(torch.zeros(1), codec="pickle")
     wire = encode_tensor(torch.zeros(1))
     with pytest.raises(ValueError, match="known: "):

@@ -218,7 +218,9 @@ def test_stages_also_scale_on_the_p99_latency_the_alert_watches(overlay):
     rules = yaml.safe_load((K8S.parent / "prometheus" / "rules.yml").read_text())
     (alert,) = [r for g in rules["groups"] for r in g["rules"] if r["alert"] == "HighEndToEndLatencyP99"]
     condition = promql_parser.parse(alert["expr"])  # histogram_quantile(...) > 0.8
-    assert isinstance(condition, promql_parser.BinaryExpr) and isinstance(condition.rhs, promql_parser.NumberLiteral)
+    assert isinstance(condition, promql_parser.BinaryExpr) and isinstance(
+        condition.rhs, promql_parser.NumberLiteral
+    )
     quantile = str(condition.lhs).replace(
         "conveyor_job_latency_seconds_bucket{}", f'conveyor_job_latency_seconds_bucket{{model="{model}"}}'
     )

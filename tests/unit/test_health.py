@@ -21,7 +21,9 @@ def test_each_threshold_trips_on_its_own_and_names_itself():
     cause, detail = crossed(Report(at=0.0, redis_rtt_ms=300.0), LIMITS)  # type: ignore[misc]
     assert cause == Cause.REDIS_RTT and detail == "Redis round trip 300 ms, over 250 ms"
     # At the threshold is still healthy; a CPU reports no temperature or memory, only the round trip.
-    assert crossed(Report(at=0.0, redis_rtt_ms=250.0, temperature_c=85.0, memory_fraction=0.95), LIMITS) is None
+    assert (
+        crossed(Report(at=0.0, redis_rtt_ms=250.0, temperature_c=85.0, memory_fraction=0.95), LIMITS) is None
+    )
 
 
 def test_a_report_over_a_threshold_makes_a_healthy_replica_unhealthy():
@@ -62,7 +64,11 @@ def test_a_stale_or_missing_report_neither_trips_nor_ends_a_cool_down():
 
 def test_thresholds_come_from_the_settings():
     limits = Thresholds.from_settings(Settings())
-    assert (limits.max_temperature_c, limits.max_memory_fraction, limits.max_redis_rtt_ms) == (85.0, 0.95, 250.0)
+    assert (limits.max_temperature_c, limits.max_memory_fraction, limits.max_redis_rtt_ms) == (
+        85.0,
+        0.95,
+        250.0,
+    )
     assert limits.cooldown_s == 30.0 and limits.fresh_s == Settings().heartbeat_ttl_s
 
 
