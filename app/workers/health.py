@@ -62,11 +62,13 @@ class HealthMonitor:
         self.handed_on = 0  # messages put back on the shared queue for another replica
         self._recovered = threading.Event()  # set while the replica takes new batches
         self._recovered.set()
+        self._stopping = False
 
     # ---------------------------------------------------------------- the heartbeat's side
 
     def observe(self, report: Report) -> Health:
-        """Judge one report, publish the outcome (Redis record, metric) and open or close the intake."""
+        """Judge one report, publish the outcome (Redis record, metric), and release the task threads
+        holding handed-on messages once the replica takes new batches again."""
         now = self.clock()
         previous, self.health = self.health, judge(self.health, report, self.thresholds, now)
         if self.health != previous:
@@ -81,7 +83,7 @@ class HealthMonitor:
         )
         pipe.expire(self.keys.health(), ttl)
         pipe.execute()
-        if self.health.takes_new_batches:
+        if self.health.takes_new_batches or self._stopping:
             self._recovered.set()
         else:
             self._recovered.clear()
@@ -106,7 +108,8 @@ class HealthMonitor:
         return self._recovered.wait(timeout_s)
 
     def stop(self) -> None:
-        """At shutdown: release the task threads waiting in `wait_until_healthy`."""
+        """At shutdown: release the task threads waiting in `wait_until_healthy`, for good."""
+        self._stopping = True
         self._recovered.set()
 
     # ---------------------------------------------------------------- the task's side
