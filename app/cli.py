@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -255,7 +258,8 @@ def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> Non
 
 
 def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | None) -> dict[str, Any]:
-    """uvicorn's arguments for the api: its address, and TLS when both files are given."""
+    """uvicorn's arguments for the api: its address, and TLS when both files are given (no older
+    version than `tls_min_version`, see `tls_context`)."""
     options: dict[str, Any] = {
         "host": settings.api_host,
         "port": settings.api_port,
@@ -263,10 +267,26 @@ def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | N
         "timeout_graceful_shutdown": 5,
     }
     if certfile is not None and keyfile is not None:
-        options.update(ssl_certfile=str(certfile), ssl_keyfile=str(keyfile))
+        options.update(
+            ssl_certfile=str(certfile),
+            ssl_keyfile=str(keyfile),
+            ssl_context_factory=functools.partial(tls_context, minimum=settings.tls_min_version),
+        )
     elif certfile is not None or keyfile is not None:
         raise typer.BadParameter("--ssl-certfile and --ssl-keyfile go together")
     return options
+
+
+TLS_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+
+
+def tls_context(config: Any, default: Callable[[], ssl.SSLContext], *, minimum: str) -> ssl.SSLContext:
+    """uvicorn's `ssl_context_factory` (uvicorn 0.47+): its own context (certificate, key, ciphers)
+    with no TLS version older than `minimum` ("1.2" or "1.3"). uvicorn's `ssl_version` only picks
+    a protocol constant; the floor is a property of the context, so it is set here."""
+    context = default()
+    context.minimum_version = TLS_VERSIONS[minimum]
+    return context
 
 
 @cli.command()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +38,14 @@ MIN_REPS, MAX_REPS, WARMUP = 10, 2000, 3
 CASES: list[tuple[str, CodecSpec]] = [
     ("raw", CodecSpec()),
     ("arrow", CodecSpec("arrow")),
+    ("arrow+zstd", CodecSpec("arrow+zstd")),
+    ("arrow+lz4", CodecSpec("arrow+lz4")),
     ("zfp tolerance=1e-3", CodecSpec("zfp", tolerance=1e-3)),
     ("zfp tolerance=1e-2", CodecSpec("zfp", tolerance=1e-2)),
     ("raw + float16 transport", CodecSpec(transport_dtype="float16")),
     ("raw + bfloat16 transport", CodecSpec(transport_dtype="bfloat16")),
+    ("arrow+zstd + bfloat16 transport", CodecSpec("arrow+zstd", transport_dtype="bfloat16")),
+    ("arrow+lz4 + bfloat16 transport", CodecSpec("arrow+lz4", transport_dtype="bfloat16")),
 ]
 
 
@@ -56,8 +61,9 @@ class Row:
     max_abs_err: float
     reps: int
 
-    def gbps(self) -> float:
-        return self.nbytes / (self.round_trip_us * 1e-6) / 1e9
+    def gbps(self, us: float | None = None) -> float:
+        """The tensor's own bytes per second through `us` (default: the whole round trip), in GB/s."""
+        return self.nbytes / ((us or self.round_trip_us) * 1e-6) / 1e9
 
 
 def smollm2_hidden(path: Path) -> torch.Tensor:
@@ -124,29 +130,34 @@ def measure(name: str, case: str, spec: CodecSpec, x: torch.Tensor, budget_s: fl
 
 def table(rows: list[Row]) -> list[str]:
     lines = [
-        "| tensor | codec | wire bytes | vs raw | encode µs | decode µs | round trip GB/s "
-        "| max abs error | reps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tensor | codec | wire bytes | vs raw | encode µs | decode µs | encode GB/s | decode GB/s "
+        "| round trip GB/s | max abs error | reps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     raw = {r.tensor: r.wire_bytes for r in rows if r.case == "raw"}
     for r in rows:
         lines.append(
             f"| {r.tensor} | {r.case} | {r.wire_bytes:,} | {r.wire_bytes / raw[r.tensor]:.2f} "
-            f"| {r.encode_us:,.0f} | {r.decode_us:,.0f} | {r.gbps():.2f} | {r.max_abs_err:.3g} | {r.reps} |"
+            f"| {r.encode_us:,.0f} | {r.decode_us:,.0f} | {r.gbps(r.encode_us):.2f} "
+            f"| {r.gbps(r.decode_us):.2f} | {r.gbps():.2f} | {r.max_abs_err:.3g} | {r.reps} |"
         )
     return lines
 
 
-def report(rows: list[Row], source: str, x: torch.Tensor) -> str:
+def report(rows: list[Row], source: str, x: torch.Tensor, command: str) -> str:
     load = os.getloadavg()
     return "\n".join(
         [
             "# Stage-message codecs",
             "",
+            f"Made by `{command}`.",
+            "",
             f"Tensors: {source}; prefill-sized: max |x| {float(x.abs().max()):.4g}, "
             f"std {float(x.std()):.4g}.",
-            "Round trip = encode + msgpack pack + unpack + decode, median over `reps`; GB/s counts the "
-            "tensor's own float32 bytes. zfp tolerance is an absolute error bound.",
+            "Round trip = encode + msgpack pack + unpack + decode, median over `reps`; encode is "
+            "`CodecSpec.encode` + pack, decode is unpack + `decode_tensor`; GB/s counts the tensor's own "
+            "float32 bytes. zfp tolerance is an absolute error bound. arrow+zstd and arrow+lz4 are "
+            'byte-exact: their "vs raw" is the compression ratio on these activations.',
             f"Commit {git_commit()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
             f"{os.cpu_count()} CPUs, load average {load[0]:.2f}.",
             "",
@@ -173,7 +184,8 @@ def main() -> None:
         for case, spec in CASES:
             rows.append(measure(name, case, spec, x, args.budget_s))
             say(f"{name} {case}: {rows[-1].round_trip_us:,.0f} µs")
-    text = report(rows, source, prefill)
+    command = " ".join([".venv/bin/python -m bench.codecs", *sys.argv[1:]])
+    text = report(rows, source, prefill, command)
     print(text)
     write_results("codecs", text, {"source": source, "rows": [r.__dict__ | {"gbps": r.gbps()} for r in rows]})
 

@@ -61,6 +61,7 @@ class Batcher:
             length_buckets=tuple(sorted(settings.length_buckets)),
             aging_s=settings.aging_s,
             max_prefill_tokens=settings.max_prefill_tokens if settings.batching == "continuous" else None,
+            min_batch_size=settings.min_batch_size,
         )
         self.pending: list[windows.Item] = []
         self.stages = settings.stages

@@ -4,7 +4,9 @@ Rules (one call to `plan` per batcher wake-up):
 - jobs are bucketed by (model, prompt-length bucket), so a batch pads to a bounded length;
 - a pipeline takes at most `capacity` batches in flight;
 - with room in the pipeline, a bucket is dispatched when it is full, when its oldest job has
-  waited `max_wait_s`, or at once when the pipeline is idle (no window to wait for);
+  waited `max_wait_s`, or at once when the pipeline is idle (no window to wait for) and the bucket
+  holds `min_batch_size` jobs (1: any job; more makes an idle pipeline gather a batch too, up to
+  the window);
 - buckets are served in order of their most urgent job: its effective priority class, then its
   arrival. A job's effective class is its class minus one per `aging_s` seconds waited, so a job
   of class c waits behind newer work for at most c x aging_s; after that only jobs that arrived
@@ -12,8 +14,9 @@ Rules (one call to `plan` per batcher wake-up):
 - a job that was recovered more than once (it may be what kills workers) runs alone, so a poison
   pill takes no batch-mates down with it;
 - a job still waiting at its deadline is not dispatched: `expired` names it;
-- a bucket led by a realtime or high job goes at once, without waiting for its window, and may
-  take as many batch slots again as the pipeline has (its prefills are fetched and run first);
+- a bucket led by a realtime or high job goes at once, without waiting for its window or its
+  `min_batch_size`, and may take as many batch slots again as the pipeline has (its prefills are
+  fetched and run first);
 - with `max_prefill_tokens`, a batch holds at most that many prompt positions (its size times its
   longest prompt): one prefill is the longest a stage makes the decode steps and an urgent prefill
   wait, so it is bounded (what vLLM calls max_num_batched_tokens).
@@ -56,6 +59,7 @@ class Limits:
     length_buckets: tuple[int, ...]
     aging_s: float = 30.0
     max_prefill_tokens: int | None = None  # prompt positions (size x longest prompt) per batch
+    min_batch_size: int = 1  # an idle pipeline still waits for this many jobs (or the window)
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ def plan(
             if urgent and model in hold and not full:
                 break
             waited = now - min(it.arrived for it in items) >= limits.max_wait_s
-            if not (full or waited or model in idle):
+            gathered = model in idle and len(items) >= limits.min_batch_size
+            if not (full or waited or gathered):
                 break
             size = 1 if items[0].alone else size
             take = within_tokens(items[:size], limits.max_prefill_tokens)

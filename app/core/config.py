@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -51,6 +51,9 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
+    # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
+    tls_min_version: Literal["1.2", "1.3"] = "1.3"
     flower_port: int = 5555
     # Prometheus metrics of a process other than the api (which serves them at /metrics on its own
     # port): this port; None or 0: not served. `conveyor up` gives each child its own, upwards.
@@ -77,6 +80,10 @@ class Settings(BaseSettings):
     # Batcher: the seed's window is 50 ms; 8 is what batching needs on a CPU to pay for itself.
     max_batch_size: int = 32
     max_wait_ms: float = 50.0
+    # The seed's minimum batch size: an idle pipeline waits for this many jobs of one bucket, or for
+    # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
+    # once, which is what latency wants when the pipeline has nothing else to do.
+    min_batch_size: int = Field(default=1, ge=1)
     # Batches in flight per pipeline; None means stages x replicas + 1, enough to keep every worker busy.
     # With continuous batching a batch holds its slot only until it is prefilled (it then joins a
     # running batch or runs on); what bounds the work in flight is max_inflight_sequences.
@@ -114,6 +121,17 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 
+    # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
+    # a device hotter or fuller than these, or a Redis round trip slower, marks the replica unhealthy
+    # and it takes no new batches; it comes back once health_cooldown_s has passed and a fresh report
+    # is under every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert);
+    # past 95% of device memory the next batch's KV cache may not fit; 250 ms is a hundred times a
+    # healthy round trip in one zone, a network problem that every decode hop pays.
+    health_max_temperature_c: float = Field(default=85.0, gt=0)
+    health_max_memory_fraction: float = Field(default=0.95, gt=0, le=1)
+    health_max_redis_rtt_ms: float = Field(default=250.0, gt=0)
+    health_cooldown_s: float = Field(default=30.0, ge=0)  # the breaker's interval: a throttled GPU cools
+
     # Scheduling and recovery (the batcher). A waiting job rises one priority class per aging_s
     # seconds, so a `batch` job outranks a fresh `realtime` one after 3 x aging_s: nothing starves.
     aging_s: float = 30.0
@@ -135,7 +153,8 @@ class Settings(BaseSettings):
     # zfp and a narrower transport dtype are lossy, so opt-in (bfloat16 rather than float16: SmolLM2's
     # activations reach 2.7e4). Tensors of at least claim_check_bytes go through Redis by reference:
     # inline, kombu's JSON + base64 costs CPU at both ends past ~32 KB (bench/results/hop.md).
-    stage_codec: Literal["raw", "arrow", "zfp"] = "raw"
+    # arrow+zstd / arrow+lz4: Arrow IPC with its buffers compressed, byte-exact, fewer bytes on the wire.
+    stage_codec: Literal["raw", "arrow", "arrow+zstd", "arrow+lz4", "zfp"] = "raw"
     stage_transport_dtype: Literal["float16", "bfloat16"] | None = None
     stage_zfp_tolerance: float = 1e-2
     claim_check_bytes: int = 32 * 1024
@@ -230,6 +249,12 @@ class Settings(BaseSettings):
     # its jobs, and lists a model in /v1/models while its workers load. Empty (processes started one
     # by one): every configured or added model is accepted; /v1/models lists those with live workers.
     served_models: list[str] = Field(default_factory=list)
+    @model_validator(mode="after")
+    def _min_batch_within_max(self) -> Settings:
+        if self.min_batch_size > self.max_batch_size:
+            limits = f"min_batch_size {self.min_batch_size}, max_batch_size {self.max_batch_size}"
+            raise ValueError(f"min_batch_size must not exceed max_batch_size ({limits})")
+        return self
 
     @cached_property
     def model_home(self) -> Path:

@@ -68,6 +68,9 @@ class Keys:
     def stage_info(self) -> str:
         """Hash: worker -> what it serves (model, stage, layers, dtype, device, parameter bytes; JSON)."""
         return f"{self.namespace}:stageinfo"
+    def health(self) -> str:
+        """Hash: stage worker -> its health record (JSON, app/core/health.py), from its heartbeat."""
+        return f"{self.namespace}:health"
 
     def latency(self, model: str) -> str:
         """Hash: stage -> its measured step latency (JSON), for `conveyor plan --rebalance`."""

@@ -8,8 +8,8 @@ from it). Who observes what:
   each scrape, the intake depth per class, live workers per stage and each breaker's state;
 - batcher: intake wait per class, batch size and padding, jobs that expired or were lost;
 - stage workers: partition latency per step, their heartbeat, device memory (NVML on a GPU, the
-  process's resident memory on the CPU); the last stage also time to first token, inter-token
-  latency, end-to-end latency, tokens generated and how jobs ended.
+  process's resident memory on the CPU), whether they are unhealthy and why; the last stage also
+  time to first token, inter-token latency, end-to-end latency, tokens generated and how jobs ended.
 
 Names follow Prometheus' conventions: the `conveyor_` prefix, base units, `_total` on counters.
 `deploy/prometheus/rules.yml` and the Grafana dashboard use exactly these names.
@@ -114,6 +114,11 @@ DEVICE_UTILIZATION = Gauge(
     "conveyor_device_utilization_ratio", "Device compute utilisation, 0..1", ["device"]
 )
 DEVICE_TEMPERATURE = Gauge("conveyor_device_temperature_celsius", "Device temperature", ["device"])
+STAGE_UNHEALTHY = Gauge(
+    "conveyor_stage_unhealthy",
+    "1 while this stage replica takes no new batches: a report crossed the health threshold `reason`",
+    ["model", "stage", "worker", "reason"],
+)
 TTFT = Histogram(
     "conveyor_time_to_first_token_seconds",
     "From submit to the first token written to the job's stream",

@@ -7,6 +7,9 @@ carries: {"codec", "dtype", "shape", "data"} plus the codec's own parameters. Co
 - `arrow`: an Arrow IPC stream of one record batch with one flat column; the shape and dtype ride
   in the schema metadata, so any Arrow reader can rebuild the tensor. Byte-exact. Arrow has no
   bfloat16: those travel as their raw 2-byte integers (uint16).
+- `arrow+zstd`, `arrow+lz4`: the same stream with its buffers compressed by Arrow's IPC writer
+  (zstd or lz4 frame). Byte-exact; fewer bytes when the tensor compresses (hidden states do a
+  little: their float exponents repeat), at some CPU on both ends (bench/results/codecs.md).
 - `zfp`: lossy floating-point compression (zfpy), opt-in, float32/float64 only, with either an
   absolute error bound (`tolerance`) or a fixed `rate` (bits per value) recorded in the wire dict.
 
@@ -97,12 +100,27 @@ def _decode_raw(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tens
 
 
 def _encode_arrow(tensor: torch.Tensor, spec: CodecSpec) -> bytes:
+    return _arrow_stream(tensor, None)
+
+
+def _encode_arrow_zstd(tensor: torch.Tensor, spec: CodecSpec) -> bytes:
+    return _arrow_stream(tensor, "zstd")
+
+
+def _encode_arrow_lz4(tensor: torch.Tensor, spec: CodecSpec) -> bytes:
+    return _arrow_stream(tensor, "lz4")
+
+
+def _arrow_stream(tensor: torch.Tensor, compression: str | None) -> bytes:
+    """One record batch of one flat column; `compression` (zstd, lz4) compresses its buffers. A
+    reader needs no option to read it back: the stream says how each buffer was compressed."""
     tensor = _cpu(tensor)
     column = pa.array(_numpy(tensor).reshape(-1))  # zero-copy for numeric dtypes; bool is bit-packed
     metadata = {"shape": json.dumps(list(tensor.shape)), "dtype": dtype_name(tensor.dtype)}
     schema = pa.schema([pa.field("tensor", column.type, nullable=False)], metadata=metadata)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, schema, options=options) as writer:
         writer.write_batch(pa.record_batch([column], schema=schema))
     return sink.getvalue().to_pybytes()
 
@@ -153,6 +171,8 @@ class Codec:
 CODECS: dict[str, Codec] = {
     "raw": Codec(_encode_raw, _decode_raw, frozenset(_DTYPES)),
     "arrow": Codec(_encode_arrow, _decode_arrow, frozenset(_DTYPES)),
+    "arrow+zstd": Codec(_encode_arrow_zstd, _decode_arrow, frozenset(_DTYPES)),
+    "arrow+lz4": Codec(_encode_arrow_lz4, _decode_arrow, frozenset(_DTYPES)),
     "zfp": Codec(_encode_zfp, _decode_zfp, ZFP_DTYPES, lossy=True),
 }
 

@@ -12,6 +12,7 @@ from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
 
 if TYPE_CHECKING:
+    from app.workers.health import HealthMonitor
     from app.workers.lane import LaneConsumer
 
 VISIBILITY_TIMEOUT_S = 3600
@@ -74,6 +75,8 @@ def serve(
     labels: tuple[str, str] = ("", ""),
     slots: int = 1,
     info: dict[str, Any] | None = None,
+    health: HealthMonitor | None = None,
+    device_stats: Callable[[str], dict[str, Any] | None] | None = None,
 ) -> None:
     """Run a worker on `queues` (one process owns one partition), beating its heartbeat.
 
@@ -82,10 +85,13 @@ def serve(
     `slots` > 1 runs tasks on that many threads (the caller serialises the model's work): a message
     is then fetched while another waits its turn, so an urgent prefill can go before a normal one
     that arrived first. With 1, the solo pool runs each task in the consumer's own thread.
+    `health` (stage workers) judges each heartbeat's report; the stage task's handler keeps new
+    batches away from the replica while it is unhealthy (app/workers/health.py).
     """
     import logging
 
     from app.core import metrics
+    from app.workers.device import device_stats as measured
     from app.workers.heartbeat import Heartbeat
 
     metrics.serve(settings.metrics_port, hostname, settings.metrics_host)
@@ -104,7 +110,13 @@ def serve(
         labels=labels,
         info_key=Keys(settings.namespace).stage_info() if info is not None else None,
         info=info,
+        observe=health.observe if health is not None else None,
+        stats=device_stats or measured,  # the device's state; a test reports a device it has not got
     )
+    if health is not None:  # a warm shutdown must not wait for threads holding handed-on messages
+        from celery.signals import worker_shutting_down
+
+        worker_shutting_down.connect(lambda **_: health.stop(), weak=False)
     heartbeat.beat()
     heartbeat.start()
     if lane is not None:
@@ -128,3 +140,8 @@ def serve(
         if lane is not None:
             lane.stop()
         heartbeat.stop()
+        if health is not None:
+            try:
+                health.withdraw()
+            except Exception:  # Redis away at shutdown: the record expires on its own
+                logging.getLogger(__name__).debug("could not withdraw the health record", exc_info=True)

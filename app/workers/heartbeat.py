@@ -1,4 +1,8 @@
-"""Worker liveness in Redis: each stage replica scores itself in its stage's sorted set."""
+"""Worker liveness in Redis: each stage replica scores itself in its stage's sorted set.
+
+Each beat also measures what the replica's health is judged on (app/core/health.py): its device's
+temperature and memory use (a GPU), and the beat's own Redis round trip; `observe` gets that report.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.core import metrics
+from app.core.health import Report
 from app.workers.device import device_stats
 
 log = logging.getLogger(__name__)
@@ -28,6 +34,8 @@ class Heartbeat(threading.Thread):
         labels: tuple[str, str] = ("", ""),  # (model, stage) of the heartbeat metric
         info_key: str | None = None,  # where the worker says what it serves (shown by /readyz)
         info: dict[str, Any] | None = None,
+        observe: Callable[[Report], object] | None = None,  # each beat's health report (HealthMonitor)
+        stats: Callable[[str], dict[str, Any] | None] = device_stats,  # the device's state
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.redis = redis
@@ -40,6 +48,8 @@ class Heartbeat(threading.Thread):
         self.labels = labels
         self.info_key = info_key
         self.info = info
+        self.observe = observe
+        self.stats = stats
         self._stopping = threading.Event()
 
     def beat(self) -> None:
@@ -48,16 +58,20 @@ class Heartbeat(threading.Thread):
         pipe.zadd(self.key, {self.member: now})
         pipe.zremrangebyscore(self.key, 0, now - 10 * self.ttl_s)  # forget long-dead replicas
         pipe.expire(self.key, int(10 * self.ttl_s))
-        stats = device_stats(self.device)
+        stats = self.stats(self.device)
         if stats is not None and self.devices_key:
             pipe.hset(self.devices_key, self.member, json.dumps(stats))
             pipe.expire(self.devices_key, int(10 * self.ttl_s))
         if self.info_key and self.info is not None:
             pipe.hset(self.info_key, self.member, json.dumps({**self.info, "at": now}))
             pipe.expire(self.info_key, int(10 * self.ttl_s))
+        started = time.perf_counter()
         pipe.execute()
+        rtt_ms = (time.perf_counter() - started) * 1000.0
         metrics.HEARTBEAT.labels(*self.labels, self.member).set(now)
         metrics.device_observed(self.device, stats)
+        if self.observe is not None:
+            self.observe(Report.from_device(stats, redis_rtt_ms=rtt_ms, at=now))
 
     def run(self) -> None:
         while not self._stopping.wait(self.interval_s):

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from app.core import breaker
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
+from app.core.health import Thresholds
 from app.core.jobs import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
@@ -27,6 +28,7 @@ from app.partitions.precision import dtype_name, resolve_dtype
 from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.compute import ComputeThread
+from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
@@ -162,7 +164,19 @@ def run_worker(
         message = StepMessage.from_wire(wire)
         compute.call(lambda: runtime.handle(message), urgent=message.urgent)
 
-    register_step_task(celery, handle)
+    health = HealthMonitor(
+        redis,
+        keys,
+        model=model,
+        stage=stage,
+        worker=worker,
+        queue=identity.shared_queue,
+        thresholds=Thresholds.from_settings(settings),
+    )
+
+    # Prefills fetched just before this replica turned unhealthy go back to the stage's queue.
+    requeue = lambda wire: send(StepMessage.from_wire(wire), identity.shared_queue)  # noqa: E731
+    register_step_task(celery, gated(health, handle, requeue))
 
     serve(
         celery,
@@ -182,6 +196,7 @@ def run_worker(
         # waiting for their turn still leave one free to fetch an urgent prefill at once.
         slots=4,
         info=info,
+        health=health,
     )
     compute.stop()
 

@@ -8,7 +8,8 @@
 - rate limits through HTTP: three clients of one tenant at 10x its limit, another tenant unaffected;
 - the audit stream: one entry per request with its fields;
 - request body size: 413 on Content-Length and on a chunked body;
-- TLS: `conveyor api --ssl-certfile/--ssl-keyfile` answers /healthz over https.
+- TLS: `conveyor api --ssl-certfile/--ssl-keyfile` answers /healthz over https, and refuses a
+  client that offers nothing newer than TLS 1.2 (CONVEYOR_TLS_MIN_VERSION's default, 1.3).
 """
 
 from __future__ import annotations
@@ -435,6 +436,25 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+def handshake(
+    port: int, cafile: Path, *, minimum: ssl.TLSVersion | None = None, maximum: ssl.TLSVersion | None = None
+) -> str | None:
+    """The TLS version a client limited to [minimum, maximum] agrees with the server, None if refused."""
+    import socket
+
+    context = ssl.create_default_context(cafile=str(cafile))
+    if minimum is not None:
+        context.minimum_version = minimum
+    if maximum is not None:
+        context.maximum_version = maximum
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        try:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                return tls.version()
+        except ssl.SSLError:
+            return None
+
+
 def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     """`conveyor api` alone (what `conveyor up --ssl-*` starts as its api child; the argv plumbing is
     unit-tested): /healthz over https, verified against the self-signed certificate."""
@@ -468,6 +488,9 @@ def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, ti
         assert answer.json()["status"] == "ok"
         with pytest.raises(httpx.TransportError):  # and nothing in clear text on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        # TLS 1.3 at least (the default): a client that stops at 1.2 fails the handshake.
+        assert handshake(port, cert, maximum=ssl.TLSVersion.TLSv1_2) is None
+        assert handshake(port, cert, minimum=ssl.TLSVersion.TLSv1_3) == "TLSv1.3"
         assert "NO AUTHENTICATION" in log.read_text()  # served without credentials: the loud line
     finally:
         process.terminate()

@@ -41,7 +41,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
-@pytest.mark.parametrize("codec", ["raw", "arrow"])
+LOSSLESS = ["raw", "arrow", "arrow+zstd", "arrow+lz4"]
+
+
+@pytest.mark.parametrize("codec", LOSSLESS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_lossless_codecs_are_byte_exact(codec, dtype, shape):
@@ -52,7 +55,7 @@ def test_lossless_codecs_are_byte_exact(codec, dtype, shape):
     assert same_bytes(trip(wire), x)
 
 
-@pytest.mark.parametrize("codec", ["raw", "arrow"])
+@pytest.mark.parametrize("codec", LOSSLESS)
 def test_lossless_codecs_keep_nan_and_inf_bit_patterns(codec):
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40])
     assert same_bytes(trip(encode_tensor(x, codec)), x)
@@ -69,6 +72,36 @@ def test_arrow_carries_an_ipc_stream_any_arrow_reader_can_rebuild():
     assert reader.schema.metadata[b"dtype"] == b"bfloat16"
     assert reader.schema.field("tensor").type == pa.uint16()  # bfloat16's raw 2-byte integers
     assert reader.read_all().num_rows == 6
+
+
+@pytest.mark.parametrize("codec", ["arrow+zstd", "arrow+lz4"])
+def test_compressed_arrow_is_a_compressed_ipc_stream_and_shrinks_what_compresses(codec):
+    import pyarrow as pa
+
+    # Activations in a narrow range share their exponent bits, and in bfloat16 (8 bits of mantissa)
+    # many whole values repeat: even lz4, which only finds repeats, shrinks them.
+    x = (torch.randn(8, 64, 576, generator=torch.Generator().manual_seed(1)) * 0.01 + 1.0).bfloat16()
+    plain, packed = encode_tensor(x, "arrow"), encode_tensor(x, codec)
+    assert len(packed["data"]) < 0.9 * len(plain["data"])
+    assert same_bytes(trip(packed), x)
+    # Any Arrow reader reads it with no option: the stream says how its buffers are compressed.
+    table = pa.ipc.open_stream(packed["data"]).read_all()
+    assert table.num_rows == x.numel()
+    zeros = torch.zeros(4096, dtype=torch.int64)
+    assert len(encode_tensor(zeros, codec)["data"]) < zeros.numel() * 8 // 20
+
+
+@pytest.mark.parametrize("codec", ["arrow+zstd", "arrow+lz4"])
+def test_compressed_arrow_is_byte_exact_on_random_bits(codec):
+    # Incompressible bytes (every bit pattern of the dtype, NaNs and subnormals included) round-trip.
+    bits = torch.randint(-(2**15), 2**15, (4, 1, 576), generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.float16, torch.bfloat16):
+        x = bits.to(torch.int16).view(dtype)
+        assert same_bytes(trip(encode_tensor(x, codec)), x)
+    wide = torch.randint(-(2**31), 2**31, (4, 1, 576), generator=torch.Generator().manual_seed(3))
+    floats = wide.to(torch.int32).view(torch.float32)
+    assert same_bytes(trip(encode_tensor(floats, codec)), floats)
+    assert same_bytes(trip(encode_tensor(wide, codec)), wide)
 
 
 def test_decoded_tensors_own_writable_memory():
@@ -108,13 +141,13 @@ def test_zfp_smooth_data_compresses():
 
 
 @pytest.mark.parametrize("transport", ["float16", "bfloat16"])
-@pytest.mark.parametrize("codec", ["raw", "arrow"])
+@pytest.mark.parametrize("codec", LOSSLESS)
 def test_transport_dtype_narrows_then_restores_dtype_and_shape(transport, codec):
     x = sample((8, 4, 576), torch.float32) / 10
     wire = encode_tensor(x, codec, transport_dtype=transport)
     assert wire["dtype"] == "float32" and wire["transport_dtype"] == transport
     narrowed = getattr(torch, transport)
-    assert len(wire["data"]) <= x.numel() * 2 + (1024 if codec == "arrow" else 0)
+    assert len(wire["data"]) <= x.numel() * 2 + (1024 if codec.startswith("arrow") else 0)
     y = trip(wire)
     assert y.dtype == torch.float32 and y.shape == x.shape
     # Exactly what one rounding to the narrower dtype gives, so within its precision.
@@ -183,7 +216,10 @@ def test_zfp_parameters_are_checked():
 
 
 def test_unknown_codec_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown tensor codec 'pickle'; known: \['arrow', 'raw', 'zfp'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown tensor codec 'pickle'; known: \['arrow', 'arrow\+lz4', 'arrow\+zstd', 'raw', 'zfp'\]",
+    ):
         encode_tensor(torch.zeros(1), codec="pickle")
     wire = encode_tensor(torch.zeros(1))
     with pytest.raises(ValueError, match="known: "):

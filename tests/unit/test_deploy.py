@@ -14,6 +14,7 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import promql_parser
 import pytest
 import yaml
 from deploy_render import (
@@ -198,12 +199,49 @@ def test_stages_scale_on_their_celery_queues(overlay):
         # One trigger per broker priority list of the stage's queue (app.workers.celery_app).
         queue = keys.stage_queue(model, stage)
         lists = [queue] + [f"{queue}:{step}" for step in PRIORITY_STEPS[1:3]]
-        assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == lists
-        for trigger in so["spec"]["triggers"]:
+        redis_triggers = [t for t in so["spec"]["triggers"] if t["type"] == "redis"]
+        assert [t["metadata"]["listName"] for t in redis_triggers] == lists
+        assert len(so["spec"]["triggers"]) == len(lists) + 1  # and the latency trigger
+        for trigger in redis_triggers:
             assert trigger["type"] == "redis"
             assert int(trigger["metadata"]["listLength"]) > 0
             assert trigger["metadata"]["addressFromEnv"] in config  # read from the scaled container's env
             assert re.fullmatch(r"[\w.-]+:\d+", config[trigger["metadata"]["addressFromEnv"]])
+
+
+def test_stages_also_scale_on_the_p99_latency_the_alert_watches(overlay):
+    """The seed's scale-up rule (P99 over 0.8 s for 5 minutes) as a Prometheus trigger on every stage:
+    its query parses, holds the HighEndToEndLatencyP99 alert's expression for the stack's model, looks
+    at 5 minutes of it, and compares with the alert's threshold."""
+    _, docs = overlay
+    model = one(docs, "ConfigMap", "conveyor-config")["data"].get("CONVEYOR_DEFAULT_MODEL", DEFAULT_MODEL)
+    rules = yaml.safe_load((K8S.parent / "prometheus" / "rules.yml").read_text())
+    (alert,) = [r for g in rules["groups"] for r in g["rules"] if r["alert"] == "HighEndToEndLatencyP99"]
+    condition = promql_parser.parse(alert["expr"])  # histogram_quantile(...) > 0.8
+    assert isinstance(condition, promql_parser.BinaryExpr) and isinstance(
+        condition.rhs, promql_parser.NumberLiteral
+    )
+    quantile = str(condition.lhs).replace(
+        "conveyor_job_latency_seconds_bucket{}", f'conveyor_job_latency_seconds_bucket{{model="{model}"}}'
+    )
+    assert quantile != str(condition.lhs)
+    for so in find(docs, "ScaledObject"):
+        (trigger,) = [t for t in so["spec"]["triggers"] if t["type"] == "prometheus"]
+        assert trigger["metricType"] == "Value"  # grows with how far over, not with the replicas
+        meta = trigger["metadata"]
+        assert float(meta["threshold"]) == condition.rhs.val == 0.8
+        assert meta["serverAddress"].startswith("http")
+        query = promql_parser.parse(meta["query"])  # raises on a query Prometheus would refuse
+        assert quantile in str(query), f"{so['metadata']['name']}: {query}"
+        windows = []
+
+        def visit(node: Any, windows: list[float] = windows) -> bool:
+            if isinstance(node, promql_parser.SubqueryExpr):
+                windows.append(node.range.total_seconds())
+            return True
+
+        promql_parser.walk(query, visit)
+        assert windows == [promql_parser.parse_duration(alert["for"]).total_seconds()] == [300.0]
 
 
 def test_services_budgets_and_autoscalers_select_real_pods(overlay):

@@ -57,6 +57,7 @@ KNOWN_METRICS = {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_
     "conveyor_device_memory_total_bytes",
     "conveyor_device_utilization_ratio",
     "conveyor_device_temperature_celsius",
+    "conveyor_stage_unhealthy",
     "up",
     "process_resident_memory_bytes",
     "process_virtual_memory_bytes",
@@ -72,6 +73,7 @@ REQUIRED_ALERTS = {
     "QueueDepthGrowing",
     "CircuitBreakerOpen",
     "WorkerMissing",
+    "StageReplicaUnhealthy",
 }
 
 

@@ -161,3 +161,58 @@ def test_urgent_jobs_wait_for_an_urgent_batch_that_has_not_started_and_then_go_t
     assert ids(plan(four, inflight={"m": 1}, capacity={"m": 2}, limits=LIMITS, now=1.0, hold={"m"})) == [
         ["j3", "j0", "j1", "j2"]
     ]
+
+
+# --- min_batch_size: an idle pipeline gathers a batch too, up to the window -----------------------
+
+MIN3 = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64, 128, 256), min_batch_size=3)
+
+
+def test_by_default_an_idle_pipeline_starts_the_first_job_at_once():
+    assert LIMITS.min_batch_size == 1
+    assert ids(plan([item(0)], inflight={}, capacity={"m": 2}, limits=LIMITS, now=0.0)) == [["j0"]]
+
+
+def test_with_a_minimum_an_idle_pipeline_waits_until_the_bucket_holds_it():
+    two = [item(0, arrived=0.0), item(1, arrived=0.01)]
+    assert plan(two, inflight={}, capacity={"m": 2}, limits=MIN3, now=0.02) == []
+    three = [*two, item(2, arrived=0.02)]
+    assert ids(plan(three, inflight={}, capacity={"m": 2}, limits=MIN3, now=0.02)) == [["j0", "j1", "j2"]]
+
+
+def test_with_a_minimum_the_window_closing_releases_a_smaller_bucket():
+    two = [item(0, arrived=0.0), item(1, arrived=0.01)]
+    assert plan(two, inflight={}, capacity={"m": 2}, limits=MIN3, now=0.049) == []
+    assert ids(plan(two, inflight={}, capacity={"m": 2}, limits=MIN3, now=0.05)) == [["j0", "j1"]]
+    # The batcher wakes up when that window closes: the oldest job's arrival plus the maximum wait.
+    assert next_deadline(two, MIN3) == 0.05
+
+
+def test_the_minimum_counts_per_bucket():
+    # Three jobs, but in two length buckets: neither holds three, so both wait for the window.
+    split = [item(0, tokens=10), item(1, tokens=10), item(2, tokens=200)]
+    assert plan(split, inflight={}, capacity={"m": 3}, limits=MIN3, now=0.01) == []
+    assert sorted(ids(plan(split, inflight={}, capacity={"m": 3}, limits=MIN3, now=0.05))) == [
+        ["j0", "j1"],
+        ["j2"],
+    ]
+
+
+def test_urgent_classes_ignore_the_minimum():
+    realtime, high = item(0, priority=0), item(1, priority=1)
+    assert ids(plan([realtime], inflight={}, capacity={"m": 2}, limits=MIN3, now=0.0)) == [["j0"]]
+    assert ids(plan([high], inflight={"m": 1}, capacity={"m": 2}, limits=MIN3, now=0.0)) == [["j1"]]
+    # An urgent job leads its bucket's batch: the normal jobs waiting with it go along, under the minimum.
+    mixed = [item(2, priority=2, arrived=0.0), high]
+    assert ids(plan(mixed, inflight={}, capacity={"m": 2}, limits=MIN3, now=0.01)) == [["j1", "j2"]]
+    # Normal jobs alone, same moment: they wait for the minimum or the window.
+    assert plan([item(2, priority=2)], inflight={}, capacity={"m": 2}, limits=MIN3, now=0.01) == []
+
+
+def test_a_busy_pipeline_still_waits_for_a_full_batch_or_the_window_whatever_the_minimum():
+    three = [item(i, arrived=0.0) for i in range(3)]
+    assert plan(three, inflight={"m": 1}, capacity={"m": 2}, limits=MIN3, now=0.01) == []
+    four = [item(i, arrived=0.0) for i in range(4)]
+    assert ids(plan(four, inflight={"m": 1}, capacity={"m": 2}, limits=MIN3, now=0.01)) == [
+        ["j0", "j1", "j2", "j3"]
+    ]

@@ -13,6 +13,7 @@ from app.api.schemas import Health
 from app.api.service import JobService
 from app.core.breaker import Action, decide
 from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.health import not_healthy
 from app.core.keys import Keys
 
 router = APIRouter(tags=["health"])
@@ -44,8 +45,8 @@ async def readyz(
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
     per priority class, what each stage worker serves (layers, dtype, device), each GPU worker's
-    device state, and whether this process's event
-    subscription is up."""
+    device state, the stage replicas that are unhealthy (or probing) and why, and whether this
+    process's event subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
     checks: dict[str, object] = {}
@@ -92,6 +93,10 @@ async def readyz(
         }
         if served:  # what each live stage worker serves: model, layers, family, dtype, device
             checks["stages"] = served
+        # Replicas that take no new batches (or have just come back), by worker: model, stage, state,
+        # reason (temperature, memory, redis_rtt), detail, since. The other replicas serve meanwhile.
+        sick = not_healthy(await redis.hgetall(keys.health()), now, settings.heartbeat_ttl_s)
+        checks["health"] = {"not_healthy": sick}
         ready = all(n > 0 for s in live_per_model.values() for n in s.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
