@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench bench-full lint docs clean
+.PHONY: install run test test-fast bench bench-full lint docs chromium clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The browser test of the playground uses the system's Chromium; install it where we can (Debian or
+# Ubuntu, as root), and go on without it elsewhere: that test then skips and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) ; } || \
+	  echo "chromium not installed: the playground's browser test will skip"
+
 run: $(STAMP)
 	$(BIN)/conveyor model pull
 	$(BIN)/conveyor up
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

@@ -96,7 +96,7 @@ def _descriptions(source: str) -> dict[str, tuple[str, str]]:
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        above = []
+        above: list[str] = []
         line = node.lineno - 1
         while line >= 1 and lines[line - 1].strip().startswith("#"):
             above.insert(0, comments[line])
