@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from app.cli_docs import docs_cli
 from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
 from app.core.errors import UnsupportedModel
 
@@ -39,6 +40,7 @@ webhooks_cli = typer.Typer(
 cli.add_typer(webhooks_cli, name="webhooks")
 keys_cli = typer.Typer(help="API keys (stored hashed in Redis, each naming a tenant).", no_args_is_help=True)
 cli.add_typer(keys_cli, name="keys")
+cli.add_typer(docs_cli, name="docs")
 
 SslCertfile = Annotated[
     Path | None, typer.Option("--ssl-certfile", help="Serve the API over HTTPS with this PEM certificate.")
@@ -490,15 +492,15 @@ def _workers_dtype(settings: Settings, source: str) -> torch.dtype:
 def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]:
     if given:
         return [float(x) for x in given.split(",")]
-    from app.core.keys import Keys
-    from app.core.redis import sync_client
+    from redis.exceptions import RedisError
+
     from app.workers.latency import read_latencies
 
-    if not settings.redis_url:
-        raise ValueError("no --latency-s given and no REDIS_URL to read the workers' reports from")
-    reports = read_latencies(
-        sync_client(settings.redis_url), Keys(settings.namespace), settings.default_model
-    )
+    client, keys = _keys_redis(settings)  # REDIS_URL, else the embedded Redis of a running `conveyor up`
+    try:
+        reports = read_latencies(client, keys, settings.default_model)
+    except RedisError as exc:
+        raise ValueError(f"no --latency-s given and Redis does not answer ({exc}); is the stack up?") from exc
     stages = len(plan.stages)
     missing = [s for s in range(stages) if s not in reports]
     if missing:

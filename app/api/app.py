@@ -22,7 +22,7 @@ from app.api.events import EventHub
 from app.api.limits import BodyLimitMiddleware
 from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
-from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, ws
+from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, ws
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import ConveyorError
@@ -88,8 +88,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(AuditMiddleware)  # outside the body limit, so it sees 401 and 413 too
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, whoever gave it
-    # Every route but health and the docs needs credentials (app/api/auth.py); the WebSocket route
-    # authenticates itself (a refusal there is a close code).
+    # Every route but health, metrics, the docs and the playground page needs credentials
+    # (app/api/auth.py); the WebSocket route authenticates itself (a refusal there is a close code).
     protected = [Depends(authenticate)]
     app.include_router(jobs.router, dependencies=protected)
     app.include_router(deliveries.router, dependencies=protected)  # Webhooks: GET /v1/jobs/{id}/deliveries
@@ -99,6 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai.router, dependencies=protected)
     app.include_router(health.router)
     app.include_router(metrics_router)
+    app.include_router(playground.router)  # a static page; its requests carry the key typed into it
     return app
 
 

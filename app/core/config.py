@@ -1,7 +1,8 @@
 """The one place that reads the environment.
 
 Every process builds a `Settings` at start-up (never at import) and passes it down explicitly.
-Each field is a tunable with a default and a reason; the README's configuration table lists them.
+Each field is a tunable with a default and a reason, written as a comment above or beside it:
+docs/configuration.md is generated from those comments (`conveyor docs config`).
 """
 
 from __future__ import annotations
@@ -45,30 +46,30 @@ class Settings(BaseSettings):
     namespace: str = "conveyor"  # prefix of every Redis key and Celery queue; lets stacks share a Redis
 
     home: Path = Path(".conveyor")  # models, embedded Redis data, logs
-    default_model: str = DEFAULT_MODEL
+    default_model: str = DEFAULT_MODEL  # the model `make run` pulls; jobs that name none get it
     # Extra models by name -> local Hugging Face model directory (JSON in the environment).
     models: dict[str, Path] = Field(default_factory=dict)
 
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
+    api_host: str = "127.0.0.1"  # local only: turn auth (and TLS) on before binding elsewhere
+    api_port: int = 8000  # the HTTP API (and its /metrics)
     # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
     # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
-    flower_port: int = 5555
+    flower_port: int = 5555  # Flower's usual port
     # Prometheus metrics of a process other than the api (which serves them at /metrics on its own
     # port): this port; None or 0: not served. `conveyor up` gives each child its own, upwards.
     metrics_port: int | None = 9100
     metrics_host: str = (
         "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
     )
-    flower: bool = True
+    flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
     flower_basic_auth: str | None = None  # "user:password[,user2:password2]": Flower asks for a login
 
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
     max_tokens_limit: int = 1024
-    default_max_tokens: int = 128
-    max_stop_strings: int = 4
-    max_stop_length: int = 64
+    default_max_tokens: int = 128  # a job that names no max_tokens: a chat answer
+    max_stop_strings: int = 4  # OpenAI's limit of 4 stop strings
+    max_stop_length: int = 64  # characters per stop string
     # A prompt of more than context length x this many characters is refused (422) before it is
     # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
     # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
@@ -77,9 +78,10 @@ class Settings(BaseSettings):
     # instead of taking every core.
     tokenize_threads: int = Field(default=4, ge=1)
 
-    # Batcher: the seed's window is 50 ms; 8 is what batching needs on a CPU to pay for itself.
+    # Batcher. Jobs per dispatched batch: 32 is where batched CPU decoding stops gaining (raw generate,
+    # SmolLM2 on 2 cores: 116.8 tokens/s at batch 32, 115.5 at 64; docs/benchmarks.md).
     max_batch_size: int = 32
-    max_wait_ms: float = 50.0
+    max_wait_ms: float = 50.0  # the seed's window: the longest a job waits for batch-mates
     # The seed's minimum batch size: an idle pipeline waits for this many jobs of one bucket, or for
     # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
     # once, which is what latency wants when the pipeline has nothing else to do.
@@ -118,7 +120,7 @@ class Settings(BaseSettings):
     # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
-    heartbeat_interval_s: float = 2.0
+    heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 
     # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
@@ -128,8 +130,8 @@ class Settings(BaseSettings):
     # past 95% of device memory the next batch's KV cache may not fit; 250 ms is a hundred times a
     # healthy round trip in one zone, a network problem that every decode hop pays.
     health_max_temperature_c: float = Field(default=85.0, gt=0)
-    health_max_memory_fraction: float = Field(default=0.95, gt=0, le=1)
-    health_max_redis_rtt_ms: float = Field(default=250.0, gt=0)
+    health_max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # the next batch may not fit
+    health_max_redis_rtt_ms: float = Field(default=250.0, gt=0)  # a network problem every hop pays
     health_cooldown_s: float = Field(default=30.0, ge=0)  # the breaker's interval: a throttled GPU cools
 
     # Scheduling and recovery (the batcher). A waiting job rises one priority class per aging_s
@@ -155,9 +157,9 @@ class Settings(BaseSettings):
     # inline, kombu's JSON + base64 costs CPU at both ends past ~32 KB (bench/results/hop.md).
     # arrow+zstd / arrow+lz4: Arrow IPC with its buffers compressed, byte-exact, fewer bytes on the wire.
     stage_codec: Literal["raw", "arrow", "arrow+zstd", "arrow+lz4", "zfp"] = "raw"
-    stage_transport_dtype: Literal["float16", "bfloat16"] | None = None
-    stage_zfp_tolerance: float = 1e-2
-    claim_check_bytes: int = 32 * 1024
+    stage_transport_dtype: Literal["float16", "bfloat16"] | None = None  # unset: the model's dtype
+    stage_zfp_tolerance: float = 1e-2  # absolute error bound when the codec is zfp
+    claim_check_bytes: int = 32 * 1024  # measured break-even of inline vs by reference: 18 to 37 KB
     claim_ttl_s: float = 3600.0  # as long as the broker's visibility timeout
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
@@ -178,7 +180,7 @@ class Settings(BaseSettings):
     # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
     # breaker_interval_s and breaker_error_threshold of them failed; one probe job after the interval.
     breaker_error_threshold: float = Field(default=0.3, gt=0.0, le=1.0)
-    breaker_min_requests: int = Field(default=100, ge=1)
+    breaker_min_requests: int = Field(default=100, ge=1)  # fewer: a few failures of a quiet model are noise
     breaker_interval_s: float = Field(default=30.0, gt=0.0, le=300.0)  # one-second buckets, read per submit
     # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
     # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
@@ -201,8 +203,8 @@ class Settings(BaseSettings):
     # retries at the defaults); no delay over webhook_backoff_max_s, which must stay under the
     # broker's visibility timeout (3600 s) or a waiting retry is handed out twice.
     webhook_max_attempts: int = Field(default=10, ge=1)
-    webhook_backoff_base_s: float = Field(default=5.0, gt=0)
-    webhook_backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)
+    webhook_backoff_base_s: float = Field(default=5.0, gt=0)  # the first retry after 2.5 to 5 s
+    webhook_backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)  # Retry-After included
     webhook_token_interval_ms: float = Field(default=500.0, gt=0)  # `token` events batched this long
     webhook_concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
     webhook_log_max: int = Field(default=256, ge=1)  # delivery attempts kept per job (newest)
@@ -221,7 +223,9 @@ class Settings(BaseSettings):
     # JWT bearer tokens: the verification key (a PEM public key or certificate for RS/PS/ES/EdDSA, the
     # secret for HS*), inline or in a file; algorithms pinned (never taken from the token's header).
     jwt_key: str | None = None
-    jwt_key_file: Path | None = None
+    jwt_key_file: Path | None = None  # the key in a file (a mounted Secret) instead of inline
+    # RS256: what identity providers sign with by default. `none`, or HMAC mixed with public-key
+    # algorithms, is refused at start.
     jwt_algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
     jwt_audience: str | None = None  # when set, `aud` must hold it; when unset, a token with `aud` is refused
     jwt_issuer: str | None = None  # when set, `iss` must equal it
@@ -232,8 +236,12 @@ class Settings(BaseSettings):
     # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
     # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
     # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
+    # 50/s: well above one client's closed loop (the c32 benchmark submits under 10/s), well below what
+    # one API process takes.
     rate_limit_rps: float = Field(default=50.0, ge=0)
-    rate_limit_burst: int = Field(default=100, ge=1)
+    rate_limit_burst: int = Field(default=100, ge=1)  # submits a tenant may send at once
+    # Off: it depends on the deployment's capacity (a 2-core CPU stack generates about 6,600 tokens a
+    # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
     # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)

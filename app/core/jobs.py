@@ -1,4 +1,4 @@
-"""The job lifecycle (DESIGN.md §3): one enum, one transition table, one place that applies a move.
+"""The job lifecycle (docs/architecture.md): one enum, one transition table, one place that applies a move.
 
 A transition runs as one Lua script on the job's hash, so the check ("is the job in a state this
 move may leave?") and the write (new status plus its timestamp) are atomic across processes.

@@ -1,4 +1,4 @@
-"""The stage message (DESIGN.md §4): what one stage hands to the next.
+"""The stage message (docs/architecture.md): what one stage hands to the next.
 
 A batch is prefilled once (`kind="prefill"`, step 0), then decoded one token per step. Forward
 messages carry hidden states from stage k to k+1; the last stage samples and sends the new token

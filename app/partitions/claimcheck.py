@@ -1,4 +1,4 @@
-"""Claim check (DESIGN.md §4): a tensor too large for the broker travels through Redis by reference.
+"""Claim check (docs/architecture.md): a tensor too large for the broker travels through Redis by reference.
 
 Celery's Redis transport base64-encodes the message body inside a JSON envelope, pushes it onto a
 list, and with `acks_late` keeps a second copy in the `unacked` hash until the step is acknowledged:

@@ -1,4 +1,4 @@
-"""Graph partitioning (DESIGN §1, §4): cut a captured `torch.fx` graph into pieces under a memory budget.
+"""Graph partitions (docs/architecture.md): cut a captured `torch.fx` graph into pieces under a memory budget.
 
 Pipeline, each step a plain function of its inputs:
 

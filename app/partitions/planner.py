@@ -1,4 +1,4 @@
-"""Memory-budget partition planner for decoder language models (DESIGN.md §4).
+"""Memory-budget partition planner for decoder language models (docs/architecture.md).
 
 Who calls what: `conveyor plan` calls `load_config`, then `plan_decoder`, prints `format_table` and
 writes `Plan.to_json()`; the launcher reads that file with `Plan.from_json` and starts one stage

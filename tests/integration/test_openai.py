@@ -202,3 +202,4 @@ def test_a_job_that_cannot_start_within_its_timeout_is_a_429_not_a_server_error(
     # Refused at once when the queue already predicts a wait, else expired before it started.
     assert error["code"] in ("deadline_unmeetable", "expired")
     assert error["type"] == "rate_limit_error"
+    assert int(answer.headers["retry-after"]) >= 1  # every 429 says when to come back

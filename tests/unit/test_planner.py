@@ -110,7 +110,7 @@ def test_smollm2_head_stage_gets_fewer_layers(smollm2: PretrainedConfig) -> None
     costs = model_costs(smollm2)
     assert costs.last_flops == 8 * costs.layer_flops[0]  # the tied LM head: eight layers of compute
     plan = plan_decoder(smollm2, stages=2)
-    assert plan.ranges() == [(0, 19), (19, 30)]  # DESIGN.md §8: 19/11 beat 15/15
+    assert plan.ranges() == [(0, 19), (19, 30)]  # the LM head weighs eight layers: 19/11 beats 15/15
     assert [s.compute_share for s in plan.stages] == pytest.approx([0.5, 0.5])
 
 

@@ -42,7 +42,7 @@ from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
 from app.core.config import Settings
-from app.core.errors import ConveyorError, JobFailed, ModelNotFound, SyncTimeout
+from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, SyncTimeout
 from app.core.jobs import JobStatus
 
 DONE = "[DONE]"  # the last data line of an OpenAI stream
@@ -55,9 +55,10 @@ class JobCancelled(ConveyorError):
     status = 409
 
 
-class JobExpired(ConveyorError):
+class JobExpired(Refused):
     """A synchronous OpenAI request whose job was not started within its timeout_s: the load did
-    not let it start in the time the client allowed, as when admission refuses it at once (429)."""
+    not let it start in the time the client allowed, as when admission refuses it at once (429,
+    with the Retry-After every 429 carries)."""
 
     code = "expired"
     status = 429
@@ -313,7 +314,7 @@ def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
     if status == JobStatus.CANCELLED:
         raise JobCancelled(message, job_id=job_id)
     if status == JobStatus.EXPIRED:
-        raise JobExpired(message, job_id=job_id)
+        raise JobExpired(message, retry_after_s=settings.retry_after_s, job_id=job_id)
     raise JobFailed(message, job_id=job_id, reason=error.get("code"))
 
 

@@ -1,0 +1,77 @@
+"""`conveyor plan --rebalance` as the docs show it beside `make run`: no REDIS_URL in the shell, the
+workers' latency reports read from the embedded Redis the running stack uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from urllib.parse import urlparse
+
+from conftest import ROOT
+
+from app.core.keys import Keys
+from app.workers.latency import StepLatency
+
+
+def conveyor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_rebalance_reads_the_embedded_redis_without_redis_url(redis, redis_url, tiny_model, tmp_path):  # type: ignore[no-untyped-def]
+    url = urlparse(redis_url)
+    if url.path not in ("", "/", "/0"):
+        import pytest
+
+        pytest.skip("the embedded Redis is database 0; this REDIS_URL names another")
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
+    env.update(
+        {
+            "CONVEYOR_NAMESPACE": namespace,
+            "CONVEYOR_EMBEDDED_REDIS_PORT": str(url.port),  # where `make run` would have started it
+            "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
+            "CONVEYOR_DEFAULT_MODEL": "tiny",
+        }
+    )
+    plan = tmp_path / "plan.json"
+    made = conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env)
+    assert made.returncode == 0, made.stderr
+    keys = Keys(namespace)
+    # Stage 0 measured three times as slow as stage 1: the cut must move towards stage 0.
+    for stage, seconds in ((0, 0.030), (1, 0.010)):
+        StepLatency(redis, keys, "tiny", stage, (0, 1), f"w{stage}", ewma_s=seconds).report(0.0)
+    try:
+        answer = conveyor("plan", "--rebalance", str(plan), env=env)
+    finally:
+        redis.delete(keys.latency("tiny"))
+    assert answer.returncode == 0, answer.stderr
+    assert "measured: stage 0 30.0 ms, stage 1 10.0 ms" in answer.stdout
+
+
+def test_rebalance_says_so_when_no_redis_answers(tiny_model, tmp_path):  # type: ignore[no-untyped-def]
+    from conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
+    env.update(
+        {
+            "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),  # nothing listens there
+            "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
+            "CONVEYOR_DEFAULT_MODEL": "tiny",
+        }
+    )
+    plan = tmp_path / "plan.json"
+    assert (
+        conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env).returncode == 0
+    )
+    answer = conveyor("plan", "--rebalance", str(plan), env=env)
+    assert answer.returncode == 2
+    assert "Redis does not answer" in answer.stderr
