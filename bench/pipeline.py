@@ -43,7 +43,9 @@ MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
 MAX_TOKENS = 64
 CONCURRENCY = 32
 TARGET_VS_REPLICAS = 0.9
-PARAMS_LINE = re.compile(r"stage (\d+)/\d+ of .*: layers (\d+)-(\d+) on \S+, ([\d.]+) MiB of parameters")
+PARAMS_LINE = re.compile(
+    r"stage (\d+)/\d+ of .*: layers (\d+)-(\d+) on \S+(?: in \S+)?, ([\d.]+) MiB of parameters"
+)
 
 
 @dataclass(frozen=True)
