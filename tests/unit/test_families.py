@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from families import CONFIGS, VOCAB
-from transformers import LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -202,3 +202,31 @@ def test_a_buffer_without_a_rebuild_rule_refuses_the_model(saved: dict[str, tupl
 def test_every_family_in_the_table_is_tested() -> None:
     tested = {family_for(config).name for config in CONFIGS.values()}
     assert tested == {family.name for family in FAMILIES}
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral-window", "qwen2-window"])
+def test_sliding_layers_keep_only_their_window(saved: dict[str, tuple[Path, Any]], name: str) -> None:
+    """After a long prefill and some decode steps a sliding layer's cache holds `window - 1` columns;
+    a full-attention layer holds the whole history."""
+    path, model = saved[name]
+    pipeline = Pipeline(path, 2)
+    states, logits = pipeline.start([list(range(5, 25)), [30, 31]], ["a", "b"])
+    for _ in range(4):
+        logits = pipeline.step(states, logits.argmax(-1))
+    window = model.config.sliding_window
+    kinds = [pipeline.parts[0].kinds, pipeline.parts[1].kinds]
+    for part, state, part_kinds in zip(pipeline.parts, states, kinds, strict=True):
+        for index, kind in enumerate(part_kinds):
+            slab = state.slabs[part.range.start + index]
+            expected = window - 1 if kind == "sliding_attention" else state.length
+            assert slab.length == expected and slab.keys.shape[2] == expected
+
+
+def test_a_tensor_left_on_meta_refuses_to_run(saved: dict[str, tuple[Path, Any]]) -> None:
+    from app.partitions.loading import check_materialized
+
+    _, model = saved["llama"]
+    with torch.device("meta"):
+        stage = StagePartition(AutoModelForCausalLM.from_config(model.config), LayerRange(0, 2))
+    with pytest.raises(UnsupportedModel, match="meta"):
+        check_materialized(stage)
