@@ -188,3 +188,18 @@ def test_the_cli_lists_the_models(tmp_path, tiny_dir, monkeypatch):  # type: ign
     ]
     assert lines[2].split() == ["tiny", "llama", "164.7K", "float32", "512", "yes"]
     assert lines[3].startswith("supported model types: ")
+
+
+def test_up_serves_the_named_models_once_each_and_refuses_unknown_ones(settings, tiny_dir):  # type: ignore[no-untyped-def]
+    import typer
+
+    from app.cli import served_models
+
+    add_model(settings, str(tiny_dir), family=family, echo=lambda _: None)
+    configured = settings.model_copy(update={"models": {"other": tiny_dir}, "default_model": "other"})
+    assert served_models(configured, []) == ["other"]
+    assert served_models(configured, ["tiny", "other", "tiny"]) == ["tiny", "other"]
+    with pytest.raises(typer.BadParameter, match="conveyor model add SOURCE --name nope"):
+        served_models(configured, ["tiny", "nope"])
+    with pytest.raises(typer.BadParameter):
+        served_models(configured, ["tiny/"])
