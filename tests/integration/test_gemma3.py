@@ -88,10 +88,10 @@ def test_greedy_completions_equal_generate(tmp_path, redis_url, request, name, s
         models={name: path},
         default_model=name,
         extra_env={"CONVEYOR_STAGES": str(stages)},
-        ready_timeout_s=300,
+        ready_timeout_s=180,
     )
     try:
-        with stack.client(timeout=300) as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
 
             def run(prompt: str) -> list:  # type: ignore[type-arg]
                 job = submit(client, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -116,10 +116,10 @@ def test_smollm2_and_gemma3_in_one_stack(tmp_path, redis_url, smollm2_dir, gemma
         models={SMOLLM2: smollm2_dir, GEMMA: gemma_dir},
         default_model=SMOLLM2,
         args=("--model", SMOLLM2, "--model", GEMMA),
-        ready_timeout_s=300,
+        ready_timeout_s=180,
     )
     try:
-        with stack.client(timeout=300) as client, ThreadPoolExecutor(4) as pool:
+        with stack.client() as client, ThreadPoolExecutor(4) as pool:
             listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
             chat = {
                 "model": SMOLLM2,
