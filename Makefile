@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A laptop's stack: no authentication, on 127.0.0.1 (`conveyor up` warns); CONVEYOR_AUTH=keys closes it.
 run: $(STAMP)
 	$(BIN)/conveyor model pull
-	$(BIN)/conveyor up
+	CONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up
 
 test: $(STAMP)
 	$(BIN)/ruff check app tests bench

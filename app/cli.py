@@ -13,11 +13,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
+from app.core.errors import UnsupportedModel
 
 if TYPE_CHECKING:
     import redis
+    import torch
 
     from app.core.keys import Keys
+    from app.launcher import Child
     from app.partitions.planner import Plan
 
 cli = typer.Typer(
@@ -68,7 +71,7 @@ def up(
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import start_embedded, wait_for_redis
-    from app.launcher import Child, Supervisor
+    from app.launcher import Child, Supervisor, die_with_parent
 
     api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
     if plan is not None:
@@ -79,7 +82,6 @@ def up(
     models = served_models(settings, model or [])
     if plan is not None and len(models) > 1:
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
-    _ensure_models(settings, models)
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
     # Every child learns which models this stack serves: the api lists them (and only them) and
@@ -88,31 +90,6 @@ def up(
     env["CONVEYOR_SERVED_MODELS"] = json.dumps(models + _embedding_model(settings))
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
-    supervisor = Supervisor(env)
-    metrics: list[str] = []
-    redis_process = None
-    if settings.redis_url:
-        url = settings.redis_url
-        if not wait_for_redis(url, timeout_s=10):
-            raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
-        supervisor.say(f"using Redis at {url}")
-    else:
-        try:
-            redis_process, url = start_embedded(settings.home / "redis", settings.embedded_redis_port)
-        except RuntimeError as exc:
-            typer.echo(f"conveyor: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
-    env["REDIS_URL"] = url
-    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
-        from app.webhooks.signing import ensure_secret_file
-
-        secret_file = settings.home / "webhook_secret"
-        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
-        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
-    if redis_process is not None:
-        supervisor.add(Child("redis", [], restart=False), redis_process)
-
     me = [sys.executable, "-m", "app.cli"]
     children = [Child("batcher", [*me, "batcher"])]
     children.append(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
@@ -135,6 +112,35 @@ def up(
             str(settings.embedding_stages),
         ]
         children.append(Child(f"embed{stage}", argv))
+    _refuse_ports_in_use(settings, children)
+    _ensure_models(settings, models)
+    supervisor = Supervisor(env)
+    metrics: list[str] = []
+    redis_process = None
+    if settings.redis_url:
+        url = settings.redis_url
+        if not wait_for_redis(url, timeout_s=10):
+            raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
+        supervisor.say(f"using Redis at {url}")
+    else:
+        try:
+            redis_process, url = start_embedded(
+                settings.home / "redis", settings.embedded_redis_port, preexec_fn=die_with_parent()
+            )
+        except RuntimeError as exc:
+            typer.echo(f"conveyor: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
+    env["REDIS_URL"] = url
+    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
+        from app.webhooks.signing import ensure_secret_file
+
+        secret_file = settings.home / "webhook_secret"
+        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
+        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
+    if redis_process is not None:
+        supervisor.add(Child("redis", [], restart=False), redis_process)
+
     supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
     for n, child in enumerate(children):  # every other process: one metrics port each, upwards
         if settings.metrics_port:
@@ -160,12 +166,40 @@ def up(
         )
     scheme = "https" if ssl_certfile else "http"
     supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
+    if settings.auth == "none":
+        supervisor.say(
+            "WARNING: the API is open (CONVEYOR_AUTH=none): anyone who reaches it is served, as tenant "
+            "'anonymous', without credentials"
+        )
     if settings.flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
     if metrics:
         supervisor.say("metrics " + ", ".join(metrics) + " (and the api's /metrics)")
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
+
+
+def _refuse_ports_in_use(settings: Settings, children: list[Child]) -> None:
+    """Name every port of the stack another program holds (a stack left running, say), and stop
+    before anything starts: a child that cannot bind its port only says that it exited."""
+    from app.launcher import ports_in_use
+
+    ports = [(settings.api_host, settings.api_port, "the API")]
+    if not settings.redis_url:
+        ports.append(("127.0.0.1", settings.embedded_redis_port, "the embedded Redis"))
+    if settings.flower:
+        ports.append(("127.0.0.1", settings.flower_port, "Flower"))
+    if settings.metrics_port:  # numbered as `up` hands them out
+        ports += [
+            (settings.metrics_host, settings.metrics_port + n, f"metrics of {child.name}")
+            for n, child in enumerate(children)
+        ]
+    problems = ports_in_use(ports)
+    for problem in problems:
+        typer.echo(f"conveyor: {problem}", err=True)
+    if problems:
+        typer.echo("conveyor: stop what holds them, or choose other ports (docs/operations.md)", err=True)
+        raise typer.Exit(1)
 
 
 def api_command(me: list[str], certfile: Path | None, keyfile: Path | None) -> list[str]:
@@ -283,6 +317,10 @@ def worker(
     run_worker(settings, model=model or settings.default_model, stage=stage, num_stages=settings.stages)
 
 
+# How `conveyor submit` exits, by the job's final status (1 also when the submission is refused).
+EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 3, "expired": 4}
+
+
 @cli.command()
 def submit(
     prompt: Annotated[str, typer.Argument(help="The user message (or raw prompt with --raw).")],
@@ -293,16 +331,20 @@ def submit(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     priority: Annotated[str, typer.Option(help="realtime, high, normal or batch (low = batch).")] = "normal",
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly --max-tokens tokens.")] = False,
     url: Annotated[str | None, typer.Option(help="API base URL.")] = None,
     api_key: Annotated[str | None, typer.Option(help="An API key (`conveyor keys create`).")] = None,
 ) -> None:
-    """Submit a job and print its text."""
+    """Submit a job and print its text; its id goes to stderr. Exit status: 0 succeeded, 1 failed (or
+    refused), 3 cancelled, 4 expired; a job that did not succeed also prints its status to stderr."""
     import httpx
 
     settings = _settings()
     base = url or f"http://{settings.api_host}:{settings.api_port}"
     body: dict[str, object] = {"max_tokens": max_tokens, "temperature": temperature, "priority": priority}
     body.update({"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]})
+    if ignore_eos:
+        body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(10.0, read=None)
     with httpx.Client(base_url=base, timeout=timeout, headers=headers) as client:
@@ -311,25 +353,39 @@ def submit(
             typer.echo(answer.text, err=True)
             raise typer.Exit(1)
         job = answer.json()
+        typer.echo(f"job {job['id']}", err=True)
         if stream:
-            with client.stream("GET", job["urls"]["events"]) as events:
-                for event, data in _sse(events.iter_lines()):
-                    if event == "token":
-                        typer.echo(json.loads(data)["text"], nl=False)
-                    elif event in ("done", "error"):
-                        typer.echo()
-                        final = json.loads(data)
-                        break
+            final = _follow(client, job)
         else:
-            while True:
-                final = client.get(job["urls"]["self"]).json()
-                if final["status"] in ("succeeded", "failed", "cancelled", "expired"):
-                    break
-                time.sleep(0.2)
+            final = _poll(client, job)
             typer.echo(final["text"])
     if final["status"] != "succeeded":
         typer.echo(f"job {final['id']} {final['status']}: {final.get('error')}", err=True)
-        raise typer.Exit(1)
+    raise typer.Exit(EXIT_CODES.get(final["status"], 1))
+
+
+def _follow(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Print the job's tokens as they come; the job as its final event (done, error, cancelled or
+    expired) carries it."""
+    from app.api.service import FINAL_EVENTS
+
+    with client.stream("GET", job["urls"]["events"]) as events:
+        for event, data in _sse(events.iter_lines()):
+            if event == "token":
+                typer.echo(json.loads(data)["text"], nl=False)
+            elif event in FINAL_EVENTS:
+                typer.echo()
+                return dict(json.loads(data))
+    typer.echo()
+    return _poll(client, job)  # no final event: the stream had ended before (204), or was cut
+
+
+def _poll(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    while True:
+        record: dict[str, Any] = client.get(job["urls"]["self"]).json()
+        if record["status"] in EXIT_CODES:
+            return record
+        time.sleep(0.2)
 
 
 def _sse(lines):  # type: ignore[no-untyped-def]
@@ -350,7 +406,10 @@ def plan_command(
     model: Annotated[str, typer.Option(help="A model dir, a config.json, or a bundled config name.")] = "",
     max_mem: Annotated[float | None, typer.Option(help="Memory budget per device, MiB.")] = None,
     stages: Annotated[int | None, typer.Option(help="A fixed number of stages instead of a budget.")] = None,
-    dtype: Annotated[str, typer.Option(help="Weight dtype: float16, bfloat16, float32.")] = "float16",
+    dtype: Annotated[
+        str,
+        typer.Option(help="Weight dtype: float16, bfloat16, float32; default: what the workers will use."),
+    ] = "",
     kv_tokens: Annotated[int, typer.Option(help="KV-cache tokens in flight each stage must hold.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the plan here (for `conveyor up --plan`).")] = None,
     rebalance: Annotated[
@@ -363,11 +422,13 @@ def plan_command(
 ) -> None:
     """Plan stage cut points on the meta device (no weights), or rebalance a plan from measurements."""
     from app.partitions import planner
+    from app.partitions.families import family_for
 
     settings = _settings()
     source = model or str(settings.model_path(settings.default_model) or settings.default_model)
     try:
         config = planner.load_config(source)
+        family_for(config)  # plan only what a worker can run
         if rebalance is not None:
             old = planner.Plan.from_json(rebalance.read_text())
             measured = _latencies(settings, old, latency_s)
@@ -380,19 +441,30 @@ def plan_command(
                 stages = stages or (None if max_mem else 1)
             result = planner.plan_decoder(
                 config,
-                dtype=planner.parse_dtype(dtype),
+                dtype=planner.parse_dtype(dtype or _workers_dtype(settings, source)),
                 max_mem_mb=max_mem,
                 stages=stages,
                 kv_budget_tokens=kv_tokens,
                 name=Path(source).name if model else settings.default_model,
             )
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, UnsupportedModel) as exc:
         typer.echo(f"conveyor plan: {exc}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(planner.format_table(result))
     if out is not None:
         out.write_text(result.to_json())
         typer.echo(f"plan written to {out}; start it with `conveyor up --plan {out}`")
+
+
+def _workers_dtype(settings: Settings, source: str) -> torch.dtype:
+    """The dtype stage 0's worker would load this model in (its `model add --dtype`, else the setting)."""
+    from app.core.modelstore import registered_dtype
+    from app.partitions.precision import resolve_dtype
+    from app.workers.main import resolve_device
+
+    chosen = registered_dtype(Path(source)) if Path(source).is_dir() else None
+    setting = chosen if chosen not in (None, "auto") else settings.dtype
+    return resolve_dtype(setting, resolve_device(settings.device, 0))
 
 
 def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]:

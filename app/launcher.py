@@ -6,19 +6,30 @@ with its name. A child that exits on its own is reported and restarted with back
 dying (more than `MAX_RESTARTS` times within `RESTART_WINDOW_S`) brings the stack down with a
 non-zero exit, and so does the embedded Redis dying. Ctrl-C or SIGTERM stops every child: api first,
 Redis last, SIGKILL after a grace period.
+
+The supervisor dying any other way (SIGKILL, the OOM killer) takes the children with it: on Linux
+each child asks the kernel for SIGTERM when its parent dies (`die_with_parent`), so none is left
+holding a port for the next start. And before anything starts, `ports_in_use` names every port of
+the stack that another program holds.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -57,6 +68,8 @@ class Supervisor:
             self._spawn(child)
 
     def _spawn(self, child: Child) -> None:
+        """Start a child. Called from the main thread only (`add`, `run`): Linux sends the death
+        signal when the thread that forked the child ends, and the main thread ends with us."""
         # Its own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
         child.process = subprocess.Popen(
             child.argv,
@@ -65,6 +78,7 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         threading.Thread(target=self._relay, args=(child.name, child.process), daemon=True).start()
 
@@ -134,3 +148,38 @@ def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child receive SIGTERM when this process dies, however it dies
+    (`prctl(PR_SET_PDEATHSIG)`; the setting survives exec). None where there is no prctl (not Linux):
+    there a SIGKILLed supervisor still leaves its children behind."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def ports_in_use(ports: list[tuple[str, int, str]]) -> list[str]:
+    """'port N (what) is already in use' for each (host, port, what) that cannot be bound now, as
+    the child that will serve it binds it (SO_REUSEADDR: a closed connection's TIME_WAIT does not
+    count, a listening socket does)."""
+    problems = []
+    for host, port, what in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    problems.append(f"port {port} ({what}) is already in use")
+                else:
+                    problems.append(f"port {port} ({what}) cannot be used on {host}: {exc.strerror}")
+    return problems

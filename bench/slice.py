@@ -163,6 +163,7 @@ def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
         CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
         CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
     )
+    env.setdefault("CONVEYOR_AUTH", "none")  # the load clients send no credential (loopback only)
     return env
 
 

@@ -24,10 +24,13 @@ import redis as redis_lib
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from families import save_families  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# A stack given any of these runs with authentication; any other is started open (CONVEYOR_AUTH=none).
+AUTH_SETTINGS = {"CONVEYOR_AUTH", "CONVEYOR_API_KEYS", "CONVEYOR_JWT_KEY", "CONVEYOR_JWT_KEY_FILE"}
 
 
 def free_port() -> int:
@@ -77,6 +80,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """Every supported family's tiny model, saved once (tests/families.py)."""
+    return save_families(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real model, pulled into the project's .conveyor/models once (as `make run` does)."""
     from app.core.modelstore import pull_smollm2
@@ -117,7 +126,8 @@ def start_stack(
     ready_timeout_s: float = 120.0,
     args: tuple[str, ...] = (),
 ) -> Stack:
-    """`conveyor up` as a user runs it, in its own home, namespace and ports."""
+    """`conveyor up` as a user runs it, in its own home, namespace and ports; open to anonymous
+    clients (CONVEYOR_AUTH=none, as `make run` starts it) unless `extra_env` configures auth."""
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
@@ -136,6 +146,8 @@ def start_stack(
             **(extra_env or {}),
         }
     )
+    if not AUTH_SETTINGS & set(extra_env or {}):
+        env["CONVEYOR_AUTH"] = "none"  # the tests' clients send no credential, as a laptop's do
     if redis_url:
         env["REDIS_URL"] = redis_url
     log = tmp / "stack.log"

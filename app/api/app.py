@@ -73,6 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            app.state.jobs.prompts.close()
             await hub.stop()
             await redis.aclose()
 
@@ -102,16 +103,22 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 async def _warn_if_open(auth: Authenticator, client: redis.asyncio.Redis, keys: Keys) -> None:
-    """The loud line an operator must not miss: this API is open to anyone who reaches it."""
-    if auth.configured:
-        return
+    """The loud line an operator must not miss: this API is open to anyone who reaches it, or it
+    refuses everyone because no credential exists yet."""
     try:
         stored = await client.hlen(keys.api_keys())
     except RedisError:
         stored = 0  # unknown until Redis answers; every request looks again
-    if not stored:
+    if auth.open:
         log.warning(
-            "!!! NO AUTHENTICATION: no API key and no JWT key is configured, so anyone who reaches this "
-            "API is tenant 'anonymous'. Create a key with `conveyor keys create --tenant NAME` (or set "
-            "CONVEYOR_API_KEYS / CONVEYOR_JWT_KEY) before exposing it beyond localhost. !!!"
+            "!!! NO AUTHENTICATION (CONVEYOR_AUTH=none): anyone who reaches this API is tenant "
+            "'anonymous'%s. Set CONVEYOR_AUTH=keys and create a key with `conveyor keys create --tenant "
+            "NAME` before exposing it beyond localhost. !!!",
+            f"; the {stored} API keys stored in Redis are ignored" if stored else "",
+        )
+    elif not auth.configured and not (auth.redis_keys and stored):
+        log.warning(
+            "no API key and no JWT key is configured: every request is refused (401) until one exists. "
+            "Create a key with `conveyor keys create --tenant NAME`, or serve without authentication "
+            "with CONVEYOR_AUTH=none."
         )

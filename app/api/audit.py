@@ -5,7 +5,7 @@ An entry holds the time, tenant, method, path, status (a WebSocket's close code)
 address, and where the request touched a job: its model, id and prompt and output token counts (as
 they stood when the request ended), and the prompt text only with `audit_prompts`. Routes add what
 they learn with `note`/`note_job`; the middleware writes the entry once the response has been sent
-(for a stream: once it ends). Probes (/healthz, /readyz) are not audited: they would drown the rest.
+(for a stream: once it ends). Probes (/health, /healthz, /readyz) are not audited: they would drown the rest.
 An audit write that fails (Redis away) is logged and never fails the request.
 """
 
@@ -25,7 +25,7 @@ from app.core.keys import Keys
 log = logging.getLogger(__name__)
 AUDIT = logging.getLogger("conveyor.audit")
 
-UNAUDITED = frozenset({"/healthz", "/readyz"})
+UNAUDITED = frozenset({"/health", "/healthz", "/readyz"})
 STATE_KEY = "audit"  # the request's notes, in scope["state"] (what request.state reads)
 
 

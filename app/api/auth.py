@@ -11,10 +11,18 @@ Credentials come as `Authorization: Bearer <API key or JWT>` or `X-API-Key: <API
   trusted: `none`, or HS256 signed with an RS256 public key, is refused); `exp` is required, `nbf`,
   `iat`, `aud` and `iss` are checked. The tenant is the first of `jwt_tenant_claims` present.
 
-With no API key anywhere (settings or Redis) and no JWT key, the API is open: every request is the
-tenant `anonymous` (credentials sent anyway, such as an OpenAI client's placeholder key, are ignored)
-and the API logs a WARNING at start. The Redis hash is looked at again at most once a second, so
-the first `conveyor keys create` closes an open API without a restart.
+Who may call is a setting, `Settings.auth` (CONVEYOR_AUTH), so that an API never opens by accident:
+
+- `keys` (the default): every request needs an API key or a JWT. With no credential configured
+  anywhere the API refuses everything (401, the body says how to add a key) and says so at start;
+  the first `conveyor keys create` lets its tenant in without a restart.
+- `none`: no authentication; every request is the tenant `anonymous` (credentials sent anyway, such
+  as an OpenAI client's placeholder key, are ignored), counted in
+  `conveyor_anonymous_requests_total`, and the API logs a WARNING at start. `make run` chooses it
+  for a laptop; credentials configured in settings with it are a contradiction that stops the start.
+
+API keys in settings (`CONVEYOR_API_KEYS`) are the only keys accepted unless
+`CONVEYOR_API_KEY_SOURCES=both` adds the ones stored in Redis; with none in settings, Redis's are.
 """
 
 from __future__ import annotations
@@ -23,7 +31,6 @@ import hashlib
 import json
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +43,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from starlette.datastructures import Headers
 
 from app.api import audit
+from app.core import metrics
 from app.core.config import Settings
 from app.core.errors import Unauthorized
 from app.core.keys import Keys
@@ -45,7 +53,11 @@ log = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"
 KEY_PREFIX = "cvk_"
 MAX_TENANT = 128  # characters of a tenant name: it is part of Redis keys and audit lines
-OPEN_RECHECK_S = 1.0  # an open API looks for newly created keys this often
+NO_CREDENTIALS = (
+    "this API accepts no credential yet: no API key or JWT key is configured. Create a key with "
+    "`conveyor keys create --tenant NAME` (or set CONVEYOR_API_KEYS / CONVEYOR_JWT_KEY), or serve "
+    "without authentication with CONVEYOR_AUTH=none"
+)
 ASYMMETRIC = ("RS", "PS", "ES", "Ed")
 
 
@@ -139,34 +151,40 @@ def _secret(text: str) -> bytes:
 
 
 class Authenticator:
-    """One per API process (app.state.auth): turns a request's headers into a Principal."""
+    """One per API process (app.state.auth): turns a request's headers into a Principal.
+
+    Raises ValueError at construction for settings that contradict each other (a bad JWT setting,
+    credentials configured while CONVEYOR_AUTH=none): the API does not start."""
 
     def __init__(self, settings: Settings, redis: Any, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self.open = settings.auth == "none"
         self.settings_keys = dict(settings.api_keys)
         configured = settings.jwt_key is not None or settings.jwt_key_file is not None
+        if self.open and (self.settings_keys or configured):
+            raise ValueError(
+                "CONVEYOR_AUTH=none serves everyone as 'anonymous', yet API keys or a JWT key are "
+                "configured: set CONVEYOR_AUTH=keys to use them, or remove them"
+            )
         self.jwt = JwtVerifier(settings) if configured else None
-        self._open_until = 0.0  # monotonic time until which "no keys in Redis" is believed
+        # Keys in settings are the whole list unless Redis's are asked for too.
+        self.redis_keys = not self.settings_keys or settings.api_key_sources == "both"
 
     @property
     def configured(self) -> bool:
         """Credentials in settings (Redis keys are looked up separately)."""
         return bool(self.settings_keys) or self.jwt is not None
 
-    async def is_open(self) -> bool:
-        """No credential is configured anywhere: anonymous access."""
+    async def has_credentials(self) -> bool:
+        """Some credential could pass: one in settings, or a key stored in Redis (when used)."""
         if self.configured:
-            return False
-        if time.monotonic() < self._open_until:
             return True
-        if await self.redis.hlen(self.keys.api_keys()):
-            return False
-        self._open_until = time.monotonic() + OPEN_RECHECK_S
-        return True
+        return self.redis_keys and bool(await self.redis.hlen(self.keys.api_keys()))
 
     async def authenticate(self, headers: Headers) -> Principal:
-        if await self.is_open():
+        if self.open:
+            metrics.ANONYMOUS_REQUESTS.inc()
             return Principal(ANONYMOUS, "anonymous")
         scheme, _, value = headers.get("authorization", "").partition(" ")
         bearer = value.strip() if scheme.lower() == "bearer" else ""
@@ -179,6 +197,8 @@ class Authenticator:
             return Principal(self.jwt.tenant(bearer), "jwt")
         key = bearer or api_key
         if not key:
+            if not await self.has_credentials():
+                raise Unauthorized(NO_CREDENTIALS, reason="no_credentials_configured")
             raise Unauthorized(
                 "credentials required: send 'Authorization: Bearer <API key or JWT>' "
                 "or 'X-API-Key: <API key>'"
@@ -188,7 +208,7 @@ class Authenticator:
     async def _tenant_of_key(self, key: str) -> str:
         digest = key_digest(key)
         tenant = self.settings_keys.get(digest)
-        if tenant is None:
+        if tenant is None and self.redis_keys:
             raw = await self.redis.hget(self.keys.api_keys(), digest)
             tenant = _stored_tenant(raw) if raw is not None else None
         if tenant is None:

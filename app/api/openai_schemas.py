@@ -21,8 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from app.api.schemas import ChatMessage, JobCreate, Priority
+from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature
 from app.core.errors import InvalidRequest
+from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -42,23 +43,47 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    # vLLM's sampling extensions, which benchmark tools may pass through.
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "stop_token_ids": (None, []),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
 }
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """OpenAI's stream options; keys it adds that change nothing here (`include_obfuscation`) are
+    ignored."""
+
+    include_usage: bool = Field(default=False, description="A last chunk with the usage, no choices.")
+    continuous_usage_stats: bool = Field(
+        default=False, description="With include_usage: every chunk carries the usage so far (vLLM's)."
+    )
 
 
 class OpenAIRequest(BaseModel):
-    """What completions and chat completions share. `top_k`, `ignore_eos`, `priority` and `timeout_s`
-    are Conveyor's own (the OpenAI client sends them in `extra_body`)."""
+    """What completions and chat completions share. `top_k`, `ignore_eos`, `min_tokens` (as vLLM has
+    them), `priority` and `timeout_s` (Conveyor's own) are not OpenAI's: the OpenAI client sends them
+    in `extra_body`."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=MAX_TEMPERATURE, description="0 means greedy; default 1."
+    )
+    top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a job's seed (JobCreate.seed)
     stop: str | list[str] | None = None
     # The schema states the rule; _one_choice enforces it with its own message.
@@ -70,10 +95,16 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted and ignored.")
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
     timeout_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        return None if value is None else checked_temperature(value)
 
     @field_validator("n")
     @classmethod
@@ -93,6 +124,11 @@ class OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: asked with include_usage, as vLLM reads it."""
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
+
     def to_job(self) -> JobCreate:
         """The job this request asks for (raises InvalidRequest for what a job cannot take)."""
         raise NotImplementedError
@@ -109,6 +145,7 @@ class OpenAIRequest(BaseModel):
             "priority": self.priority,
             "timeout_s": self.timeout_s,
             "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
         }
         try:
             return JobCreate.model_validate({**input, **fields})

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
+from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P, temperature_problem
 
 # The classes of app.core.keys.PRIORITIES, served in this order; an alias is stored as its class.
 Priority = Annotated[
@@ -15,6 +16,13 @@ Priority = Annotated[
     BeforeValidator(lambda v: PRIORITY_ALIASES.get(v, v) if isinstance(v, str) else v),
     Field(description=f"One of {', '.join(PRIORITIES)} (served in that order); `low` means `batch`."),
 ]
+
+
+def checked_temperature(value: float) -> float:
+    """0 (greedy) or at least MIN_TEMPERATURE: between them float32 sampling breaks (app/core/sampling.py)."""
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(temperature_problem(value))
+    return value
 
 
 class ChatMessage(BaseModel):
@@ -46,9 +54,14 @@ class JobCreate(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Tokens to generate at most; the server's default when omitted."
     )
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 disables the top-k cut.")
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}.",
+    )
+    top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     priority: Priority = "normal"
@@ -59,6 +72,12 @@ class JobCreate(BaseModel):
         "Refused at once (429) when the predicted wait is already longer.",
     )
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens (for benchmarks).")
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="End of sequence cannot end the job before this many tokens (a stop string still "
+        "can). At most max_tokens.",
+    )
     # Webhooks (app/webhooks/): signed POSTs of the job's events to this URL.
     callback_url: str | None = Field(
         default=None,
@@ -72,6 +91,11 @@ class JobCreate(BaseModel):
         description="Which events to send; default started, completed, failed (`token`: batches of "
         "tokens, at most one request per 500 ms).",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        return checked_temperature(value)
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from app.api.auth import ANONYMOUS
 from app.api.catalog import Catalog
 from app.api.events import EventHub
+from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
 from app.batching.intake import intake_fields
 from app.core import metrics
@@ -73,11 +74,13 @@ class JobService:
         self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
         self._cancel = redis.register_script(END_LUA)
         self._background: set[asyncio.Task[None]] = set()
+        self.prompts = PromptEncoder(settings)  # tokenizes on its own threads, never on the event loop
 
     async def submit(
         self, request: JobCreate, *, tenant: str, idempotency_key: str | None = None
     ) -> Submitted:
-        """Validate, charge the tenant's rate limits (app/core/ratelimit.py), admit
+        """Check what costs nothing, charge the tenant's rate limits (app/core/ratelimit.py) before any
+        work (loading a tokenizer, tokenizing, resolving a callback's host), then admit
         (app/core/admission.py) and queue a job owned by `tenant`; with an Idempotency-Key (scoped
         to the tenant), the job that key already named (same body) instead of a new one."""
         idempotency = None
@@ -91,11 +94,6 @@ class JobService:
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
                 limit=self.settings.max_timeout_s,
             )
-        name = request.model or self.settings.default_model
-        # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
-        model = self.catalog.cached(name)
-        if model is None:
-            model = await run_in_threadpool(self.catalog.get, name)
         max_tokens = request.max_tokens or min(
             self.settings.default_max_tokens, self.settings.max_tokens_limit
         )
@@ -104,14 +102,42 @@ class JobService:
                 f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
                 limit=self.settings.max_tokens_limit,
             )
+        if request.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens is {request.min_tokens}, over max_tokens ({max_tokens})", limit=max_tokens
+            )
         stop = request.stop_list()
         self._check_stop(stop)
-        if request.messages is not None:
-            prompt_ids = model.encode_chat([m.model_dump() for m in request.messages])
-        else:
-            prompt_ids = model.encode_prompt(request.prompt or "")
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
+
+        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
+        try:
+            written = await self._prepare_and_write(
+                request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=idempotency
+            )
+        except Exception:
+            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
+            raise
+        if isinstance(written, Submitted):  # another submit with the same key won the race
+            await self._refund(tenant, max_tokens)
+            return written
+        return Submitted(written, quota=quota)
+
+    async def _prepare_and_write(
+        self,
+        request: JobCreate,
+        *,
+        tenant: str,
+        max_tokens: int,
+        stop: list[str],
+        idempotency: tuple[str, str] | None,
+    ) -> dict[str, str] | Submitted:
+        """The work a charged submit pays for: its model, its prompt's tokens, its callback, the write."""
+        name = request.model or self.settings.default_model
+        # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
+        model = self.catalog.cached(name)
+        if model is None:
+            model = await run_in_threadpool(self.catalog.get, name)
+        prompt_ids = await self.prompts.encode(model, request)
         if len(prompt_ids) + max_tokens > model.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the context of "
@@ -122,26 +148,16 @@ class JobService:
         callback = None  # Webhooks: the SSRF guard (DNS included) before anything is written
         if request.callback_url is not None:
             callback = await self.callbacks.check(request.callback_url, request.callback_events)
-
-        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
-        try:
-            written = await self._admit_and_write(
-                request,
-                tenant=tenant,
-                model_name=model.name,
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                stop=stop,
-                callback=callback,
-                idempotency=idempotency,
-            )
-        except Exception:
-            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
-            raise
-        if isinstance(written, Submitted):  # another submit with the same key won the race
-            await self._refund(tenant, max_tokens)
-            return written
-        return Submitted(written, quota=quota)
+        return await self._admit_and_write(
+            request,
+            tenant=tenant,
+            model_name=model.name,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            stop=stop,
+            callback=callback,
+            idempotency=idempotency,
+        )
 
     async def _refund(self, tenant: str, tokens: int) -> None:
         try:
@@ -176,6 +192,7 @@ class JobService:
             "seed": request.seed,
             "stop": stop,
             "ignore_eos": request.ignore_eos,
+            "min_tokens": request.min_tokens,
         }
         deadline = now + request.timeout_s if request.timeout_s is not None else None
         record = {

@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     default_max_tokens: int = 128
     max_stop_strings: int = 4
     max_stop_length: int = 64
+    # A prompt of more than context length x this many characters is refused (422) before it is
+    # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
+    # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
+    max_prompt_chars_per_token: int = Field(default=16, ge=1)
+    # Threads that tokenize prompts for the API, off its event loop; past them prompts wait their turn
+    # instead of taking every core.
+    tokenize_threads: int = Field(default=4, ge=1)
 
     # Batcher: the seed's window is 50 ms; 8 is what batching needs on a CPU to pay for itself.
     max_batch_size: int = 32
@@ -99,6 +106,10 @@ class Settings(BaseSettings):
     replicas: int = 1  # workers per stage, sharing the stage's queue (load balancing)
     plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
     device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
+    # Serving precision of the stage workers: auto picks bf16 on GPUs that have it (fp16 on older
+    # ones) and on CPUs with native bf16 where it measures faster, else fp32. A model added with
+    # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
@@ -179,8 +190,13 @@ class Settings(BaseSettings):
     # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
     webhook_disabled_ttl_s: int = Field(default=7 * 86_400, ge=1)
 
-    # Auth, tenants and audit. With no API key (here or made by `conveyor keys create`) and no JWT key,
-    # the API is open and every request is tenant "anonymous" (a WARNING at start says so).
+    # Auth, tenants and audit. keys: every request needs an API key or a JWT, and with none configured
+    # anywhere every request is refused (401): the API never opens by accident. none: no
+    # authentication, every request is tenant "anonymous" (`make run` on a laptop; a WARNING at start).
+    auth: Literal["keys", "none"] = "keys"
+    # Where API keys are looked up. auto: the keys in api_keys when any are set (a deployment's
+    # secrets are then the whole list), else those `conveyor keys create` stored in Redis; both: both.
+    api_key_sources: Literal["auto", "both"] = "auto"
     # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
     api_keys: dict[str, str] = Field(default_factory=dict)
     # JWT bearer tokens: the verification key (a PEM public key or certificate for RS/PS/ES/EdDSA, the

@@ -157,8 +157,8 @@ class Unauthorized(ConveyorError):
     code = "unauthorized"
     status = 401
 
-    def __init__(self, message: str, *, invalid: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, invalid: bool = False, **details: Any) -> None:
+        super().__init__(message, **details)
         self.invalid = invalid
 
     def headers(self) -> dict[str, str]:

@@ -65,6 +65,10 @@ class Keys:
         """Hash: worker -> its GPU's memory, utilisation and temperature (JSON), from its heartbeat."""
         return f"{self.namespace}:devices"
 
+    def stage_info(self) -> str:
+        """Hash: worker -> what it serves (model, stage, layers, dtype, device, parameter bytes; JSON)."""
+        return f"{self.namespace}:stageinfo"
+
     def latency(self, model: str) -> str:
         """Hash: stage -> its measured step latency (JSON), for `conveyor plan --rebalance`."""
         return f"{self.namespace}:latency:{model}"

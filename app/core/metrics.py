@@ -76,6 +76,10 @@ ADMISSION_REFUSED = Counter(
 INTAKE_DEPTH = Gauge("conveyor_intake_depth", "Jobs waiting in the intake, by class", ["model", "priority"])
 WORKERS_LIVE = Gauge("conveyor_workers_live", "Stage workers with a fresh heartbeat", ["model", "stage"])
 BREAKER_STATE = Gauge("conveyor_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["model"])
+ANONYMOUS_REQUESTS = Counter(
+    "conveyor_anonymous_requests",
+    "Requests served without authentication, as tenant anonymous (CONVEYOR_AUTH=none)",
+)
 
 # ---------------------------------------------------------------- batcher
 INTAKE_WAIT = Histogram(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,10 @@ def server_binary() -> str:
 
 
 def start_embedded(
-    data_dir: Path, port: int, *, host: str = "127.0.0.1"
+    data_dir: Path, port: int, *, host: str = "127.0.0.1", preexec_fn: Callable[[], None] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the bundled redis-server; return the process and its URL once it answers PING."""
+    """Start the bundled redis-server; return the process and its URL once it answers PING.
+    `preexec_fn` runs in the child before the server starts (`conveyor up`: die with the parent)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         server_binary(),
@@ -56,7 +58,9 @@ def start_embedded(
         "--logfile",
         str((data_dir / "redis.log").resolve()),
     ]
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec_fn
+    )
     url = f"redis://{host}:{port}/0"
     if not wait_for_redis(url, timeout_s=10.0, process=process):
         process.terminate()

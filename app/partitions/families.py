@@ -87,15 +87,21 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "mixtral",
         ("mixtral",),
-        experts=("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
-                 "block_sparse_moe.experts.{e}.w2.weight"),
+        experts=(
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+            "block_sparse_moe.experts.{e}.w2.weight",
+        ),
         renames=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),),
     ),
     Family(
         "qwen3_moe",
         ("qwen3_moe",),
-        experts=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                 "mlp.experts.{e}.down_proj.weight"),
+        experts=(
+            "mlp.experts.{e}.gate_proj.weight",
+            "mlp.experts.{e}.up_proj.weight",
+            "mlp.experts.{e}.down_proj.weight",
+        ),
     ),
     Family(
         "gpt2",

@@ -138,3 +138,31 @@ class SlabLayer(DynamicLayer):
         self.keys = self._k[: self.rows, :, self.start : self.end]
         self.values = self._v[: self.rows, :, self.start : self.end]
         return self.keys, self.values
+
+
+class SlidingSlabLayer(SlabLayer):
+    """A sliding-window layer's cache: it keeps only the last `window - 1` columns between steps.
+
+    A step attends over what is kept plus its new columns (the query at column q sees keys in
+    (q - window, q]); afterwards the older columns are forgotten by moving `start`, so the cache of
+    a long sequence holds `window - 1` columns, not its whole history. The buffer is compacted to
+    the kept part whenever it is reallocated.
+    """
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.keep_last(self.window - 1)
+        return keys, values  # this step still sees its whole window: the views taken before the cut
+
+    def keep_last(self, columns: int) -> None:
+        """Forget all but the last `columns` time steps."""
+        if self._k is None or self.length <= columns:
+            return
+        self.start = self.end - columns
+        self._views()

@@ -1,5 +1,8 @@
 """A decoder language model cut on layer boundaries: one stage runs layers [start, stop).
 
+What a family's outer forward adds around its layers (embedding scale, learned positions, per-layer
+attention kinds and rotary tables, logit scaling and soft-capping) comes from `families.py`.
+
 The first stage owns the token embedding, the last one the final norm and the LM head; a model
 that fits one device is the one-stage case of the same code. Per batch, a stage keeps its own
 KV cache and attention mask (`BatchState`); positions are derived from the mask, never counted.
@@ -7,6 +10,7 @@ KV cache and attention mask (`BatchState`); positions are derived from the mask,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
-from transformers.masking_utils import create_causal_mask
 
-from app.partitions.kvcache import SlabLayer
-from app.partitions.loading import build_on_meta, materialize
+from app.core.errors import UnsupportedModel
+from app.partitions.families import SLIDING, attention_kinds, family_for
+from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
+from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,12 @@ class BatchState:
 
     def __init__(self, config: PretrainedConfig, seq_ids: list[str], attention_mask: torch.Tensor) -> None:
         self.cache = DynamicCache(config=config)
-        kinds = {type(layer) for layer in self.cache.layers}
-        if kinds - {DynamicLayer}:
-            raise ValueError(
-                f"only full-attention layers are supported, not {sorted(k.__name__ for k in kinds)}"
-            )
-        self.cache.layers = [SlabLayer() for _ in self.cache.layers]
+        window = int(getattr(config, "sliding_window", None) or 0)
+        # One slab per layer of the whole model (layers keep their global index); a sliding layer's
+        # slab keeps only its window.
+        self.cache.layers = [
+            SlidingSlabLayer(window) if kind == SLIDING else SlabLayer() for kind in attention_kinds(config)
+        ]
         self.seq_ids = list(seq_ids)
         self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
 
@@ -81,13 +85,17 @@ class BatchState:
         first = int(used.int().argmax())
         self.attention_mask = self.attention_mask[:, first:]
         for layer in self.slabs:
-            layer.trim(first)
+            if isinstance(layer, SlidingSlabLayer):
+                layer.keep_last(min(self.length, layer.window - 1))  # it holds the last columns only
+            else:
+                layer.trim(first)
 
     def absorb(self, other: BatchState) -> None:
         """Append another batch's rows (iteration-level batching: a batch joins a running one).
 
         The shorter history is left-padded with masked zeros, so both caches have one length T;
-        positions come from the mask, so the joined rows keep theirs.
+        positions come from the mask, so the joined rows keep theirs. Caches are right-aligned
+        with the mask, so a sliding layer's last columns stay the mask's last columns.
         """
         length = max(self.length, other.length)
         for mine, theirs in zip(self.slabs, other.slabs, strict=True):
@@ -107,24 +115,42 @@ class BatchState:
 
 
 class StagePartition(nn.Module):
-    """Layers [start, stop) of a Llama-family causal LM, plus embedding / head when at an end."""
+    """Layers [start, stop) of a causal LM of a supported family, plus embedding / head at the ends.
+
+    Built from a whole model in memory (tests) or, through `load`, from a checkpoint with only
+    this stage's tensors read. One code path for one stage or many.
+    """
 
     embed_tokens: nn.Module | None
+    positions: nn.Module | None
     norm: nn.Module | None
     lm_head: nn.Module | None
 
     def __init__(self, model: Any, layers: LayerRange) -> None:
         super().__init__()
         self.config: PretrainedConfig = model.config
+        self.family = family_for(self.config)
         self.range = layers
         self.is_first = layers.start == 0
         self.is_last = layers.stop == self.config.num_hidden_layers
-        body = model.model
-        self.embed_tokens = body.embed_tokens if self.is_first else None
-        self.layers = nn.ModuleList(body.layers[layers.start : layers.stop])
-        self.rotary_emb: Any = body.rotary_emb
-        self.norm = body.norm if self.is_last else None
+        kinds = attention_kinds(self.config)
+        self.kinds = kinds[layers.start : layers.stop]  # this stage's layers' attention kinds
+        self.window = getattr(self.config, "sliding_window", None)
+        self.eager = self.config._attn_implementation == "eager"  # additive float masks, else boolean
+        family = self.family
+        body = getattr(model, family.body)
+        self.embed_tokens = getattr(body, family.embed) if self.is_first else None
+        self.positions = (
+            getattr(body, family.learned_positions) if self.is_first and family.learned_positions else None
+        )
+        self.layers = nn.ModuleList(getattr(body, family.layers)[layers.start : layers.stop])
+        self.rotary_emb: Any = body.rotary_emb if family.rotary else None
+        self._rotary_by_kind = self.rotary_emb is not None and (
+            "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        )
+        self.norm = getattr(body, family.norm) if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 
     @classmethod
     def load(
@@ -135,22 +161,61 @@ class StagePartition(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
     ) -> StagePartition:
-        """Build this stage alone: its modules on `device`, its tensors read from the checkpoint."""
+        """Build this stage alone: its modules on `device` in `dtype`, its tensors read from disk."""
         meta = build_on_meta(path, dtype)
         config = meta.config
         layers = layers or LayerRange(0, config.num_hidden_layers)
         stage = cls(meta, layers)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        materialize(stage, path, start=layers.start, device=torch.device(device), dtype=dtype, tied_head=tied)
-        if tied and stage.embed_tokens is not None and stage.lm_head is not None:
+        target = torch.device(device)
+        stage.to_empty(device=target)
+        stage._fill(Checkpoint(Path(path)))
+        if stage.embed_tokens is not None and stage.lm_head is not None and _tied(config):
             stage.lm_head.weight = stage.embed_tokens.weight  # to_empty() does not keep the tie
-        with torch.device(device):
-            stage.rotary_emb = type(meta.model.rotary_emb)(config=config)  # non-persistent: rebuilt
+        rebuild_buffers(stage, config, target, {"rotary_emb"} if stage.rotary_emb is not None else set())
+        check_materialized(stage)
         return stage.eval()
+
+    def _fill(self, checkpoint: Checkpoint) -> None:
+        """Read every parameter and persistent buffer of this stage from the checkpoint."""
+        family = self.family
+        embedding = f"{family.body}.{family.embed}.weight"
+        owners = {
+            "embed_tokens": f"{family.body}.{family.embed}",
+            "positions": f"{family.body}.{family.learned_positions}",
+            "norm": f"{family.body}.{family.norm}",
+            "lm_head": "lm_head",
+        }
+        non_persistent = {
+            f"{module_name}.{buffer}" if module_name else buffer
+            for module_name, module in self.named_modules()
+            for buffer in getattr(module, "_non_persistent_buffers_set", ())
+        }
+        tensors: list[tuple[str, torch.Tensor]] = [*self.named_parameters()]
+        tensors += [(n, b) for n, b in self.named_buffers() if n not in non_persistent]
+        try:
+            for local, tensor in tensors:
+                head, _, rest = local.partition(".")
+                if head == "layers":
+                    index, _, tail = rest.partition(".")
+                    name = f"{family.body}.{family.layers}.{self.range.start + int(index)}.{tail}"
+                elif head in owners:
+                    name = f"{owners[head]}.{rest}"
+                else:
+                    raise UnsupportedModel(f"unexpected stage tensor {local!r}")
+                fallbacks = [name.removeprefix(f"{family.body}.")]  # saved from the base model
+                if head == "lm_head":
+                    fallbacks += [embedding, embedding.removeprefix(f"{family.body}.")]  # tied head
+                fill(tensor, name, checkpoint, family, fallbacks=fallbacks)
+        finally:
+            checkpoint.close()
 
     @property
     def device(self) -> torch.device:
-        return self.rotary_emb.inv_freq.device  # type: ignore[no-any-return]
+        return next(self.parameters()).device
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.dtype
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -163,15 +228,10 @@ class StagePartition(nn.Module):
         if self.embed_tokens is not None:
             x = torch.zeros(1, tokens, dtype=torch.long)
         else:
-            x = torch.zeros(1, tokens, self.config.hidden_size, dtype=self.hidden_dtype)
+            x = torch.zeros(1, tokens, self.config.hidden_size, dtype=self.dtype)
         self(state, x)
         state.extend(1)
         self(state, x[:, -1:])
-
-    @property
-    def hidden_dtype(self) -> torch.dtype:
-        source: Any = self.rotary_emb.inv_freq if self.embed_tokens is None else self.embed_tokens.weight
-        return source.dtype  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def forward(
@@ -183,37 +243,94 @@ class StagePartition(nn.Module):
         has already extended `state.attention_mask` to cover these S new positions.
         `between_layers` is called after every layer but the last: the step can be interrupted
         there for other batches' work (it touches nothing of this step's).
-        Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V].
+        Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
         """
         x = x.to(self.device)
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, S, D]
-        new = hidden.shape[1]
         mask = state.attention_mask.to(self.device)
+        new = x.shape[1]
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]  # [B, S]
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            cache=state.cache,
-            position_ids=position_ids,
-            # Layers keep their global index: size the mask from this stage's first cache slot.
-            layer_idx=self.range.start,
-        )
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for index, layer in enumerate(self.layers):
+        hidden = self._embed(x, position_ids) if self.embed_tokens is not None else x  # [B, S, D]
+        masks = {kind: self._mask(mask, new, kind, hidden.dtype) for kind in set(self.kinds)}
+        rotary = self._rotary(hidden, position_ids)
+        for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
             if index and between_layers is not None:
                 between_layers()
-            hidden = layer(
+            extra = {} if rotary is None else {"position_embeddings": rotary[kind]}
+            out = layer(
                 hidden,
-                attention_mask=causal_mask,
+                attention_mask=masks[kind],
                 position_ids=position_ids,
                 cache=state.cache,
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                **extra,
             )
+            hidden = out[0] if isinstance(out, tuple) else out
+        self._check_windows(state)
         if self.lm_head is None or self.norm is None:
             return hidden
-        return self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
+        logits = self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
+        return self.family.logits(self.config, logits).float()
+
+    def _embed(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None
+        hidden = self.embed_tokens(ids)  # [B, S, D] (Gemma's scaled embedding scales itself)
+        if self.positions is not None:
+            hidden = hidden + self.positions(position_ids)
+        multiplier = self.family.embedding_multiplier
+        if multiplier is not None:
+            hidden = hidden * getattr(self.config, multiplier)
+        return hidden  # type: ignore[no-any-return]
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any] | None:
+        if self.rotary_emb is None:
+            return None
+        if self._rotary_by_kind:  # Gemma 3: local and global layers have their own rope base
+            return {kind: self.rotary_emb(hidden, position_ids, kind) for kind in set(self.kinds)}
+        table = self.rotary_emb(hidden, position_ids=position_ids)
+        return dict.fromkeys(set(self.kinds), table)
+
+    def _mask(self, mask: torch.Tensor, new: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The 4-D attention mask of one step for layers of one kind: [B, 1, S, K].
+
+        Query i sits at column T - S + i of the batch's history (mask [B, T]); it sees key column k
+        when k <= its column and k holds a real token, and for a sliding layer when it is within
+        the window (k > q - window, transformers' rule). A sliding layer keeps only its last
+        `window - 1` columns before the step, so its keys are the mask's last K columns.
+        A padding query sees only itself: its output is never used, and a row that sees nothing
+        would be NaN, which even a zero attention weight would carry into real rows.
+        """
+        total = mask.shape[1]
+        q = torch.arange(total - new, total, device=mask.device)[:, None]  # [S, 1]
+        k = torch.arange(total, device=mask.device)[None, :]  # [1, T]
+        allowed = (k <= q) & mask.bool()[:, None, :]  # [B, S, T]
+        if kind == SLIDING:
+            assert self.window is not None
+            allowed = allowed & (k > q - self.window)
+            kept = min(total - new, self.window - 1) + new
+            allowed = allowed[:, :, total - kept :]
+            k = k[:, total - kept :]
+        allowed = (allowed | (k == q))[:, None]  # [B, 1, S, K]
+        if not self.eager:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def _check_windows(self, state: BatchState) -> None:
+        """A sliding layer's cache must hold exactly the columns its mask assumed: refuse otherwise."""
+        if self.window is None:
+            return
+        for index, kind in enumerate(self.kinds):
+            slab = state.slabs[self.range.start + index]
+            if kind == SLIDING and slab.length != min(state.length, self.window - 1):
+                raise RuntimeError(
+                    f"sliding cache of layer {self.range.start + index} holds {slab.length} columns, "
+                    f"expected {min(state.length, self.window - 1)}"
+                )
+
+
+def _tied(config: Any) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def _left_pad_time(mask: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,16 +1,25 @@
 """Load one stage's partition and nothing else: memory proportional to the partition.
 
 The model is built on the `meta` device (no weights allocated), the stage keeps only its own
-modules, those are materialized on the target device, and only their tensors are read from the
-safetensors files (memory-mapped, one tensor at a time). Two facts about Llama-family checkpoints
-shape this (DESIGN.md §8): the LM head is usually tied to the embedding and not stored, so a last
-stage that does not also hold the embedding reads the embedding tensor for its head; and the
-rotary `inv_freq` buffer is not persistent, so it is rebuilt rather than loaded.
+modules, those are materialized on the target device in the serving dtype, and only their
+tensors are read from the safetensors files (memory-mapped, one tensor at a time, converted to the
+parameter's dtype as it is copied in: no full-precision copy of the model is ever held).
+
+Checkpoints do not always store a parameter under the name the module has:
+- the LM head is usually tied to the embedding and not stored, so a last stage that does not
+  also hold the embedding reads the embedding tensor for its head;
+- transformers fuses the experts of MoE families into 3-D tensors (`mlp.experts.gate_up_proj`
+  [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) while checkpoints store each expert's matrices;
+  they are stacked here, expert by expert, as the family table says (`Family.experts`);
+- some checkpoints were saved from the base model, without its prefix (GPT-2's `h.0...`).
+Non-persistent buffers are not in a checkpoint at all: they are rebuilt by `rebuild_buffers`,
+and one without a rule refuses the model rather than run with garbage in it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +28,11 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-EMBEDDING = "model.embed_tokens.weight"
+from app.core.errors import UnsupportedModel
+from app.partitions.families import Family, family_for
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the two the stage builds masks for
+_LAYER = re.compile(r"^(?P<prefix>.*\.\d+)\.(?P<tail>.+)$")
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -35,41 +48,123 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def checkpoint_name(local: str, *, start: int, tied_head: bool) -> str:
-    """The checkpoint tensor behind one of a stage's own parameter names."""
-    head, _, rest = local.partition(".")
-    if head == "layers":
-        index, _, tail = rest.partition(".")
-        return f"model.layers.{start + int(index)}.{tail}"
-    if head in ("embed_tokens", "norm"):
-        return f"model.{local}"
-    if head == "lm_head":
-        return EMBEDDING if tied_head else local
-    raise KeyError(f"unexpected stage parameter {local!r}")
+def load_config(path: Path) -> Any:
+    """The model's config, refused (before any weight is read) when its family is not supported."""
+    config = AutoConfig.from_pretrained(path)
+    family_for(config)
+    return config
 
 
 def build_on_meta(path: Path, dtype: torch.dtype) -> Any:
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    implementation = model.config._attn_implementation
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise UnsupportedModel(f"attention implementation {implementation!r} is not supported")
+    return model
 
 
-def materialize(
-    stage: nn.Module, path: Path, *, start: int, device: torch.device, dtype: torch.dtype, tied_head: bool
+class Checkpoint:
+    """Reads named tensors from a model directory's safetensors files, one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.files = checkpoint_files(Path(path))
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file].get_tensor(name)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@torch.no_grad()
+def fill(
+    param: torch.Tensor, name: str, checkpoint: Checkpoint, family: Family, *, fallbacks: list[str]
 ) -> None:
-    """Allocate the stage's own parameters on `device` and fill them from the checkpoint."""
-    stage.to_empty(device=device)
-    files = checkpoint_files(Path(path))
-    handles: dict[Path, Any] = {}
-    try:
-        for local, param in stage.named_parameters():
-            name = checkpoint_name(local, start=start, tied_head=tied_head)
-            if name not in files and name == "lm_head.weight":
-                name = EMBEDDING  # a head the checkpoint does not store is the tied embedding
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            with torch.no_grad():
-                param.copy_(handles[file].get_tensor(name).to(dtype))
-    finally:
-        handles.clear()
+    """Copy the checkpoint's tensor for the full-model parameter `name` into `param`."""
+    for candidate in (name, *fallbacks):
+        if candidate in checkpoint:
+            _copy(param, checkpoint.read(candidate), candidate)
+            return
+    match = _LAYER.match(name)
+    if match is not None and _fill_legacy(param, match["prefix"], match["tail"], checkpoint, family):
+        return
+    raise UnsupportedModel(
+        f"the checkpoint has no tensor for parameter {name!r} (nor {fallbacks}); "
+        "it was not saved by a supported transformers model of this family"
+    )
+
+
+def _fill_legacy(param: torch.Tensor, prefix: str, tail: str, checkpoint: Checkpoint, family: Family) -> bool:
+    for ours, theirs in family.renames:
+        if tail == ours and f"{prefix}.{theirs}" in checkpoint:
+            _copy(param, checkpoint.read(f"{prefix}.{theirs}"), f"{prefix}.{theirs}")
+            return True
+    if family.experts is None:
+        return False
+    gate, up, down = (f"{prefix}.{pattern}" for pattern in family.experts)
+    if tail == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows then up rows, per expert
+        for e in range(param.shape[0]):
+            g, u = checkpoint.read(gate.format(e=e)), checkpoint.read(up.format(e=e))
+            _copy(param[e], torch.cat([g, u], dim=0), gate.format(e=e))
+        return True
+    if tail == "mlp.experts.down_proj":  # [E, H, I]
+        for e in range(param.shape[0]):
+            _copy(param[e], checkpoint.read(down.format(e=e)), down.format(e=e))
+        return True
+    return False
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise UnsupportedModel(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    param.copy_(tensor.to(param.dtype))
+
+
+def rebuild_buffers(stage: nn.Module, config: Any, device: torch.device, rotary_names: set[str]) -> None:
+    """Give every non-persistent buffer its value: they are not in checkpoints, and `to_empty` left
+    them as uninitialised memory (Gemma's `embed_scale` read as garbage made a worker emit token 0).
+
+    Rotary tables are rebuilt by constructing their module again (their constructors compute them
+    from the config); a scaled embedding's scale is set from the scalar it was built with. Any other
+    non-persistent buffer has no rule, and the model is refused.
+    """
+    for module_name, module in list(stage.named_modules()):
+        if module_name in rotary_names:
+            continue
+        for buffer in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            if buffer == "embed_scale" and hasattr(module, "scalar_embed_scale"):
+                value = torch.tensor(float(module.scalar_embed_scale), device=device)
+                module.register_buffer("embed_scale", value, persistent=False)
+            else:
+                raise UnsupportedModel(
+                    f"{type(module).__name__}.{buffer} is a non-persistent buffer with no rebuild rule; "
+                    "this model cannot be served exactly"
+                )
+    with torch.device(device):
+        for name in rotary_names:
+            owner, _, attribute = name.rpartition(".")
+            parent = stage.get_submodule(owner) if owner else stage
+            old = getattr(parent, attribute)
+            setattr(parent, attribute, type(old)(config=config))
+
+
+def check_materialized(stage: nn.Module) -> None:
+    """Refuse to run with a tensor still on `meta` or a buffer that is not finite."""
+    for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
+        if tensor.is_meta:
+            raise UnsupportedModel(f"stage tensor {name!r} was never loaded (still on the meta device)")
+    for name, buffer in stage.named_buffers():
+        if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+            raise UnsupportedModel(f"stage buffer {name!r} holds non-finite values after loading")

@@ -73,6 +73,7 @@ def serve(
     loglevel: str = "INFO",
     labels: tuple[str, str] = ("", ""),
     slots: int = 1,
+    info: dict[str, Any] | None = None,
 ) -> None:
     """Run a worker on `queues` (one process owns one partition), beating its heartbeat.
 
@@ -101,6 +102,8 @@ def serve(
         devices_key=Keys(settings.namespace).devices(),
         device=device,
         labels=labels,
+        info_key=Keys(settings.namespace).stage_info() if info is not None else None,
+        info=info,
     )
     heartbeat.beat()
     heartbeat.start()

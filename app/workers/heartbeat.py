@@ -26,6 +26,8 @@ class Heartbeat(threading.Thread):
         devices_key: str | None = None,  # where GPU workers report their device's state
         device: str = "cpu",
         labels: tuple[str, str] = ("", ""),  # (model, stage) of the heartbeat metric
+        info_key: str | None = None,  # where the worker says what it serves (shown by /readyz)
+        info: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.redis = redis
@@ -36,6 +38,8 @@ class Heartbeat(threading.Thread):
         self.devices_key = devices_key
         self.device = device
         self.labels = labels
+        self.info_key = info_key
+        self.info = info
         self._stopping = threading.Event()
 
     def beat(self) -> None:
@@ -48,6 +52,9 @@ class Heartbeat(threading.Thread):
         if stats is not None and self.devices_key:
             pipe.hset(self.devices_key, self.member, json.dumps(stats))
             pipe.expire(self.devices_key, int(10 * self.ttl_s))
+        if self.info_key and self.info is not None:
+            pipe.hset(self.info_key, self.member, json.dumps({**self.info, "at": now}))
+            pipe.expire(self.info_key, int(10 * self.ttl_s))
         pipe.execute()
         metrics.HEARTBEAT.labels(*self.labels, self.member).set(now)
         metrics.device_observed(self.device, stats)
@@ -63,5 +70,7 @@ class Heartbeat(threading.Thread):
         self._stopping.set()
         try:
             self.redis.zrem(self.key, self.member)
+            if self.info_key:
+                self.redis.hdel(self.info_key, self.member)
         except Exception:
             log.debug("could not withdraw heartbeat", exc_info=True)

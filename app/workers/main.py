@@ -16,11 +16,14 @@ from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.jobs import JobStore
 from app.core.keys import Keys
+from app.core.modelstore import registered_dtype
 from app.core.protocol import STEP_TASK, StepMessage, broker_priority
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
+from app.partitions.loading import load_config
+from app.partitions.precision import dtype_name, resolve_dtype
 from app.workers import lane
 from app.workers.celery_app import create_celery_app, register_step_task, serve
 from app.workers.compute import ComputeThread
@@ -68,20 +71,40 @@ def run_worker(
 
     # Weights load here, at worker start, never at import: this stage's tensors only, on the
     # thread that will run them (see app.workers.compute).
+    load_config(path)  # an unsupported architecture is refused here, before any weight is read
     layers = stage_layers(settings, path, stage=stage, num_stages=num_stages)
     device = resolve_device(settings.device, stage)
     compute = ComputeThread()
     compute.start()
-    partition = compute.call(lambda: load_partition(path, layers, device, settings.torch_threads))
+
+    def load() -> tuple[StagePartition, torch.dtype]:
+        if settings.torch_threads:  # before anything is measured or run on this thread
+            torch.set_num_threads(settings.torch_threads)
+        chosen = registered_dtype(path)  # `model add --dtype`; else the setting
+        dtype = resolve_dtype(chosen if chosen not in (None, "auto") else settings.dtype, device)
+        return load_partition(path, layers, device, dtype), dtype
+
+    partition, dtype = compute.call(load)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
+    info = {
+        "model": model,
+        "stage": stage,
+        "layers": [layers.start, layers.stop],
+        "family": partition.family.name,
+        "dtype": dtype_name(dtype),
+        "device": device,
+        "param_bytes": partition.param_bytes(),
+    }
     log.info(
-        "stage %d/%d of %s: layers %d-%d on %s, %.1f MiB of parameters, %d CPU threads",
+        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads",
         stage,
         num_stages,
         model,
+        partition.family.name,
         layers.start,
         layers.stop - 1,
         device,
+        dtype_name(dtype),
         partition.param_bytes() / 2**20,
         torch.get_num_threads(),
     )
@@ -158,15 +181,14 @@ def run_worker(
         # or three at one worker) plus urgent ones: with four task threads, ordinary prefills
         # waiting for their turn still leave one free to fetch an urgent prefill at once.
         slots=4,
+        info=info,
     )
     compute.stop()
 
 
-def load_partition(path: Path, layers: LayerRange, device: str, threads: int | None) -> StagePartition:
+def load_partition(path: Path, layers: LayerRange, device: str, dtype: torch.dtype) -> StagePartition:
     """Load and warm up one stage's layers (on the compute thread, which runs them from then on)."""
-    if threads:
-        torch.set_num_threads(threads)
-    partition = StagePartition.load(path, layers, device=device)
+    partition = StagePartition.load(path, layers, dtype=dtype, device=device)
     partition.warmup()
     return partition
 

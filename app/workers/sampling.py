@@ -1,13 +1,20 @@
 """Token sampling: greedy, temperature, top-k, top-p, reproducible per sequence with a seed.
 
 Pure functions of logits, parameters and per-sequence generators; unit-tested without services.
+`sample` never raises for a row's values: out-of-range parameters are brought inside the bounds of
+app/core/sampling.py, and a row whose probabilities are not a distribution (non-finite logits)
+takes its greedy token. The stage refuses a job with such values before it gets here
+(`SamplingParams.problem`); the clamps are what holds if one slips through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
+
+from app.core.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, sampling_problem
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def problem(self) -> str | None:
+        """Why these values may not be used (a job stored with them fails), or None."""
+        return sampling_problem(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def bounded(self, vocab: int) -> SamplingParams:
+        """The same choice inside the bounds: NaN or <= 0 temperature is greedy, a tiny one the
+        smallest, a huge one the largest; top_p in [MIN_TOP_P, 1] (NaN: 1); top_k in [0, vocab]."""
+        temperature = _number(self.temperature, 0.0)
+        temperature = 0.0 if not temperature > 0 else min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+        top_p = min(max(_number(self.top_p, 1.0), MIN_TOP_P), 1.0)
+        top_k = int(min(max(_number(self.top_k, 0.0), 0.0), float(vocab)))
+        return replace(self, temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+def _number(value: object, default: float) -> float:
+    """`value` as a float; `default` for NaN or anything that is not a number."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return default if math.isnan(number) else number
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
@@ -51,7 +80,8 @@ def filter_logits(logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Ten
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> torch.Tensor:
-    """Next token per row. logits: [B, V] -> token ids [B]."""
+    """Next token per row. logits: [B, V] -> token ids [B]. Raises for no row's values."""
+    params = [p.bounded(logits.shape[-1]) for p in params]
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -64,7 +94,24 @@ def sample(
         top_k=torch.tensor([params[i].top_k for i in rows]),
         top_p=torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
     )
-    probs = filtered.softmax(dim=-1)
+    probs = filtered.softmax(dim=-1)  # [R, V]
+    # NaN or infinite logits make no distribution (multinomial would raise): such a row stays greedy.
+    usable = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
     for j, row in enumerate(rows):
-        tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
+        if usable[j]:
+            tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
     return tokens
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:
+    """Logits with each row's banned token ids at -inf, so no rule of `sample` can pick them (the last
+    stage bans end-of-sequence ids until a job has its `min_tokens`). logits: [B, V]; one set per row.
+    Ids outside the vocabulary are skipped."""
+    vocab = logits.shape[-1]
+    cells = [(row, t) for row, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
+    if not cells:
+        return logits
+    rows, cols = zip(*cells, strict=True)
+    out = logits.clone()
+    out[list(rows), list(cols)] = float("-inf")
+    return out

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from app.core import metrics
+from app.core.errors import ConveyorError, InvalidRequest
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
@@ -28,7 +29,7 @@ from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher, TokenOut
-from app.workers.sampling import SamplingParams, make_generator, sample
+from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Sequence:
     max_tokens: int
     text: TextStream
     ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence is banned until this many tokens are generated
     generated: int = 0
     finish_reason: str | None = None
     created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
@@ -217,33 +219,45 @@ class StageRuntime:
         return ids
 
     def _load_sequences(self, batch_id: str, job_ids: list[str]) -> dict[str, Sequence]:
+        """The batch's sequences. A job whose stored request cannot be run (sampling values out of
+        bounds, a broken record) fails alone and is left out: `_sample` skips its row."""
         sequences = {}
         records = self.jobs.get_many(job_ids, "request", "attempts", "created_at", "priority")
         for job_id, record in zip(job_ids, records, strict=True):
-            request = json.loads(record["request"])
-            params = SamplingParams(
-                temperature=request["temperature"],
-                top_p=request["top_p"],
-                top_k=request["top_k"],
-                seed=request.get("seed"),
-            )
-            seq = Sequence(
-                job_id=job_id,
-                batch_id=batch_id,
-                params=params,
-                generator=make_generator(params),
-                max_tokens=request["max_tokens"],
-                text=TextStream(self.tokenizer, request.get("stop") or []),
-                ignore_eos=bool(request.get("ignore_eos")),
-                created_at=float(record["created_at"]) if record.get("created_at") else None,
-                priority=record.get("priority") or "normal",
-            )
-            if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
-                for token in self.publisher.emitted(job_id):
-                    seq.text.push(token)
-                    seq.generated += 1
-            sequences[job_id] = seq
+            try:
+                sequences[job_id] = self._sequence(batch_id, job_id, record)
+            except Exception as exc:  # this job's error boundary: the rest of the batch goes on
+                self._fail_row(job_id, exc)
         return sequences
+
+    def _sequence(self, batch_id: str, job_id: str, record: dict[str, str]) -> Sequence:
+        request = json.loads(record["request"])
+        params = SamplingParams(
+            temperature=request["temperature"],
+            top_p=request["top_p"],
+            top_k=request["top_k"],
+            seed=request.get("seed"),
+        )
+        problem = params.problem()
+        if problem is not None:
+            raise InvalidRequest(problem)
+        seq = Sequence(
+            job_id=job_id,
+            batch_id=batch_id,
+            params=params,
+            generator=make_generator(params),
+            max_tokens=request["max_tokens"],
+            text=TextStream(self.tokenizer, request.get("stop") or []),
+            ignore_eos=bool(request.get("ignore_eos")),
+            min_tokens=int(request.get("min_tokens") or 0),
+            created_at=float(record["created_at"]) if record.get("created_at") else None,
+            priority=record.get("priority") or "normal",
+        )
+        if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
+            for token in self.publisher.emitted(job_id):
+                seq.text.push(token)
+                seq.generated += 1
+        return seq
 
     def _forward(self, msg: StepMessage, state: BatchState, hidden: torch.Tensor) -> None:
         tensors = {"hidden": self.codec.encode(hidden)}  # [B, S, D]
@@ -260,9 +274,18 @@ class StageRuntime:
 
     def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
         sequences = self.sequences[msg.batch_id]
-        rows = [sequences[j] for j in msg.seq_ids]
-        logits = logits.float().cpu()  # sampling runs on the CPU with per-sequence generators
-        tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
+        # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
+        index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
+        logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
+        candidates = [sequences[msg.seq_ids[i]] for i in index]
+        held = [self.eos_ids if s.generated < s.min_tokens else frozenset() for s in candidates]
+        logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
+        sampled = self._sample_rows(logits, candidates)
+        for seq, token in sampled:
+            if token is None:
+                del sequences[seq.job_id]
+        rows = [seq for seq, token in sampled if token is not None]
+        tokens = [token for _, token in sampled if token is not None]
         outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
@@ -281,6 +304,34 @@ class StageRuntime:
             # sequences count against the pipeline's sequence budget (the progress set) instead.
             self._notify_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[Sequence, int | None]]:
+        """Each row's next token; None for a row whose sampling raised (that job failed alone)."""
+        try:
+            tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows]).tolist()
+            return list(zip(rows, tokens, strict=True))
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
+        sampled: list[tuple[Sequence, int | None]] = []
+        for i, seq in enumerate(rows):
+            try:
+                sampled.append((seq, int(sample(logits[i : i + 1], [seq.params], [seq.generator])[0])))
+            except Exception as exc:
+                self._fail_row(seq.job_id, exc)
+                sampled.append((seq, None))
+        return sampled
+
+    def _fail_row(self, job_id: str, exc: Exception) -> None:
+        """Fail one job of a batch; the batch goes on without it (its row leaves at the next step)."""
+        log.warning(
+            "job %s failed alone on stage %d: %s: %s", job_id, self.identity.stage, type(exc).__name__, exc
+        )
+        code = exc.code if isinstance(exc, ConveyorError) else "worker_error"
+        message = exc.message if isinstance(exc, ConveyorError) else f"{type(exc).__name__}: {exc}"
+        failed = self.publisher.fail(
+            [job_id], code=code, message=f"stage {self.identity.stage} could not run this job: {message}"
+        )
+        metrics.job_ended(self.identity.model, "failed", code, failed)
 
     def _observe(self, rows: list[Sequence], outs: list[TokenOut], gone: set[str]) -> None:
         """Metrics of one sampled step: first tokens, gaps between tokens, jobs that ended."""

@@ -93,6 +93,8 @@ def test_accepted_job_has_location_and_urls(stack):  # type: ignore[no-untyped-d
 def test_health_and_readiness(stack):  # type: ignore[no-untyped-def]
     with stack.client() as client:
         assert client.get("/healthz").json() == {"status": "ok", "checks": {}}
+        health = client.get("/health")  # as vLLM and TGI answer it
+        assert health.status_code == 200 and health.content == b""
         ready = client.get("/readyz")
         assert ready.status_code == 200
         checks = ready.json()["checks"]

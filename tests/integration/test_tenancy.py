@@ -83,6 +83,7 @@ def secured(
                     key_digest(KEY_TOKENS): "tokens",
                 }
             ),
+            "CONVEYOR_API_KEY_SOURCES": "both",  # and tenant B's, made by `conveyor keys create`
             "CONVEYOR_JWT_KEY": public_pem(signer),
             "CONVEYOR_JWT_AUDIENCE": AUD,
             "CONVEYOR_JWT_ISSUER": ISS,
@@ -448,6 +449,7 @@ def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, ti
             "CONVEYOR_HOME": str(tmp_path / "home"),
             "CONVEYOR_MODELS": json.dumps({"tiny": str(tiny_model)}),
             "CONVEYOR_DEFAULT_MODEL": "tiny",
+            "CONVEYOR_AUTH": "none",
         }
     )
     log = tmp_path / "api.log"
@@ -466,7 +468,7 @@ def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, ti
         assert answer.json()["status"] == "ok"
         with pytest.raises(httpx.TransportError):  # and nothing in clear text on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-        assert "NO AUTHENTICATION" in log.read_text()  # no credentials configured: the loud line
+        assert "NO AUTHENTICATION" in log.read_text()  # served without credentials: the loud line
     finally:
         process.terminate()
         process.wait(30)

@@ -1,6 +1,6 @@
 import torch
 
-from app.workers.sampling import SamplingParams, filter_logits, make_generator, sample
+from app.workers.sampling import SamplingParams, ban_tokens, filter_logits, make_generator, sample
 
 
 def logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -46,3 +46,19 @@ def test_sampling_never_picks_a_filtered_token():
     gen = make_generator(params[0])
     allowed = set(x[0].topk(3).indices.tolist())
     assert all(int(sample(x, params, [gen])[0]) in allowed for _ in range(50))
+
+
+def test_banned_tokens_are_never_sampled_and_other_rows_are_untouched():
+    x = logits()
+    eos = int(x[0].argmax())
+    banned = [frozenset({eos, 10_000}), frozenset()]  # an id outside the vocabulary is skipped
+    held = ban_tokens(x[:2], banned)
+    assert held[0, eos] == float("-inf") and torch.equal(held[1], x[1])
+    assert torch.equal(x, logits()), "the input is not modified"
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert sample(held, greedy, [make_generator(p) for p in greedy])[0] != eos
+    hot = [SamplingParams(temperature=2.0, seed=s) for s in range(50)]
+    rows = held[:1].expand(50, -1)
+    drawn = sample(rows, hot, [make_generator(p) for p in hot])
+    assert eos not in drawn.tolist()
+    assert ban_tokens(x, [frozenset()] * 3) is x

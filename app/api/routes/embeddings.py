@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+from typing import Literal
+
+import numpy as np
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api import audit
 from app.api.auth import current_tenant
@@ -14,12 +18,37 @@ from app.core.config import Settings
 
 router = APIRouter(tags=["embeddings"])
 
+DIMENSIONS = 384  # all-MiniLM-L6-v2's hidden size: the one size its vectors come in
+
 
 class EmbeddingsCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"input": ["a cat", "a dog"]}]})
+    # Unknown fields are accepted and ignored, as on the other OpenAI endpoints (docs/openai.md).
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": [{"input": ["a cat", "a dog"]}]})
 
     input: str | list[str] = Field(description="A text or a list of texts (each truncated at 256 tokens).")
     model: str | None = Field(default=None, description="all-MiniLM-L6-v2 (the only embeddings model).")
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float",
+        description="`float`: lists of numbers; `base64`: each vector as little-endian float32 bytes, "
+        "base64-encoded (what the official OpenAI client asks for unless told otherwise).",
+    )
+    # The schema states the rule; _native_size enforces it with its own message.
+    dimensions: int | None = Field(
+        default=None,
+        description=f"Only {DIMENSIONS}, the model's own size: vectors are not shortened.",
+        json_schema_extra={"minimum": DIMENSIONS, "maximum": DIMENSIONS},
+    )
+    user: str | None = Field(default=None, description="Accepted and ignored.")
+
+    @field_validator("dimensions")
+    @classmethod
+    def _native_size(cls, dimensions: int | None) -> int | None:
+        if dimensions not in (None, DIMENSIONS):
+            raise ValueError(
+                f"dimensions is {dimensions}, but all-MiniLM-L6-v2 makes {DIMENSIONS}-dimensional "
+                f"vectors and does not shorten them; leave dimensions out or set it to {DIMENSIONS}"
+            )
+        return dimensions
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
@@ -28,7 +57,7 @@ class EmbeddingsCreate(BaseModel):
 class Embedding(BaseModel):
     object: str = "embedding"
     index: int
-    embedding: list[float]
+    embedding: list[float] | str = Field(description="The vector, or its base64 float32 bytes.")
 
 
 class EmbeddingsUsage(BaseModel):
@@ -61,8 +90,15 @@ async def embeddings(
     vectors, record = await jobs.embed(body.texts(), body.model, tenant=tenant)
     audit.note_job(request, record)
     tokens = int(record.get("prompt_tokens", 0))
+    encode = as_base64 if body.encoding_format == "base64" else list
     return EmbeddingsPublic(
         model=record["model"],
-        data=[Embedding(index=i, embedding=v) for i, v in enumerate(vectors)],
+        data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
         usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
+
+
+def as_base64(vector: list[float]) -> str:
+    """A vector as OpenAI's `base64` encoding sends it: little-endian float32 bytes, base64-encoded
+    (the official client decodes it with numpy.frombuffer(..., dtype="float32"))."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")

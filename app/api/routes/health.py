@@ -1,4 +1,4 @@
-"""Liveness and readiness."""
+"""Liveness and readiness: /health (as vLLM and TGI answer it), /healthz and /readyz."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
@@ -16,6 +16,17 @@ from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.keys import Keys
 
 router = APIRouter(tags=["health"])
+
+
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The API process is up. An empty body."}},
+)
+async def health() -> Response:
+    """The process is alive: 200 with an empty body, as vLLM and TGI answer it, for the load balancers
+    and benchmark tools that probe `/health`. Says nothing of Redis or workers (that is /readyz)."""
+    return Response(status_code=200)
 
 
 @router.get("/healthz", response_model=Health)
@@ -32,7 +43,8 @@ async def readyz(
     `conveyor up` serves) has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
-    per priority class, each GPU worker's device state, and whether this process's event
+    per priority class, what each stage worker serves (layers, dtype, device), each GPU worker's
+    device state, and whether this process's event
     subscription is up."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
@@ -73,6 +85,13 @@ async def readyz(
         }
         if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
             checks["devices"] = devices
+        served = {
+            worker.decode(): info
+            for worker, raw in (await redis.hgetall(keys.stage_info())).items()
+            if now - (info := json.loads(raw)).pop("at", 0) <= settings.heartbeat_ttl_s
+        }
+        if served:  # what each live stage worker serves: model, layers, family, dtype, device
+            checks["stages"] = served
         ready = all(n > 0 for s in live_per_model.values() for n in s.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -179,17 +179,26 @@ class Reply:
         self.id = f"{self.prefix}{record['id']}"
         self.created = int(float(record["created_at"]))
         self.model = record["model"]
+        self.prompt_tokens = int(record.get("prompt_tokens", 0))
+
+    def so_far(self, completion_tokens: int) -> CompletionUsage:
+        """The usage after `completion_tokens` tokens (`continuous_usage_stats`: on every chunk)."""
+        return CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
+        )
 
     def whole(self, record: dict[str, str]) -> BaseModel:
         raise NotImplementedError
 
-    def first(self) -> BaseModel | None:
+    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
         return None
 
-    def delta(self, text: str) -> BaseModel:
+    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
         raise NotImplementedError
 
-    def last(self, finish_reason: str | None) -> BaseModel:
+    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
         raise NotImplementedError
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
@@ -206,11 +215,11 @@ class CompletionReply(Reply):
         choice = CompletionChoice(text=record.get("text", ""), finish_reason=record.get("finish_reason"))
         return self._make([choice], usage_of(record))
 
-    def delta(self, text: str) -> BaseModel:
-        return self._make([CompletionChoice(text=text)])
+    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
+        return self._make([CompletionChoice(text=text)], usage)
 
-    def last(self, finish_reason: str | None) -> BaseModel:
-        return self._make([CompletionChoice(text="", finish_reason=finish_reason)])
+    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
+        return self._make([CompletionChoice(text="", finish_reason=finish_reason)], usage)
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
         return self._make([], usage)
@@ -233,14 +242,14 @@ class ChatReply(Reply):
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage_of(record)
         )
 
-    def first(self) -> BaseModel | None:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], usage)
 
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))], usage)
 
-    def last(self, finish_reason: str | None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])
+    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)], usage)
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
         return self._chunk([], usage)
@@ -270,7 +279,15 @@ async def _answer(
     job_id, reply = submitted.record["id"], reply_type(submitted.record)
     if body.stream:
         notes = audit.fields(request)
-        stream = _stream(jobs, job_id, reply, settings, include_usage=body.include_usage, notes=notes)
+        stream = _stream(
+            jobs,
+            job_id,
+            reply,
+            settings,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            notes=notes,
+        )
         mark_submitted(request, stream, submitted, job)
         return stream
     mark_submitted(request, response, submitted, job)
@@ -307,10 +324,15 @@ def _stream(
     settings: Settings,
     *,
     include_usage: bool,
+    continuous_usage: bool,
     notes: dict[str, Any],
 ) -> EventSourceResponse:
     """OpenAI's stream: `data: <chunk>` lines, then `data: [DONE]`. A job that ends without a
-    completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`."""
+    completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`. With
+    `continuous_usage` (vLLM's `continuous_usage_stats`) every chunk carries the usage so far."""
+
+    def so_far(completion_tokens: int) -> CompletionUsage | None:
+        return reply.so_far(completion_tokens) if continuous_usage else None
 
     def data(chunk: BaseModel | dict[str, Any]) -> dict[str, str]:
         if isinstance(chunk, BaseModel):
@@ -318,17 +340,18 @@ def _stream(
         return {"data": json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)}
 
     async def generate() -> AsyncIterator[dict[str, str]]:
-        if (first := reply.first()) is not None:
+        if (first := reply.first(so_far(0))) is not None:
             yield data(first)
         async for event in jobs.events(job_id):
             if event.event == "token" and event.data.get("text"):
-                yield data(reply.delta(event.data["text"]))
+                yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1)))
         record = await jobs.get(job_id, tenant=None)  # the stream has ended: so has the job
         audit.note_job(notes, record)
         if record["status"] == JobStatus.SUCCEEDED:
-            yield data(reply.last(record.get("finish_reason")))
+            usage = usage_of(record)
+            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None))
             if include_usage:
-                yield data(reply.usage(usage_of(record)))
+                yield data(reply.usage(usage))
         else:
             yield data(_stream_error(record))
         yield {"data": DONE}

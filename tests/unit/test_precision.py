@@ -1,0 +1,135 @@
+"""Precision: what `auto` picks, bf16 stages that agree with HF's bf16 `generate`, and memory plans
+that hold what the workers hold."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from families import CONFIGS
+from typer.testing import CliRunner
+
+from app.partitions import planner
+from app.partitions.layers import BatchState, LayerRange, StagePartition, left_pad
+from app.partitions.precision import cpu_bf16_flags, resolve_dtype
+
+STEPS = 64
+
+
+def test_explicit_dtypes_are_taken_as_given_and_unknown_ones_refused() -> None:
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float16", "cuda:0") == torch.float16
+    with pytest.raises(ValueError, match="auto, float32"):
+        resolve_dtype("int8", "cpu")
+
+
+def test_auto_on_a_cpu_without_native_bf16_is_fp32(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
+    assert cpu_bf16_flags(cpuinfo) == set()
+    cpuinfo.write_text("processor : 0\nflags : fpu avx512f avx512_bf16 amx_bf16\n")
+    assert cpu_bf16_flags(cpuinfo) == {"avx512_bf16", "amx_bf16"}
+    if not cpu_bf16_flags():
+        assert resolve_dtype("auto", "cpu") == torch.float32
+
+
+def _argmax_agreement(path: Path, model: Any, prompt: list[int]) -> float:
+    """Teacher-forced along HF's own bf16 greedy path: how often the bf16 stages pick HF's token."""
+    reference = copy.deepcopy(model).to(torch.bfloat16)  # the shared fp32 model stays as saved
+    ids = torch.tensor([prompt])
+    path_tokens = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS
+    )[0, len(prompt) :].tolist()
+    parts = [
+        StagePartition.load(path, LayerRange.even_split(6, 2, s), dtype=torch.bfloat16) for s in range(2)
+    ]
+    x, mask = left_pad([prompt], pad_id=0)
+    states = [BatchState(parts[0].config, ["a"], mask.clone()) for _ in parts]
+    agree = 0
+    for step, expected in enumerate(path_tokens):
+        if step:
+            for state in states:
+                state.extend(1)
+            x = torch.tensor([[path_tokens[step - 1]]])
+        h = x
+        for part, state in zip(parts, states, strict=True):
+            h = part(state, h)
+        agree += int(h.argmax(-1)[0]) == expected
+    return agree / len(path_tokens)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_stages_agree_with_hf_bf16_generate(
+    family_models: dict[str, tuple[Path, Any]], name: str
+) -> None:
+    path, model = family_models[name]
+    assert _argmax_agreement(path, model, [8, 9, 10, 11, 12, 13, 14, 15]) >= 0.99
+
+
+def test_bf16_stage_holds_about_half_the_fp32_parameter_bytes(tiny_model: Path) -> None:
+    fp32 = StagePartition.load(tiny_model, LayerRange(0, 2), dtype=torch.float32)
+    bf16 = StagePartition.load(tiny_model, LayerRange(0, 2), dtype=torch.bfloat16)
+    assert bf16.param_bytes() <= 0.52 * fp32.param_bytes()
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_plan_in_bf16_matches_what_the_workers_hold(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`conveyor plan --dtype bfloat16` for SmolLM2 in 2 stages vs the loaded stages' parameter bytes."""
+    from app.cli import cli
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        cli, ["plan", "--model", str(smollm2_dir), "--stages", "2", "--dtype", "bfloat16", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    plan = planner.Plan.from_json(out.read_text())
+    for stage, (start, stop) in zip(plan.stages, plan.ranges(), strict=True):
+        part = StagePartition.load(smollm2_dir, LayerRange(start, stop), dtype=torch.bfloat16)
+        assert abs(part.param_bytes() - stage.param_bytes) <= 0.02 * part.param_bytes()
+
+
+def test_plan_refuses_an_unsupported_architecture(tmp_path: Path) -> None:
+    from transformers import FalconConfig
+
+    from app.cli import cli
+
+    FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4).save_pretrained(tmp_path)
+    result = CliRunner().invoke(cli, ["plan", "--model", str(tmp_path), "--stages", "1"])
+    assert result.exit_code == 2
+    assert "falcon" in result.output and "supported model types" in result.output
+
+
+@pytest.mark.slow
+def test_the_smollm2_bf16_stages_answer_the_france_question(smollm2_dir: Path) -> None:
+    """SmolLM2 in bf16, two stages as workers load them: greedy says Paris."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    parts = [
+        StagePartition.load(smollm2_dir, LayerRange.even_split(30, 2, s), dtype=torch.bfloat16)
+        for s in range(2)
+    ]
+    x, mask = left_pad([prompt], pad_id=0)
+    states = [BatchState(parts[0].config, ["a"], mask.clone()) for _ in parts]
+    out: list[int] = []
+    for step in range(12):
+        if step:
+            for state in states:
+                state.extend(1)
+            x = torch.tensor([[out[-1]]])
+        h = x
+        for part, state in zip(parts, states, strict=True):
+            h = part(state, h)
+        out.append(int(h.argmax(-1)[0]))
+    assert "Paris" in tokenizer.decode(out)
