@@ -50,6 +50,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Settin
         models={"tiny": configured},
         default_model="tiny",
         embedding_stages=0,
+        auth="none",  # an open API: these tests are about names, not credentials
     )
     add_model(
         settings,
