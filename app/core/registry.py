@@ -78,7 +78,7 @@ def add_model(
         raise SourceNotFound(f"{source}: no such model directory or GGUF file")
     else:
         kind = "package"
-    name = name or _default_name(source, path, kind)
+    name = name if name is not None else _default_name(source, path, kind)
     in_place = kind == "directory" and path.resolve() == (settings.model_home / name).resolve()
     dest = _destination(settings, name, replace=replace, in_place=in_place)
     if in_place:
