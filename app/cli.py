@@ -345,7 +345,9 @@ def webhooks_worker() -> None:
     from app.webhooks.worker import run_callbacks_worker
 
     _logging()
-    run_callbacks_worker(_settings())
+    settings = _settings()
+    _refuse_known_secrets(settings)
+    run_callbacks_worker(settings)
 
 
 @cli.command()
