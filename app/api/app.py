@@ -55,6 +55,7 @@ def api_redis(url: str) -> redis.asyncio.Redis:
 
 def create_app(settings: Settings) -> FastAPI:
     refuse_known_secrets(settings)  # a published example key, JWT secret or password: no API at all
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = api_redis(settings.redis_url or "")
