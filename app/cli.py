@@ -75,7 +75,7 @@ def up(
     ssl_keyfile: SslKeyfile = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
-    from app.core.redis import start_embedded, wait_for_redis
+    from app.core.redis import ensure_password, password_file, redacted, start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor, die_with_parent
 
     api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
@@ -84,6 +84,7 @@ def up(
 
         stages = len(Plan.from_json(plan.read_text()).stages)
     settings = _settings(stages=stages, replicas=replicas, flower=flower, plan_file=plan)
+    _refuse_known_secrets(settings)
     models = served_models(settings, model or [])
     if plan is not None and len(models) > 1:
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
@@ -125,24 +126,24 @@ def up(
     if settings.redis_url:
         url = settings.redis_url
         if not wait_for_redis(url, timeout_s=10):
-            raise typer.BadParameter(f"no Redis answers at REDIS_URL={url}")
-        supervisor.say(f"using Redis at {url}")
+            raise typer.BadParameter(f"no Redis answers at REDIS_URL={redacted(url)}")
+        supervisor.say(f"using Redis at {redacted(url)}")
     else:
+        secret = password_file(settings.home)
         try:
             redis_process, url = start_embedded(
-                settings.home / "redis", settings.embedded_redis_port, preexec_fn=die_with_parent()
+                settings.home / "redis",
+                settings.embedded_redis_port,
+                password=ensure_password(secret),
+                preexec_fn=die_with_parent(),
             )
         except RuntimeError as exc:
             typer.echo(f"conveyor: {exc}", err=True)
             raise typer.Exit(1) from exc
-        supervisor.say(f"started embedded Redis at {url} (data in {settings.home / 'redis'})")
+        data = settings.home / "redis"
+        supervisor.say(f"started embedded Redis at {redacted(url)} (password in {secret}, data in {data})")
     env["REDIS_URL"] = url
-    if not settings.webhook_secrets:  # Webhooks: one signing secret, kept across restarts
-        from app.webhooks.signing import ensure_secret_file
-
-        secret_file = settings.home / "webhook_secret"
-        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
-        supervisor.say(f"webhooks are signed with the secret in {secret_file}")
+    _webhook_secrets(settings, env, supervisor.say)
     if redis_process is not None:
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
@@ -160,13 +161,12 @@ def up(
                     sys.executable,
                     "-m",
                     "celery",
-                    "--broker",
-                    url,
                     "flower",
                     f"--port={settings.flower_port}",
                     "--address=127.0.0.1",
                     *([f"--basic-auth={settings.flower_basic_auth}"] if settings.flower_basic_auth else []),
                 ],
+                env={"BROKER_URL": url},  # celery's --broker, out of `ps` (the URL holds the password)
             )
         )
     scheme = "https" if ssl_certfile else "http"
@@ -182,6 +182,35 @@ def up(
         supervisor.say("metrics " + ", ".join(metrics) + " (and the api's /metrics)")
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
+
+
+def _refuse_known_secrets(settings: Settings) -> None:
+    from app.core.known_secrets import KnownSecret, refuse_known_secrets
+
+    try:
+        refuse_known_secrets(settings)
+    except KnownSecret as exc:
+        typer.echo(f"conveyor: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _webhook_secrets(settings: Settings, env: dict[str, str], say: Callable[[str], None]) -> None:
+    """Signing secrets for the children, made once under the home and kept across restarts: the
+    secret of tenants without their own (receivers already trust it), and the master key each
+    tenant's own secret is derived from."""
+    from app.webhooks.signing import ensure_secret_file
+
+    if not settings.webhook_secrets:
+        secret_file = settings.home / "webhook_secret"
+        env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
+        say(f"webhooks are signed with the secret in {secret_file}")
+    if not settings.webhook_master_key:
+        env["CONVEYOR_WEBHOOK_MASTER_KEY"] = ensure_secret_file(master_key_file(settings))
+        say(f"tenants' own webhook secrets derive from the key in {master_key_file(settings)}")
+
+
+def master_key_file(settings: Settings) -> Path:
+    return settings.home / "webhook_master_key"
 
 
 def _refuse_ports_in_use(settings: Settings, children: list[Child]) -> None:
@@ -256,6 +285,7 @@ def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> Non
 
     _logging()
     settings = _settings()
+    _refuse_known_secrets(settings)
     uvicorn.run(create_app(settings), **uvicorn_options(settings, ssl_certfile, ssl_keyfile))
 
 
@@ -315,7 +345,9 @@ def webhooks_worker() -> None:
     from app.webhooks.worker import run_callbacks_worker
 
     _logging()
-    run_callbacks_worker(_settings())
+    settings = _settings()
+    _refuse_known_secrets(settings)
+    run_callbacks_worker(settings)
 
 
 @cli.command()
@@ -509,11 +541,19 @@ def _latencies(settings: Settings, plan: Plan, given: str | None) -> list[float]
 
 
 def _keys_redis(settings: Settings) -> tuple[redis.Redis, Keys]:
-    """The Redis the API reads keys from: REDIS_URL, else the embedded one (`conveyor up` running)."""
+    """The Redis the API reads keys from: REDIS_URL, else the embedded one (`conveyor up` running; its
+    password is in the home)."""
     from app.core.keys import Keys
-    from app.core.redis import sync_client
+    from app.core.redis import embedded_url, password_file, sync_client
 
-    url = settings.redis_url or f"redis://127.0.0.1:{settings.embedded_redis_port}/0"
+    url = settings.redis_url
+    if not url:
+        secret = password_file(settings.home)
+        if not secret.exists():
+            raise typer.BadParameter(
+                f"REDIS_URL is unset and {secret} does not exist: start `conveyor up` first"
+            )
+        url = embedded_url("127.0.0.1", settings.embedded_redis_port, secret.read_text().strip())
     return sync_client(url), Keys(settings.namespace)
 
 
@@ -523,8 +563,13 @@ def keys_create(
     store: Annotated[
         bool, typer.Option(help="Store its hash in Redis; --no-store prints a CONVEYOR_API_KEYS entry.")
     ] = True,
+    rotate_webhook_secret: Annotated[
+        bool,
+        typer.Option(help="Also give the tenant a new webhook signing secret (it gets one if it has none)."),
+    ] = False,
 ) -> None:
-    """Make an API key for a tenant and print it (once: only its SHA-256 is kept)."""
+    """Make an API key for a tenant and print it (once: only its SHA-256 is kept). A tenant's first key
+    also makes its webhook signing secret, printed once on stderr."""
     from app.api.auth import checked_tenant, key_digest, new_api_key
     from app.core.errors import Unauthorized
 
@@ -535,15 +580,66 @@ def keys_create(
     key = new_api_key()
     digest = key_digest(key)
     if store:
-        client, keys = _keys_redis(_settings())
+        settings = _settings()
+        client, keys = _keys_redis(settings)
         record = json.dumps({"tenant": tenant, "created_at": time.time()})
         client.hset(keys.api_keys(), digest, record)
+        _tenant_webhook_secret(settings, client, keys, tenant, rotate=rotate_webhook_secret, out_err=True)
         typer.echo(
             f"stored for tenant {tenant!r} (sha256 {digest[:12]}...); the key, shown only now:", err=True
         )
     else:
         typer.echo(f'add to CONVEYOR_API_KEYS: {{"{digest}": "{tenant}"}}; the key:', err=True)
     typer.echo(key)
+
+
+@keys_cli.command("rotate-webhook-secret")
+def keys_rotate_webhook_secret(
+    tenant: Annotated[str, typer.Option(help="The tenant whose webhook signing secret changes.")],
+) -> None:
+    """Give a tenant a new webhook signing secret (its first, if it had none) and print it, once. The
+    previous one keeps signing too for CONVEYOR_WEBHOOK_SECRET_OVERLAP_S (a day)."""
+    from app.api.auth import checked_tenant
+    from app.core.errors import Unauthorized
+
+    try:
+        checked_tenant(tenant)
+    except Unauthorized as exc:
+        raise typer.BadParameter(exc.message) from exc
+    settings = _settings()
+    client, keys = _keys_redis(settings)
+    if not _tenant_webhook_secret(settings, client, keys, tenant, rotate=True, out_err=False):
+        raise typer.Exit(1)
+
+
+def _tenant_webhook_secret(
+    settings: Settings, client: redis.Redis, keys: Keys, tenant: str, *, rotate: bool, out_err: bool
+) -> bool:
+    """Make the tenant's own webhook secret when it has none (or `rotate`) and print it, once: on stderr
+    beside `keys create` (whose stdout is the API key alone), on stdout for `rotate-webhook-secret`.
+    False when no master key is known (the tenant stays on the shared secret)."""
+    from app.webhooks import signing
+
+    master = settings.webhook_master_key
+    if not master and master_key_file(settings).exists():  # the one `conveyor up` made
+        master = master_key_file(settings).read_text().strip()
+    if not master:
+        typer.echo(
+            "no webhook master key (CONVEYOR_WEBHOOK_MASTER_KEY): this tenant's webhooks are signed "
+            "with the shared secret (CONVEYOR_WEBHOOK_SECRETS)",
+            err=True,
+        )
+        return False
+    if not rotate and signing.generation(client, keys, tenant) is not None:
+        typer.echo(f"tenant {tenant!r} keeps its webhook signing secret", err=True)
+        return True
+    generation = signing.rotate(client, keys, tenant)
+    secret = signing.encode(signing.derive(signing.Secret.parse(master), tenant, generation))
+    typer.echo(
+        f"webhook signing secret of tenant {tenant!r} (generation {generation}), shown only now:", err=True
+    )
+    typer.echo(secret, err=out_err)
+    return True
 
 
 @keys_cli.command("revoke")

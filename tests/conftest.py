@@ -63,7 +63,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     from app.core.redis import start_embedded
 
-    process, url = start_embedded(tmp_path_factory.mktemp("redis"), free_port())
+    process, url = start_embedded(tmp_path_factory.mktemp("redis"), free_port(), password=uuid.uuid4().hex)
     yield url
     process.terminate()
     process.wait(10)

@@ -27,6 +27,7 @@ from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import ConveyorError
 from app.core.keys import Keys
+from app.core.known_secrets import refuse_known_secrets
 from app.workers.celery_app import create_celery_app
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def api_redis(url: str) -> redis.asyncio.Redis:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    refuse_known_secrets(settings)  # a published example key, JWT secret or password: no API at all
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = api_redis(settings.redis_url or "")

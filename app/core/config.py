@@ -198,10 +198,26 @@ class Settings(BaseSettings):
     # CIDRs a callback may reach although the SSRF guard refuses them (loopback, private, ...): a
     # receiver inside the cluster. Empty: only public addresses.
     webhook_allow_cidrs: list[str] = Field(default_factory=list)
+    # Per-tenant signing: each tenant's secret is HMAC-SHA256 of this master key (`whsec_` + base64)
+    # with its name and generation, so one tenant cannot sign for another. Unset: every tenant is
+    # signed with webhook_secrets; `conveyor up` makes one (home/webhook_master_key) if unset.
+    webhook_master_key: str | None = None
+    # After a tenant's secret is rotated its previous one signs too, this long (a day): its receivers
+    # verify while they are updated.
+    webhook_secret_overlap_s: float = Field(default=86_400.0, ge=0)
     webhook_timeout_s: float = Field(default=15.0, gt=0)  # connect, each read, each write
+    # Wall-clock limit of one attempt, connect + TLS + send + read together: a receiver that never
+    # answers, or trickles a byte a second, holds a delivery thread this long at most.
+    webhook_attempt_deadline_s: float = Field(default=10.0, gt=0)
+    # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
+    # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
+    webhook_tenant_concurrency: int = Field(default=2, ge=1)
+    # Events of one tenant waiting for a retry (in Redis); past it a failed event is given up, so one
+    # tenant's dead receiver cannot fill Redis with retries.
+    webhook_tenant_max_retries: int = Field(default=10_000, ge=1)
     # Attempts of one event (the first included), spaced base x 2^(n-1) with jitter (21 to 42 min of
-    # retries at the defaults); no delay over webhook_backoff_max_s, which must stay under the
-    # broker's visibility timeout (3600 s) or a waiting retry is handed out twice.
+    # retries at the defaults); no delay over webhook_backoff_max_s. Retries wait in Redis (a sorted
+    # set by due time the dispatcher polls), not in a worker's memory.
     webhook_max_attempts: int = Field(default=10, ge=1)
     webhook_backoff_base_s: float = Field(default=5.0, gt=0)  # the first retry after 2.5 to 5 s
     webhook_backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)  # Retry-After included

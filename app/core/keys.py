@@ -133,6 +133,29 @@ class Keys:
         """String: a callback URL (its sha256) that answered 410 Gone; nothing is sent to it."""
         return f"{self.namespace}:webhooks:disabled:{url_digest}"
 
+    def webhook_tenants(self) -> str:
+        """Hash: tenant -> its webhook secret's generation and rotation time (JSON; the secret itself is
+        derived from the master key, never stored). `conveyor keys create` adds; no TTL, as `apikeys`."""
+        return f"{self.namespace}:webhooks:tenants"
+
+    def webhook_retries(self) -> str:
+        """Sorted set: webhook id -> when its next attempt is due (unix seconds). The dispatcher sends the
+        due ones to the callbacks queue; a retry lives here, not in a worker's memory."""
+        return f"{self.namespace}:webhooks:retries"
+
+    def webhook_retry_messages(self) -> str:
+        """Hash: webhook id -> the delivery message of its next attempt (JSON), beside `webhook_retries`."""
+        return f"{self.namespace}:webhooks:retry-messages"
+
+    def webhook_retry_counts(self) -> str:
+        """Hash: tenant -> how many of its events wait in `webhook_retries` (the per-tenant retry cap)."""
+        return f"{self.namespace}:webhooks:retry-counts"
+
+    def webhook_slots(self, tenant: str) -> str:
+        """Sorted set: one tenant's deliveries in progress, scored by when their slot lapses (a worker
+        that died mid-attempt frees it then); at most webhook_tenant_concurrency members."""
+        return f"{self.namespace}:webhooks:slots:{tenant}"
+
     def callbacks_queue(self) -> str:
         """Celery queue of webhook deliveries, served by the callbacks worker."""
         return f"{self.namespace}.callbacks"

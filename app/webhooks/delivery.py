@@ -1,8 +1,14 @@
-"""One delivery attempt of one webhook event: check, sign, POST, judge, record, say when to retry.
+"""One delivery of one webhook event: take a tenant slot, check, sign, POST, judge, record, schedule
+the retry.
 
-Called by the callbacks worker's Celery task (app/webhooks/worker.py), which retries the task after
-the delay this returns. Rules:
+Called by the callbacks worker's Celery task (app/webhooks/worker.py) with a message from the
+dispatcher (a first attempt, or a retry come due). Rules:
 
+- A tenant has at most `webhook_tenant_concurrency` deliveries in progress (app/webhooks/retries.py
+  `TenantSlots`); a message whose tenant has none free waits in Redis and comes back (not counted as
+  an attempt), so a tenant whose receiver hangs holds that many threads and the others keep theirs.
+- An attempt has one wall-clock deadline, `webhook_attempt_deadline_s` (connect, TLS, send, read;
+  app/webhooks/ssrf.py), and tries at most three of the name's addresses.
 - 2xx: delivered. The event's id is marked settled; a duplicate of it (a dispatcher restart) is skipped.
 - 410 Gone: the URL is disabled (`webhook_disabled_ttl_s`); nothing more is sent to it, and a submit
   naming it is refused (422, reason `endpoint_disabled`).
@@ -10,8 +16,9 @@ the delay this returns. Rules:
   because its DNS changed): retried after base x 2^(n-1) seconds, jittered into the upper half
   ([d/2, d], so delays grow while retries of many events spread out), or after the receiver's
   `Retry-After` when that is longer; never longer than `webhook_backoff_max_s`. After
-  `webhook_max_attempts` attempts the event is given up.
-- Redirects are not followed (a redirect is a failure: it could lead anywhere); 15 s timeout.
+  `webhook_max_attempts` attempts the event is given up. The retry waits in Redis (`RetryQueue`),
+  and is given up too when `webhook_tenant_max_retries` of its tenant's events wait already.
+- Redirects are not followed (a redirect is a failure: it could lead anywhere).
 
 Every attempt (time, status or error, duration, outcome, the delay before the next) is appended to
 the job's capped delivery log, which `GET /v1/jobs/{id}/deliveries` lists.
@@ -34,10 +41,12 @@ import httpx
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.webhooks import signing
-from app.webhooks.ssrf import CallbackRefused, Guard, Target, pinned_transport
+from app.webhooks.retries import RetryQueue, TenantSlots, tenant_of
+from app.webhooks.ssrf import CallbackRefused, Deadline, Guard, Target, pinned_transport
 
 DELIVER_TASK = "conveyor.webhooks.deliver"
 USER_AGENT = "Conveyor-Webhooks/0.1"
+SLOT_MARGIN_S = 60.0  # a slot outlives its attempt's deadline by this (DNS, recording) before it lapses
 
 
 class Outcome(enum.StrEnum):
@@ -105,7 +114,7 @@ class Deliverer:
         settings: Settings,
         *,
         guard: Guard,
-        secrets: signing.SecretBook,
+        secrets: signing.SecretSource,
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
     ) -> None:
@@ -116,6 +125,40 @@ class Deliverer:
         self.secrets = secrets
         self.clock = clock
         self.rand = rand
+        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.webhook_tenant_max_retries)
+        self.slots = TenantSlots(
+            redis,
+            keys,
+            per_tenant=settings.webhook_tenant_concurrency,
+            hold_s=settings.webhook_attempt_deadline_s + SLOT_MARGIN_S,
+        )
+
+    def deliver(self, message: dict[str, Any]) -> None:
+        """Deliver the event in `message` (attempt `message["attempt"]`, 1 when absent) if its tenant
+        has a slot free, and schedule what comes next in Redis: the retry, or this message again once
+        a slot may be free. Never waits for another tenant, nor longer than one attempt's deadline."""
+        number = int(message.get("attempt", 1))
+        tenant = tenant_of(message)
+        token = self.slots.acquire(tenant, now=self.clock())
+        if token is None:
+            # Half to all of a deadline: a slot frees by then, and the waiting events spread out.
+            wait = self.settings.webhook_attempt_deadline_s * (0.5 + self.rand() / 2)
+            if not self.retries.schedule(message, due=self.clock() + wait):
+                self._refused(message, number)
+            return
+        try:
+            delay = self.attempt(message, number)
+        finally:
+            self.slots.release(tenant, token)
+        if delay is not None and not self.retries.schedule(
+            {**message, "attempt": number + 1}, due=self.clock() + delay
+        ):
+            self._refused(message, number)
+
+    def _refused(self, message: dict[str, Any], number: int) -> None:
+        cap = self.settings.webhook_tenant_max_retries
+        error = f"given up: {cap} of this tenant's webhook events already wait for a retry"
+        self._record(message, number, self.clock(), None, error, Outcome.GAVE_UP)
 
     def attempt(self, message: dict[str, Any], number: int) -> float | None:
         """Make attempt `number` (1-based) of the event in `message`; the delay before the next attempt,
@@ -130,8 +173,9 @@ class Deliverer:
             )
             return None
         status, error, retry_after = None, None, None
+        deadline = Deadline(self.settings.webhook_attempt_deadline_s)  # DNS spends from it too
         try:
-            status, retry_after = self._post(self.guard.check(url), message, started)
+            status, retry_after = self._post(self.guard.check(url), message, started, deadline)
         except CallbackRefused as exc:
             error = f"refused ({exc.reason}): {exc.message}"
         except httpx.HTTPError as exc:
@@ -161,7 +205,9 @@ class Deliverer:
             wait = max(wait, asked)
         return min(wait, s.webhook_backoff_max_s)
 
-    def _post(self, target: Target, message: dict[str, Any], started: float) -> tuple[int, str | None]:
+    def _post(
+        self, target: Target, message: dict[str, Any], started: float, deadline: Deadline
+    ) -> tuple[int, str | None]:
         payload = message["body"].encode()
         headers = signing.headers(
             message["webhook_id"], int(started), payload, self.secrets.for_tenant(message.get("tenant"))
@@ -169,7 +215,7 @@ class Deliverer:
         headers["user-agent"] = USER_AGENT
         with (
             httpx.Client(
-                transport=pinned_transport(target),
+                transport=pinned_transport(target, deadline=deadline),
                 timeout=self.settings.webhook_timeout_s,
                 follow_redirects=False,
                 trust_env=False,

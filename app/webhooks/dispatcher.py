@@ -8,6 +8,9 @@ one Celery task per webhook event to the callbacks queue. The cursor moves only 
 are sent, and never past tokens still held for a batch, so a restart re-reads what it had not
 handed on; a webhook event sent twice has the same id, and the delivery task skips an id already
 delivered. After a job's final event it leaves the set (and jobs older than `job_ttl_s` are pruned).
+
+It also sends the retries that have come due (app/webhooks/retries.py): the callbacks worker puts
+an event's next attempt in Redis, and this loop hands it back to the callbacks queue at its time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from app.core.config import Settings
 from app.core.jobs import decode_record
 from app.core.keys import Keys
 from app.webhooks import events as ev
+from app.webhooks.retries import RetryQueue
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ IDLE_S = 0.25  # nothing to follow: look at the set again after this
 STREAMS_PER_READ = 500  # streams in one XREAD; past one read, reads do not block
 ENTRIES_PER_STREAM = 256
 MAX_FOLLOWED = 20_000  # the oldest this many registered jobs are followed; the rest wait their turn
+RETRIES_PER_STEP = 1000  # due retries sent per step; more wait for the next (a quarter second on)
 
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -73,6 +78,7 @@ class Dispatcher:
         self.follows: dict[str, Follow] = {}
         self.batches = ev.TokenBatches(settings.webhook_token_interval_ms / 1000)
         self._renew = redis.register_script(RENEW_LUA)
+        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.webhook_tenant_max_retries)
 
     def run(self, stop: threading.Event) -> None:
         """Loop until `stop`; a failure (Redis away, a bug on one job) is logged and the state is read
@@ -97,7 +103,9 @@ class Dispatcher:
         self.batches.open.clear()
 
     def step(self) -> None:
-        """Read what the followed streams have, send the webhook events due, save the cursors."""
+        """Send the retries due; read what the followed streams have, send the webhook events due, save
+        the cursors."""
+        self.send_due_retries()
         self._refresh()
         if not self.follows:
             time.sleep(IDLE_S)
@@ -125,6 +133,17 @@ class Dispatcher:
                 self.follows[job_id].handled = self.follows[job_id].read
         self._send(out)
         self._save(finished)
+
+    def send_due_retries(self) -> int:
+        """Hand the retries due by now to the callbacks queue, then forget them (a crash in between
+        sends them twice: the event's id settles once)."""
+        due = self.retries.due(self.clock(), RETRIES_PER_STEP)
+        for message, _ in due:
+            self.send(message)
+        self.retries.remove(due)
+        if due:
+            log.info("sent %d webhook retries", len(due))
+        return len(due)
 
     def _refresh(self) -> None:
         """Follow newly registered jobs from their saved cursors; prune the set of expired ones."""

@@ -8,8 +8,11 @@ A delivery carries three headers:
                        secret, space-separated, so a receiver holding any of them verifies during a
                        rotation
 
-Secrets are `whsec_` + base64 of the key bytes. They belong to a tenant; until tenants exist every
-job is signed with the settings' list (`SecretBook.for_tenant(None)`).
+Secrets are `whsec_` + base64 of the key bytes. A tenant given its own secret (`conveyor keys create`)
+has its deliveries signed with that secret only: HMAC-SHA256(master key, tenant, generation), derived
+on each attempt from `CONVEYOR_WEBHOOK_MASTER_KEY` and the tenant's generation in Redis, so no tenant
+secret is stored anywhere and rotating one is a new generation. A tenant without one (`anonymous`,
+or one made before per-tenant secrets) is signed with the settings' list, as before.
 """
 
 from __future__ import annotations
@@ -18,14 +21,30 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
+
+from app.core.keys import Keys
 
 PREFIX = "whsec_"
 KEY_BYTES = 32  # what a generated secret holds; the spec asks for 24 to 64
+DERIVATION = b"conveyor-webhook-secret/v1"  # domain separation: the master key signs nothing else
+
+# Rotate a tenant's secret: the next generation, and since when the previous one still signs too.
+ROTATE_LUA = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local generation = 0
+if raw then generation = cjson.decode(raw)['generation'] end
+local record = cjson.encode({generation = generation + 1, rotated_at = tonumber(ARGV[2])})
+redis.call('HSET', KEYS[1], ARGV[1], record)
+return generation + 1
+"""
 
 
 @dataclass(frozen=True)
@@ -70,9 +89,85 @@ def headers(webhook_id: str, timestamp: int, body: bytes, keys: Sequence[Secret]
     }
 
 
+class SecretSource(Protocol):
+    def for_tenant(self, tenant: str | None) -> tuple[Secret, ...]: ...
+
+
+def derive(master: Secret, tenant: str, generation: int) -> Secret:
+    """Tenant `tenant`'s secret of generation `generation`: HMAC-SHA256(master, label, tenant, generation),
+    with NUL separators (a tenant name is printable, so no two (tenant, generation) pairs collide)."""
+    message = b"\0".join((DERIVATION, tenant.encode(), str(generation).encode()))
+    return Secret(hmac.new(master.key, message, hashlib.sha256).digest())
+
+
+def encode(secret: Secret) -> str:
+    return PREFIX + base64.b64encode(secret.key).decode("ascii")
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    """A tenant's entry in the `webhooks:tenants` hash: its current generation, and when it was made."""
+
+    generation: int
+    rotated_at: float
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> TenantRecord:
+        data = json.loads(raw)
+        return cls(int(data["generation"]), float(data["rotated_at"]))
+
+
+def rotate(redis: Any, keys: Keys, tenant: str, *, now: float | None = None) -> int:
+    """Give `tenant` a new secret generation (its first creates it); the generation. Called by
+    `conveyor keys create` and `conveyor keys webhook-secret --rotate`."""
+    script = redis.register_script(ROTATE_LUA)
+    return int(script(keys=[keys.webhook_tenants()], args=[tenant, repr(now or time.time())]))
+
+
+def generation(redis: Any, keys: Keys, tenant: str) -> int | None:
+    raw = redis.hget(keys.webhook_tenants(), tenant)
+    return TenantRecord.decode(raw).generation if raw is not None else None
+
+
+class TenantSecrets:
+    """Which secrets sign a tenant's deliveries: the callbacks worker asks on every attempt, so a
+    rotation takes effect at once. A tenant with a record in Redis gets its derived secret (and, for
+    `overlap_s` after a rotation, the previous generation's too: one signature each, so a receiver
+    still holding the old secret verifies while it is updated); any other tenant gets `default`."""
+
+    def __init__(
+        self,
+        default: Sequence[str],
+        *,
+        master: str | None,
+        redis: Any,
+        keys: Keys,
+        overlap_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.default = tuple(Secret.parse(s) for s in default)
+        self.master = Secret.parse(master) if master else None
+        self.redis = redis
+        self.keys = keys
+        self.overlap_s = overlap_s
+        self.clock = clock
+
+    def for_tenant(self, tenant: str | None) -> tuple[Secret, ...]:
+        if tenant is None or self.master is None:
+            return self.default
+        raw = self.redis.hget(self.keys.webhook_tenants(), tenant)
+        if raw is None:
+            return self.default
+        record = TenantRecord.decode(raw)
+        current = derive(self.master, tenant, record.generation)
+        if record.generation > 1 and self.clock() - record.rotated_at < self.overlap_s:
+            return (current, derive(self.master, tenant, record.generation - 1))
+        return (current,)
+
+
 class SecretBook:
-    """Which secrets sign a tenant's deliveries. Today one list for everyone (settings); a tenant's own
-    list goes in `by_tenant` once tenants exist, and jobs already carry the tenant to look up."""
+    """A fixed book of secrets: one list for everyone, a tenant's own list in `by_tenant` (tests, and
+    the receivers' examples); the callbacks worker uses `TenantSecrets`."""
 
     def __init__(self, default: Sequence[str], by_tenant: Mapping[str, Sequence[str]] | None = None) -> None:
         self.default = tuple(Secret.parse(s) for s in default)

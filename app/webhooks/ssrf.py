@@ -7,8 +7,11 @@ is resolved and *every* A/AAAA record must pass, because the client may pick any
 unless it is unspecified, loopback, link-local, multicast, private or otherwise not globally routable
 (also when it hides inside an IPv6 form: `::ffff:10.0.0.1`, 6to4, NAT64 `64:ff9b::/96`), or unless an
 allow-listed CIDR (`webhook_allow_cidrs`) holds it. The check runs at submit and again before each
-attempt (DNS can change), and the attempt then connects to the addresses this check returned, never
-resolving again (no window for DNS rebinding), while the URL's host stays the Host header and SNI.
+attempt (DNS can change), and the attempt then connects to the addresses this check returned (the
+first MAX_ADDRESSES of them), never resolving again (no window for DNS rebinding), while the URL's host
+stays the Host header and SNI. An attempt has one wall-clock deadline for connecting, TLS, sending
+and reading together: every socket operation waits at most the time left, so a receiver that never
+answers, or trickles a byte a second, holds a delivery slot no longer than the deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import enum
 import ipaddress
 import re
 import socket
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +38,9 @@ THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d
 NUMBER = re.compile(r"(0[xX][0-9a-fA-F]*|[0-9]+)")
+# Addresses one attempt tries: a name with dozens of records (all unreachable) would otherwise spend
+# the whole deadline on connects; three covers a dual-stack pair and a fallback.
+MAX_ADDRESSES = 3
 
 
 class Reason(enum.StrEnum):
@@ -221,12 +228,68 @@ def _address(text: str) -> IP:
     return ipaddress.ip_address(text.split("%", 1)[0])
 
 
-class PinnedBackend(httpcore.SyncBackend):
-    """Connects to the checked addresses only: the name is never resolved again, and a connection
-    for any other host (there should be none: redirects are not followed) is refused."""
+class Deadline:
+    """One attempt's wall-clock limit (monotonic). `left` is what the next socket operation may wait."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.at = clock() + seconds
+
+    def left(self, timeout: float | None, error: type[Exception]) -> float:
+        remaining = self.at - self.clock()
+        if remaining <= 0:
+            raise error("the delivery attempt ran past its deadline")
+        return remaining if timeout is None else min(timeout, remaining)
+
+
+class DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read, write and TLS handshake waits at most until the deadline (CPython
+    bounds a whole handshake by the socket timeout). Writes go to the socket one `send` at a time,
+    each with the time left: httpcore's own loop would give every partial send the full timeout."""
+
+    def __init__(self, stream: httpcore.NetworkStream, deadline: Deadline) -> None:
+        self.stream = stream
+        self.deadline = deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self.stream.read(max_bytes, self.deadline.left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        sock = self.stream.get_extra_info("socket")
+        while buffer:
+            sock.settimeout(self.deadline.left(timeout, httpcore.WriteTimeout))
+            try:
+                sent = sock.send(buffer)
+            except TimeoutError as exc:
+                raise httpcore.WriteTimeout(str(exc)) from exc
+            except OSError as exc:
+                raise httpcore.WriteError(str(exc)) from exc
+            buffer = buffer[sent:]
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        left = self.deadline.left(timeout, httpcore.ConnectTimeout)
+        return DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, left), self.deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
+
+
+class PinnedBackend(httpcore.SyncBackend):
+    """Connects to the checked addresses only (the first MAX_ADDRESSES): the name is never resolved
+    again, and a connection for any other host (there should be none: redirects are not followed) is
+    refused. With a deadline, the connects and the connection share it."""
+
+    def __init__(self, target: Target, deadline: Deadline | None = None) -> None:
         self.target = target
+        self.deadline = deadline
 
     def connect_tcp(
         self,
@@ -239,23 +302,30 @@ class PinnedBackend(httpcore.SyncBackend):
         if host != self.target.host or port != self.target.port:
             raise httpcore.ConnectError(f"{host}:{port} was not checked; only {self.target.host} was")
         error: Exception | None = None
-        for address in self.target.addresses:  # in the resolver's order, as a plain client would
+        for address in self.target.addresses[:MAX_ADDRESSES]:  # in the resolver's order, as a client would
             try:
-                return super().connect_tcp(address, port, timeout, local_address, socket_options)
+                if self.deadline is None:
+                    return super().connect_tcp(address, port, timeout, local_address, socket_options)
+                left = self.deadline.left(timeout, httpcore.ConnectTimeout)
+                stream = super().connect_tcp(address, port, left, local_address, socket_options)
+                return DeadlineStream(stream, self.deadline)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc
         assert error is not None
         raise error
 
 
-def pinned_transport(target: Target, *, verify: bool = True) -> httpx.HTTPTransport:
+def pinned_transport(
+    target: Target, *, verify: bool = True, deadline: Deadline | None = None
+) -> httpx.HTTPTransport:
     """An httpx transport that reaches `target` at its checked addresses; the URL's host stays the
-    Host header and the TLS server name (the certificate is verified against it). No proxies."""
+    Host header and the TLS server name (the certificate is verified against it). No proxies. With a
+    `deadline`, no socket operation of the attempt waits past it."""
     transport = httpx.HTTPTransport(verify=verify, trust_env=False)
     # httpx takes no network backend, but its pool is httpcore's, which does: replace the pool.
     transport._pool = httpcore.ConnectionPool(
         ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
         max_connections=1,
-        network_backend=PinnedBackend(target),
+        network_backend=PinnedBackend(target, deadline),
     )
     return transport

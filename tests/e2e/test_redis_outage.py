@@ -16,8 +16,8 @@ JOB = {"prompt": "outage", "max_tokens": 4, "temperature": 0}
 
 
 def test_a_redis_outage_is_503_and_the_stack_resumes(tmp_path: Path, tiny_model: Path) -> None:
-    port, data = free_port(), tmp_path / "redis"
-    server, url = start_embedded(data, port)
+    port, data, password = free_port(), tmp_path / "redis", "outage-test-password"
+    server, url = start_embedded(data, port, password=password)
     try:
         stack = start_stack(
             tmp_path,
@@ -45,7 +45,7 @@ def test_a_redis_outage_is_503_and_the_stack_resumes(tmp_path: Path, tiny_model:
                     ready.json()["status"] == "not_ready" and ready.json()["checks"]["redis"]["ok"] is False
                 )
 
-                server, _ = start_embedded(data, port)  # the same port and data directory
+                server, _ = start_embedded(data, port, password=password)  # the same port, data, password
                 after = resubmit_until_accepted(client, timeout_s=30)
                 assert wait(client, after["id"], timeout_s=60)["status"] == "succeeded"
                 assert client.get(f"/v1/jobs/{before['id']}").json()["status"] == "succeeded"  # kept (AOF)

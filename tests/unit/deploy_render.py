@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
+import hashlib
+import secrets
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +48,7 @@ MERGE_KEYS |= {
     "topologySpreadConstraints": "topologyKey",
 }
 BUILTIN_KINDS = {"Deployment", "StatefulSet", "Service", "ConfigMap", "Secret", "HorizontalPodAutoscaler"}
-BUILTIN_KINDS |= {"PodDisruptionBudget", "Namespace"}
+BUILTIN_KINDS |= {"PodDisruptionBudget", "Namespace", "NetworkPolicy"}
 
 
 def merge(base: dict[str, Any], patch: dict[str, Any], *, strategic: bool) -> None:
@@ -107,3 +112,57 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
             if doc["kind"] not in CLUSTER_SCOPED:
                 doc["metadata"]["namespace"] = spec["namespace"]
     return docs
+
+
+# --- The overlays' Secrets, which are never committed ---------------------------------------------
+
+SECRET_FILES = ("api.env", "webhooks.env", "redis.env", "flower.env")  # in overlays/<name>/secrets/
+
+
+def _whsec() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def fresh_secrets() -> dict[str, str]:
+    """Env files as an operator makes them from deploy/k8s/secrets.example/: random, real-looking."""
+    digest = hashlib.sha256(secrets.token_urlsafe(32).encode()).hexdigest()
+    return {
+        "api.env": f'CONVEYOR_API_KEYS={{"{digest}":"tenant"}}\nCONVEYOR_JWT_KEY={secrets.token_hex(32)}\n'
+        'CONVEYOR_JWT_ALGORITHMS=["HS256"]\n',
+        "webhooks.env": f'CONVEYOR_WEBHOOK_SECRETS=["{_whsec()}"]\nCONVEYOR_WEBHOOK_MASTER_KEY={_whsec()}\n',
+        "redis.env": f"REDIS_PASSWORD={secrets.token_hex(32)}\n",
+        "flower.env": f"FLOWER_BASIC_AUTH=admin:{secrets.token_hex(16)}\n",
+    }
+
+
+# The values the repository once committed as examples (base/secrets.example.env, flower.example.env).
+PUBLISHED_EXAMPLES = {
+    "api.env": "CONVEYOR_API_KEYS="
+    '{"22a60ff8c666ee7f81ede927b1adfb38922412b0bbd7162b99525a22607f603b":"example"}\n'
+    "CONVEYOR_JWT_KEY=example-jwt-secret-change-me-at-least-32-bytes\n"
+    'CONVEYOR_JWT_ALGORITHMS=["HS256"]\n',
+    "webhooks.env": 'CONVEYOR_WEBHOOK_SECRETS=["whsec_ZXhhbXBsZS13ZWJob29rLXNlY3JldC1jaGFuZ2UtbWU="]\n',
+    "redis.env": "REDIS_PASSWORD=change-me\n",
+    "flower.env": "FLOWER_BASIC_AUTH=admin:change-me\n",
+}
+
+
+def with_secrets(overlay: str, files: dict[str, str]) -> Path:
+    """A copy of deploy/k8s with `files` in the overlay's secrets/ directory; the overlay's path in it."""
+    root = Path(tempfile.mkdtemp(prefix="conveyor-k8s-")) / "k8s"
+    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("secrets"))
+    directory = root / "overlays" / overlay / "secrets"
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return root / "overlays" / overlay
+
+
+@functools.cache
+def _render(overlay: str) -> list[dict[str, Any]]:
+    return kustomize(with_secrets(overlay, fresh_secrets()))
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    """The overlay rendered with fresh secrets (rendered once; a copy each call, callers may change it)."""
+    return copy.deepcopy(_render(overlay))

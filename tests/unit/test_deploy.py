@@ -1,15 +1,20 @@
 """The Kubernetes manifests, checked offline per overlay: against the Kubernetes and KEDA schemas, and
 for what they must say (real commands and settings, probes, scaling on the stage queues, budgets,
-durable Redis). kubectl (kustomize) adds its own rendering where installed. Vendored schemas:
-tests/data/deploy/README.md."""
+durable Redis with a password, no committed secret, read-only containers without service-account
+tokens, NetworkPolicies). The overlays render only with their secrets/ files, which git ignores: the
+tests write fresh ones into a copy (deploy_render.with_secrets). kubectl (kustomize) adds its own
+rendering where installed. Vendored schemas: tests/data/deploy/README.md."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -24,11 +29,16 @@ from deploy_render import (
     K8S_VERSION,
     METRICS_PORT,
     OVERLAYS,
+    PUBLISHED_EXAMPLES,
+    SECRET_FILES,
     STAGES,
     env_file,
+    fresh_secrets,
     kustomize,
     pod_specs,
+    render,
     setting_names,
+    with_secrets,
 )
 from typer.main import get_command
 
@@ -40,7 +50,7 @@ from app.workers.celery_app import PRIORITY_STEPS
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, kustomize(K8S / "overlays" / request.param)
+    return request.param, render(request.param)
 
 
 def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
@@ -68,9 +78,11 @@ def test_kustomizations_name_files_that_exist():
     for directory in directories:
         spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
         paths = spec.get("resources", []) + [p["path"] for p in spec.get("patches", [])]
-        paths += [env for g in spec.get("secretGenerator", []) for env in g["envs"]]
         for path in paths:
             assert (directory / path).exists(), f"{directory}: {path} does not exist"
+        for env in (env for g in spec.get("secretGenerator", []) for env in g["envs"]):
+            # Never committed (git ignores secrets/); what goes in it is shown in secrets.example/.
+            assert env.startswith("secrets/") and (K8S / "secrets.example" / Path(env).name).is_file(), env
     listed = set(yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"])
     assert {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"} == listed
 
@@ -81,7 +93,8 @@ KUSTOMIZE = ["kustomize", "build"] if shutil.which("kustomize") else ["kubectl",
 @pytest.mark.skipif(shutil.which(KUSTOMIZE[0]) is None, reason="neither kustomize nor kubectl installed")
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_kustomize_itself_renders_what_this_test_validates(name: str):
-    argv = [*KUSTOMIZE, str(K8S / "overlays" / name)]
+    overlay = with_secrets(name, fresh_secrets())
+    argv = [*KUSTOMIZE, str(overlay)]
     built = [d for d in yaml.safe_load_all(subprocess.run(argv, check=True, capture_output=True).stdout) if d]
 
     def keyed(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -89,7 +102,93 @@ def test_kustomize_itself_renders_what_this_test_validates(name: str):
             secret["data"] = {k: base64.b64decode(v) for k, v in secret["data"].items()}
         return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
-    assert keyed(built) == keyed(kustomize(K8S / "overlays" / name))
+    assert keyed(built) == keyed(kustomize(overlay))
+
+
+# --- Secrets: none committed, none published accepted -------------------------------------------
+
+
+def test_no_secret_is_committed_and_an_overlay_without_its_own_does_not_render():
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert "secretGenerator" not in base and not find(kustomize_base(), "Secret")
+    for path in K8S.rglob("*.env"):  # only the templates, every value empty
+        assert path.parent == K8S / "secrets.example", f"{path}: a committed env file"
+        assert all(v in ("", "{}", "[]") for v in env_file(path).values()), path
+    assert "overlays/*/secrets/" in (K8S / ".gitignore").read_text().split()
+    for name in OVERLAYS:
+        if (K8S / "overlays" / name / "secrets").exists():
+            continue  # an operator's own secrets, ignored by git
+        with pytest.raises(FileNotFoundError):
+            kustomize(K8S / "overlays" / name)
+        if shutil.which(KUSTOMIZE[0]):
+            built = subprocess.run([*KUSTOMIZE, str(K8S / "overlays" / name)], capture_output=True)
+            assert built.returncode != 0, f"{name} rendered without its secrets"
+
+
+def kustomize_base() -> list[dict[str, Any]]:
+    return kustomize(K8S / "base")
+
+
+def container_env(docs: list[dict[str, Any]], workload: str) -> dict[str, str]:
+    """The environment Kubernetes gives a workload's first container: envFrom (ConfigMaps, Secrets),
+    then env (Secret references resolved, $(VAR) expanded from what comes before)."""
+    pod = next(p for d in docs if d["metadata"]["name"] == workload for p in pod_specs(d))
+    container = pod["containers"][0]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+        else:
+            data = one(docs, "Secret", source["secretRef"]["name"])["data"]
+            env.update({k: base64.b64decode(v).decode() for k, v in data.items()})
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        else:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = base64.b64decode(one(docs, "Secret", ref["name"])["data"][ref["key"]]).decode()
+    return env
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_published_example_secrets_stop_the_api_the_callbacks_worker_and_flower(name, tmp_path):
+    from app.api.app import create_app
+    from app.core.known_secrets import KnownSecret
+
+    docs = kustomize(with_secrets(name, PUBLISHED_EXAMPLES))
+    for workload, setting in [("api", "CONVEYOR_JWT_KEY"), ("callbacks", "CONVEYOR_WEBHOOK_SECRETS")]:
+        env = container_env(docs, workload)
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            settings = Settings()
+        with pytest.raises(KnownSecret, match=setting):
+            create_app(settings)
+        with pytest.raises(KnownSecret, match="REDIS_URL"):
+            create_app(settings)
+    flower = flower_start(docs, tmp_path)
+    assert flower.returncode == 1 and "FLOWER_BASIC_AUTH" in flower.stderr
+
+    good = kustomize(with_secrets(name, fresh_secrets()))
+    env = container_env(good, "api")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        settings = Settings()
+    create_app(settings)  # starts (no request is made: nothing connects yet)
+    assert flower_start(good, tmp_path).returncode == 0
+
+
+def flower_start(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Flower's container command as its shell runs it, with `celery` a stub that exits 0."""
+    (container,) = one(docs, "Deployment", "flower")["spec"]["template"]["spec"]["containers"]
+    stub = tmp_path / "bin" / "celery"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    env = dict(container_env(docs, "flower"), PATH=f"{stub.parent}:{os.environ['PATH']}")
+    argv = [*container["command"], *container["args"]]
+    return subprocess.run(argv, env=env, capture_output=True, text=True)
 
 
 def strict(schema: Any) -> Any:
@@ -136,7 +235,7 @@ def test_processes_run_real_commands_with_real_settings(overlay):
     commands = set(get_command(cli).commands)  # type: ignore[attr-defined]
     config = one(docs, "ConfigMap", "conveyor-config")["data"]
     secrets = {s["metadata"]["name"]: s for s in find(docs, "Secret")}
-    for key in config.keys() | secrets["conveyor-secrets"]["data"].keys():
+    for key in config.keys() | {k for s in secrets.values() for k in s["data"]}:
         if key.startswith("CONVEYOR_"):
             assert key.removeprefix("CONVEYOR_") in setting_names(), f"unknown setting {key}"
     assert config["CONVEYOR_STAGES"] == str(STAGES) and config["CONVEYOR_METRICS_PORT"] == METRICS_PORT
@@ -154,7 +253,7 @@ def test_processes_run_real_commands_with_real_settings(overlay):
         if command[0] == "conveyor":
             assert command[1] in commands, f"{where}: unknown command {command}"
         else:
-            assert "celery --broker" in container["args"][0] and " flower " in container["args"][0], where
+            assert 'BROKER_URL="$REDIS_URL" exec celery flower ' in container["args"][0], where
 
 
 def http_probe(container: dict[str, Any], probe: str) -> tuple[int, str]:
@@ -290,7 +389,7 @@ def test_redis_is_durable_and_never_evicts(overlay):
     assert mebibytes(options["--maxmemory"]) < mebibytes(limit), "maxmemory must stay under the memory limit"
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
-    assert one(docs, "ConfigMap", "conveyor-config")["data"]["REDIS_URL"].startswith("redis://redis:6379")
+    assert "REDIS_URL" not in one(docs, "ConfigMap", "conveyor-config")["data"]  # it carries the password
 
 
 def test_overlays_differ_where_they_should(overlay):
@@ -317,16 +416,109 @@ def test_overlays_differ_where_they_should(overlay):
     assert one(docs, "HorizontalPodAutoscaler", "api")["spec"]["minReplicas"] >= 3
 
 
-def test_example_secrets_are_examples_that_load(monkeypatch: pytest.MonkeyPatch):
-    from app.api.auth import JwtVerifier
-    from app.webhooks.signing import SecretBook
+def test_every_container_is_read_only_without_a_service_account_token(overlay):
+    _, docs = overlay
+    for doc in docs:
+        for pod in pod_specs(doc):
+            where = doc["metadata"]["name"]
+            assert pod["automountServiceAccountToken"] is False, where
+            volumes = {v["name"] for v in pod.get("volumes", [])}
+            claims = {c["metadata"]["name"] for c in doc["spec"].get("volumeClaimTemplates", [])}
+            for container in pod["containers"]:
+                assert container["securityContext"]["readOnlyRootFilesystem"] is True, where
+                mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounts, f"{where}: no writable /tmp"
+                assert set(mounts.values()) <= volumes | claims, where
+                for name in mounts.values():
+                    if name in volumes:
+                        (volume,) = [v for v in pod["volumes"] if v["name"] == name]
+                        assert "emptyDir" in volume, f"{where}: {name} is not an emptyDir"
 
-    values = env_file(K8S / "base" / "secrets.example.env")
-    assert "EXAMPLE" in (K8S / "base" / "secrets.example.env").read_text()
-    for key, value in values.items():
-        monkeypatch.setenv(key, value)
-    settings = Settings()
-    assert all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in settings.api_keys)
-    JwtVerifier(settings)
-    assert SecretBook(settings.webhook_secrets).default
-    assert ":" in env_file(K8S / "base" / "flower.example.env")["FLOWER_BASIC_AUTH"]
+
+def secrets_of(doc: dict[str, Any]) -> set[str]:
+    """The Secrets a workload's pods read (envFrom, env, volumes)."""
+    names = set()
+    for pod in pod_specs(doc):
+        for container in pod["containers"]:
+            names |= {s["secretRef"]["name"] for s in container.get("envFrom", []) if "secretRef" in s}
+            names |= {
+                v["valueFrom"]["secretKeyRef"]["name"]
+                for v in container.get("env", [])
+                if "secretKeyRef" in v.get("valueFrom", {})
+            }
+        names |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    return names
+
+
+def test_each_pod_mounts_only_the_secrets_it_needs(overlay):
+    _, docs = overlay
+    needs = {
+        "api": {"conveyor-api", "conveyor-webhooks", "conveyor-redis"},  # auth, callbacks' intake
+        "callbacks": {"conveyor-webhooks", "conveyor-redis"},  # signs deliveries
+        "flower": {"flower-auth", "conveyor-redis"},
+        "redis": {"conveyor-redis"},
+        "batcher": {"conveyor-redis"},
+        "stage0": {"conveyor-redis"},
+        "stage1": {"conveyor-redis"},
+        "webhooks-dispatcher": {"conveyor-redis"},
+    }
+    workloads = {d["metadata"]["name"]: d for d in docs if pod_specs(d)}
+    assert set(workloads) == set(needs)
+    for name, doc in workloads.items():
+        assert secrets_of(doc) == needs[name], name
+    assert {s["metadata"]["name"] for s in find(docs, "Secret")} == set().union(*needs.values())
+    assert len(SECRET_FILES) == len(find(docs, "Secret"))
+
+
+def test_redis_requires_a_password_every_client_sends(overlay):
+    _, docs = overlay
+    (container,) = one(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    password = container_env(docs, "redis")["REDIS_PASSWORD"]
+    assert len(password) >= 32
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert "REDISCLI_AUTH" in " ".join(container[probe]["exec"]["command"]), probe
+    for workload, _ in conveyor_containers(docs) + [(one(docs, "Deployment", "flower"), None)]:
+        url = container_env(docs, workload["metadata"]["name"])["REDIS_URL"]
+        assert url == f"redis://:{password}@redis:6379/0", workload["metadata"]["name"]
+    for so in find(docs, "ScaledObject"):
+        for trigger in (t for t in so["spec"]["triggers"] if t["type"] == "redis"):
+            assert trigger["metadata"]["passwordFromEnv"] == "REDIS_PASSWORD"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_network_policies_deny_by_default_and_open_redis_only_to_conveyor(overlay):
+    _, docs = overlay
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(docs, "NetworkPolicy")}
+    deny = policies["default-deny"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}  # no rule: nothing allowed
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs if pod_specs(d)}
+
+    def ingress_to(workload: str) -> list[dict[str, Any]]:
+        return [
+            rule
+            for spec in policies.values()
+            if "Ingress" in spec["policyTypes"] and selects(spec["podSelector"], pods[workload])
+            for rule in spec.get("ingress", [])
+        ]
+
+    redis_rules = [r for r in ingress_to("redis") if 6379 in {p["port"] for p in r.get("ports", [])}]
+    (rule,) = redis_rules
+    peers = rule["from"]
+    assert all(peers), "an empty peer would admit everything"
+    pod_peers = [p["podSelector"] for p in peers if "podSelector" in p]
+    assert pod_peers == [{"matchLabels": {"app.kubernetes.io/name": "conveyor"}}]
+    assert all(selects(pod_peers[0], labels) for labels in pods.values())  # every Conveyor pod
+    namespaces = [p["namespaceSelector"]["matchLabels"] for p in peers if "namespaceSelector" in p]
+    assert namespaces == [{"kubernetes.io/metadata.name": "keda"}] and all(
+        set(p) == {"namespaceSelector"} or set(p) == {"podSelector"} for p in peers
+    )
+    api_open = [r for r in ingress_to("api") if "from" not in r]
+    assert [p["port"] for r in api_open for p in r["ports"]] == [8000]  # open to all, on its port only
+    for workload in pods:
+        if workload != "api":
+            assert all("from" in r for r in ingress_to(workload)), f"{workload} is open to everyone"

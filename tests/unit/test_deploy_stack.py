@@ -18,13 +18,12 @@ import yaml
 from deploy_render import (
     DATA,
     DEPLOY,
-    K8S,
     METRICS_PORT,
     OVERLAYS,
     ROOT,
     STAGES,
-    kustomize,
     pod_specs,
+    render,
     setting_names,
 )
 from typer.main import get_command
@@ -83,8 +82,19 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 CONVEYOR_SERVICES = {n for n, s in COMPOSE["services"].items() if s.get("image", "").startswith("conveyor")}
 
 
+# What an operator must set (compose's `${VAR:?message}` refuses to start without it).
+REQUIRED = {
+    "REDIS_PASSWORD": "0123456789abcdef0123456789abcdef",
+    "CONVEYOR_WEBHOOK_SECRETS": '["whsec_c2VjcmV0LW9mLXRoZS1jb21wb3NlLXRlc3RzLTMyYg=="]',
+    "FLOWER_PASSWORD": "flower-password-of-the-tests",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-password-of-the-tests",
+}
+
+
 def interpolate(value: str) -> str:
-    """Compose's `${VAR:-default}` with nothing set in the environment, and `$$` for a literal `$`."""
+    """Compose's `${VAR:-default}` with nothing set in the environment, `${VAR:?message}` with what an
+    operator sets (REQUIRED), and `$$` for a literal `$`."""
+    value = re.sub(r"(?<!\$)\$\{(\w+):\?[^}]*\}", lambda m: REQUIRED[m.group(1)], value)
     value = re.sub(r"(?<!\$)\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
     return value.replace("$$", "$")
 
@@ -119,9 +129,21 @@ def test_compose_services_run_real_commands_with_real_settings(monkeypatch: pyte
     assert "--basic-auth" in services["flower"]["command"][-1]
     assert "127.0.0.1:5555:5555" in services["flower"]["ports"]
     redis = services["redis"]
-    assert "redis-cli" in redis["healthcheck"]["test"]
+    assert "redis-cli ping" in redis["healthcheck"]["test"][-1]
     assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
     assert "noeviction" in redis["command"]
+
+
+def test_compose_redis_requires_the_password_every_client_sends():
+    services = COMPOSE["services"]
+    redis = services["redis"]
+    password = interpolate(redis["command"][redis["command"].index("--requirepass") + 1])
+    assert password == REQUIRED["REDIS_PASSWORD"]  # required: compose refuses to start without it
+    assert interpolate(redis["environment"]["REDISCLI_AUTH"]) == password  # the health check's login
+    for name in CONVEYOR_SERVICES:
+        url = interpolate(services[name]["environment"]["REDIS_URL"])
+        assert url == f"redis://:{password}@redis:6379/0", name
+    assert "--broker" not in services["flower"]["command"][-1]  # the URL stays off the command line
 
 
 def published(port: str | dict[str, Any]) -> tuple[str | None, str]:
@@ -238,7 +260,7 @@ def test_rule_jobs_match_the_scrape_configs():
     }
     components = {
         d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-        for d in kustomize(K8S / "overlays" / OVERLAYS[0])
+        for d in render(OVERLAYS[0])
         if pod_specs(d)
     }
     (regex,) = re.findall(r'up\{job=~"([^"]+)"\}', ALERTS["WorkerMissing"]["expr"])
