@@ -73,10 +73,19 @@ def up(
     ] = None,
     ssl_certfile: SslCertfile = None,
     ssl_keyfile: SslKeyfile = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Start only these processes (comma-separated, repeatable): redis, api, batcher, webhooks, "
+            "callbacks, flower, stages, stage:N, stage:MODEL:N, embeddings, embed:N. The rest runs "
+            "elsewhere on the same Redis (REDIS_URL, required unless redis is named).",
+        ),
+    ] = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import ensure_password, password_file, redacted, start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor, die_with_parent
+    from app.stack import Only, Part, processes
 
     api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
     if plan is not None:
@@ -97,29 +106,28 @@ def up(
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     me = [sys.executable, "-m", "app.cli"]
-    children = [Child("batcher", [*me, "batcher"])]
-    children.append(Child("webhooks", [*me, "webhooks", "dispatcher"]))  # Webhooks
-    children.append(Child("callbacks", [*me, "webhooks", "worker"]))
-    for name in models:  # each model its own pipeline: stages x replicas workers
-        prefix = "" if len(models) == 1 else f"{name}:"
-        for stage in range(settings.stages):
-            argv = [*me, "worker", "--model", name, "--stage", str(stage), "--stages", str(settings.stages)]
-            for replica in range(settings.replicas):
-                suffix = f".{replica}" if settings.replicas > 1 else ""
-                children.append(Child(f"{prefix}stage{stage}{suffix}", argv))
-    for stage in range(settings.embedding_stages):
-        argv = [
-            *me,
-            "worker",
-            "--embedding",
-            "--stage",
-            str(stage),
-            "--stages",
-            str(settings.embedding_stages),
+    planned = processes(settings, models, me)
+    try:
+        selection = Only.parse(only or [])
+        if settings.redis_url and not selection.everything and selection.wants(Part("redis")):
+            raise ValueError("redis names the embedded Redis, which REDIS_URL replaces: leave it out")
+        services = [
+            "api",
+            *(["flower"] if settings.flower else []),
+            *([] if settings.redis_url else ["redis"]),
         ]
-        children.append(Child(f"embed{stage}", argv))
-    _refuse_ports_in_use(settings, children)
-    _ensure_models(settings, models)
+        children = selection.pick(planned, services)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--only") from exc
+    run_api, run_flower = selection.wants(Part("api")), settings.flower and selection.wants(Part("flower"))
+    run_redis = not settings.redis_url and selection.wants(Part("redis"))
+    if not settings.redis_url and not run_redis:  # the others run elsewhere: they must share a Redis
+        raise typer.BadParameter(
+            "without redis, set REDIS_URL to the Redis the other hosts use", param_hint="--only"
+        )
+    _refuse_ports_in_use(settings, children, api=run_api, redis=run_redis, flower=run_flower)
+    if run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned):
+        _ensure_models(settings, models)  # the api tokenizes with it, the workers run it
     supervisor = Supervisor(env)
     metrics: list[str] = []
     redis_process = None
@@ -143,17 +151,19 @@ def up(
         data = settings.home / "redis"
         supervisor.say(f"started embedded Redis at {redacted(url)} (password in {secret}, data in {data})")
     env["REDIS_URL"] = url
-    _webhook_secrets(settings, env, supervisor.say)
+    if run_api or selection.wants(Part("callbacks")):  # on several hosts: set the secrets on each
+        _webhook_secrets(settings, env, supervisor.say)
     if redis_process is not None:
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
-    supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
+    if run_api:
+        supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
     for n, child in enumerate(children):  # every other process: one metrics port each, upwards
         if settings.metrics_port:
             child.env["CONVEYOR_METRICS_PORT"] = str(settings.metrics_port + n)
             metrics.append(f"{child.name} :{settings.metrics_port + n}")
         supervisor.add(child)
-    if settings.flower:
+    if run_flower:
         supervisor.add(
             Child(
                 "flower",
@@ -170,16 +180,17 @@ def up(
             )
         )
     scheme = "https" if ssl_certfile else "http"
-    supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
-    if settings.auth == "none":
+    if run_api:
+        supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
+    if run_api and settings.auth == "none":
         supervisor.say(
             "WARNING: the API is open (CONVEYOR_AUTH=none): anyone who reaches it is served, as tenant "
             "'anonymous', without credentials"
         )
-    if settings.flower:
+    if run_flower:
         supervisor.say(f"flower  http://127.0.0.1:{settings.flower_port}")
     if metrics:
-        supervisor.say("metrics " + ", ".join(metrics) + " (and the api's /metrics)")
+        supervisor.say("metrics " + ", ".join(metrics) + (" (and the api's /metrics)" if run_api else ""))
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
 
@@ -213,15 +224,18 @@ def master_key_file(settings: Settings) -> Path:
     return settings.home / "webhook_master_key"
 
 
-def _refuse_ports_in_use(settings: Settings, children: list[Child]) -> None:
-    """Name every port of the stack another program holds (a stack left running, say), and stop
-    before anything starts: a child that cannot bind its port only says that it exited."""
+def _refuse_ports_in_use(
+    settings: Settings, children: list[Child], *, api: bool, redis: bool, flower: bool
+) -> None:
+    """Name every port of the processes `up` starts that another program holds (a stack left
+    running, say), and stop before anything starts: a child that cannot bind its port only says
+    that it exited."""
     from app.launcher import ports_in_use
 
-    ports = [(settings.api_host, settings.api_port, "the API")]
-    if not settings.redis_url:
+    ports = [(settings.api_host, settings.api_port, "the API")] if api else []
+    if redis:
         ports.append(("127.0.0.1", settings.embedded_redis_port, "the embedded Redis"))
-    if settings.flower:
+    if flower:
         ports.append(("127.0.0.1", settings.flower_port, "Flower"))
     if settings.metrics_port:  # numbered as `up` hands them out
         ports += [

@@ -125,10 +125,14 @@ def start_stack(
     extra_env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
     args: tuple[str, ...] = (),
+    namespace: str | None = None,
+    wait_ready: bool = True,
 ) -> Stack:
     """`conveyor up` as a user runs it, in its own home, namespace and ports; open to anonymous
-    clients (CONVEYOR_AUTH=none, as `make run` starts it) unless `extra_env` configures auth."""
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    clients (CONVEYOR_AUTH=none, as `make run` starts it) unless `extra_env` configures auth.
+    `namespace`: another stack's, to share its Redis keys and queues (a second host of it, started
+    with `args=("--only", ...)`); `wait_ready=False` returns at once (a host without the api)."""
+    namespace = namespace or f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
     env.update(
@@ -161,6 +165,8 @@ def start_stack(
         stderr=subprocess.STDOUT,
     )
     stack = Stack(f"http://127.0.0.1:{port}", namespace, redis_url, process, log)
+    if not wait_ready:
+        return stack
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

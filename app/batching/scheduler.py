@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.batching import intake, windows
+from app.batching.budget import Budget, Census, Share, budget
 from app.batching.recovery import Monitor
 from app.core import metrics
 from app.core.config import Settings
@@ -79,6 +80,11 @@ class Batcher:
             stages=settings.stages,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
+        self.census = Census(
+            redis, self.keys, stages=settings.stages, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
+        )
+        continuous = settings.batching == "continuous"
+        self.share = Share(settings.replica_batches, settings.max_running_sequences if continuous else None)
         self.last_sweep = -float("inf")
         self.waiting_for_room = False
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
@@ -149,14 +155,36 @@ class Batcher:
         gone = {id(it) for it in late}
         self.pending = [it for it in self.pending if id(it) not in gone]
 
+    def budgets(self, models: set[str]) -> dict[str, Budget]:
+        """Each model's budget now, from its live stage replicas (app/batching/budget.py)."""
+        s = self.settings
+        budgets = {
+            model: budget(
+                live,
+                self.share,
+                max_batches=s.max_inflight_batches,
+                max_sequences=s.max_inflight_sequences,
+            )
+            for model, live in self.census.live(models).items()
+        }
+        for model, b in budgets.items():
+            metrics.PIPELINE_REPLICAS.labels(model).set(b.replicas)
+            metrics.INFLIGHT_BUDGET.labels(model, "batches").set(b.batches)
+            if b.sequences is not None:
+                metrics.INFLIGHT_BUDGET.labels(model, "sequences").set(b.sequences)
+        return budgets
+
     def dispatch_ready(self) -> None:
         models = {it.model for it in self.pending}
+        if not models:
+            self.waiting_for_room = False
+            return
         inflight = {m: self.redis.hlen(self.keys.inflight(m)) for m in models}
-        capacity = {m: self.settings.inflight_limit(self.stages) for m in models}
-        budget = self.settings.sequence_budget()
-        in_flight = int(self.redis.zcard(self.keys.progress()))  # every scheduled or running sequence
-        running = dict.fromkeys(models, in_flight)
-        room = None if budget is None else dict.fromkeys(models, budget - in_flight)
+        budgets = self.budgets(models)
+        capacity = {m: b.batches for m, b in budgets.items()}
+        counted = self.census.in_flight()  # every scheduled or running sequence, per model
+        running = {m: counted[m] for m in models}
+        room = {m: b.sequences - counted[m] for m, b in budgets.items() if b.sequences is not None}
         now = self.clock()
         for batch in windows.plan(
             self.pending,
@@ -164,7 +192,7 @@ class Batcher:
             capacity=capacity,
             limits=self.limits,
             now=now,
-            room=room,
+            room=room or None,
             running=running,
             hold=self._held(now),
         ):
@@ -242,6 +270,7 @@ class Batcher:
         pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(job_ids))
         pipe.zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
         results = pipe.execute()
+        self.census.dispatched(batch.model, job_ids)
         scheduled = [move.job_id for move, result in zip(moves, results, strict=False) if int(result[0])]
         if len(scheduled) < len(job_ids):
             if scheduled:

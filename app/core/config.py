@@ -86,12 +86,18 @@ class Settings(BaseSettings):
     # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
     # once, which is what latency wants when the pipeline has nothing else to do.
     min_batch_size: int = Field(default=1, ge=1)
-    # Batches in flight per pipeline; None means stages x replicas + 1, enough to keep every worker busy.
-    # With continuous batching a batch holds its slot only until it is prefilled (it then joins a
-    # running batch or runs on); what bounds the work in flight is max_inflight_sequences.
+    # Batches in flight (being prefilled, or waiting in the stage queue) per live replica of a model's
+    # thinnest stage (at least one replica counted; app/batching/budget.py). A replica's four task
+    # threads hold four and 12 wait in the queue: 1.5x the autoscaler's target of 8 waiting per
+    # replica (deploy/k8s ScaledObjects), so a saturated stage shows KEDA a queue to scale on.
+    replica_batches: int = Field(default=16, ge=1)
+    # A fixed number of batches in flight per pipeline, whatever the replicas; None: replica_batches
+    # per live replica (and never fewer than stages + 1, which keeps every stage busy).
     max_inflight_batches: int | None = None
-    # Continuous batching: sequences scheduled or running at once (the KV cache every stage holds);
-    # None means max_running_sequences x replicas. realtime and high may exceed it by one batch.
+    # Continuous batching: a fixed number of sequences scheduled or running per pipeline (the KV cache
+    # every stage holds), whatever the replicas; None: max_running_sequences per live replica of the
+    # thinnest stage, so a replica added raises it at its first heartbeat and one that stops beating
+    # lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
     max_inflight_sequences: int | None = None
     # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
     length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
@@ -112,7 +118,9 @@ class Settings(BaseSettings):
 
     # Stage workers.
     stages: int = 1
-    replicas: int = 1  # workers per stage, sharing the stage's queue (load balancing)
+    # Workers per stage that `conveyor up` starts, sharing the stage's queue (load balancing). The
+    # batcher's budget follows the live workers, not this number.
+    replicas: int = 1
     plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
     device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
     # Serving precision of the stage workers: auto picks bf16 on GPUs that have it (fp16 on older
@@ -311,12 +319,3 @@ class Settings(BaseSettings):
             return os.listdir(self.model_home)
         except OSError:  # no model home yet
             return []
-
-    def inflight_limit(self, stages: int) -> int:
-        return self.max_inflight_batches or stages * self.replicas + 1
-
-    def sequence_budget(self) -> int | None:
-        """Sequences in flight a pipeline may hold; None (no bound beyond batches) for request-level."""
-        if self.batching != "continuous":
-            return None
-        return self.max_inflight_sequences or self.max_running_sequences * self.replicas

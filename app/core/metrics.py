@@ -6,7 +6,8 @@ from it). Who observes what:
 
 - api: HTTP requests and their latency, admission refusals, cancellations, and, read from Redis at
   each scrape, the intake depth per class, live workers per stage and each breaker's state;
-- batcher: intake wait per class, batch size and padding, jobs that expired or were lost;
+- batcher: intake wait per class, batch size and padding, jobs that expired or were lost, and each
+  pipeline's live replicas and in-flight budget;
 - stage workers: partition latency per step, their heartbeat, device memory (NVML on a GPU, the
   process's resident memory on the CPU), whether they are unhealthy and why; the last stage also
   time to first token, inter-token latency, end-to-end latency, tokens generated and how jobs ended.
@@ -94,6 +95,16 @@ BATCH_PADDING = Histogram(
     "Share of a dispatched batch's prompt positions that are padding",
     ["model"],
     buckets=RATIO_BUCKETS,
+)
+PIPELINE_REPLICAS = Gauge(
+    "conveyor_pipeline_replicas",
+    "Live replicas of the model's thinnest stage, at least 1: what its in-flight budget is scaled by",
+    ["model"],
+)
+INFLIGHT_BUDGET = Gauge(
+    "conveyor_inflight_budget",
+    "Work the batcher lets a model's pipeline hold now, in batches or sequences",
+    ["model", "unit"],
 )
 
 # ---------------------------------------------------------------- stage workers

@@ -191,9 +191,9 @@ def run_worker(
         loglevel=loglevel,
         labels=(model, str(stage)),
         # Task threads and the lane thread queue their messages for the compute thread (urgent
-        # first). The batcher keeps at most stages x replicas + 1 ordinary prefills in flight (two
-        # or three at one worker) plus urgent ones: with four task threads, ordinary prefills
-        # waiting for their turn still leave one free to fetch an urgent prefill at once.
+        # first). Four task threads hold four prefills; further ones wait in the stage queue, where
+        # the autoscaler counts them (the batcher keeps CONVEYOR_REPLICA_BATCHES in flight per live
+        # replica). An urgent prefill waiting there is the next one fetched, as soon as a thread is free.
         slots=4,
         info=info,
         health=health,

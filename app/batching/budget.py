@@ -1,0 +1,116 @@
+"""How much work a model's pipeline may hold, from the stage replicas that are live now.
+
+The batcher calls `Census.budgets` once per dispatch round. A pipeline is as wide as its thinnest
+stage: a model whose stage 0 has three live replicas and stage 1 one finishes work at one replica's
+pace, so its budget is the minimum over stages of the live replicas (their heartbeats,
+`Keys.workers`) times one replica's share. Adding a replica raises the budget at its first
+heartbeat; a replica that stops beating lowers it `heartbeat_ttl_s` later.
+
+The floor is one replica per stage: a pipeline whose heartbeats all lapse for a moment (Redis slow,
+a worker restarting) keeps one replica's budget, so the work it was given waits in its stage queue
+for the worker to come back instead of the batcher stopping dead; jobs of a worker that is really
+gone are recovered by the monitor (app/batching/recovery.py), whatever the budget.
+
+Sequences in flight are counted per model from the progress set (`Keys.progress`, every job
+scheduled or running, of every model): the batcher remembers the model of each job it dispatched
+and looks up, once, the few it does not know (dispatched before a restart).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.core.jobs import text_of
+from app.core.keys import Keys
+
+MIN_REPLICAS = 1  # the floor: a pipeline with no live heartbeat still gets one replica's budget
+LIVE_REFRESH_S = 1.0  # live replicas are read this often (heartbeats come every 2 s)
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one live replica (of the thinnest stage) adds to its pipeline's budget."""
+
+    batches: int  # batches being prefilled or waiting in the stage queue
+    sequences: int | None  # sequences scheduled or running; None: no bound (request-level batching)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A pipeline's bounds now (`windows.plan`'s capacity and the room it leaves)."""
+
+    replicas: int  # live replicas of the thinnest stage, at least MIN_REPLICAS
+    batches: int
+    sequences: int | None
+
+
+def pipeline_replicas(live_per_stage: Sequence[int]) -> int:
+    """The replicas a pipeline counts as: its thinnest stage's live replicas, at least the floor."""
+    return max(MIN_REPLICAS, min(live_per_stage, default=0))
+
+
+def budget(
+    live_per_stage: Sequence[int],
+    share: Share,
+    *,
+    max_batches: int | None = None,
+    max_sequences: int | None = None,
+) -> Budget:
+    """One pipeline's budget: `share` times its replicas, unless a fixed bound (a setting) is given."""
+    replicas = pipeline_replicas(live_per_stage)
+    stages = len(live_per_stage)
+    # A pipeline of N stages keeps N batches circulating (one per stage), so never fewer slots.
+    batches = max_batches or replicas * max(share.batches, stages + 1)
+    sequences = None if share.sequences is None else max_sequences or replicas * share.sequences
+    return Budget(replicas=replicas, batches=batches, sequences=sequences)
+
+
+class Census:
+    """Live replicas per stage and sequences in flight, per model, read from Redis for the batcher."""
+
+    def __init__(
+        self, redis: Any, keys: Keys, *, stages: int, heartbeat_ttl_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.stages = stages
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.clock = clock
+        self.model_of: dict[str, str] = {}  # job id -> model, for the jobs in the progress set
+        self._live: dict[str, tuple[float, list[int]]] = {}  # model -> (when read, live per stage)
+
+    def dispatched(self, model: str, job_ids: Iterable[str]) -> None:
+        """The batcher scheduled these jobs of `model` (they are in the progress set now)."""
+        self.model_of.update(dict.fromkeys(job_ids, model))
+
+    def live(self, models: Iterable[str]) -> dict[str, list[int]]:
+        """Live replicas of each stage of each model (re-read at most every LIVE_REFRESH_S)."""
+        now = self.clock()
+        stale = [m for m in models if m not in self._live or now - self._live[m][0] >= LIVE_REFRESH_S]
+        if stale:
+            since = time.time() - self.heartbeat_ttl_s
+            pipe = self.redis.pipeline(transaction=False)
+            for model in stale:
+                for stage in range(self.stages):
+                    pipe.zcount(self.keys.workers(model, stage), since, "+inf")
+            counts = [int(c) for c in pipe.execute()]
+            for n, model in enumerate(stale):
+                self._live[model] = (now, counts[n * self.stages : (n + 1) * self.stages])
+        return {m: self._live[m][1] for m in models}
+
+    def in_flight(self) -> Counter[str]:
+        """Sequences scheduled or running, per model."""
+        members = [text_of(m) for m in self.redis.zrange(self.keys.progress(), 0, -1)]
+        unknown = [m for m in members if m not in self.model_of]
+        if unknown:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in unknown:
+                pipe.hget(self.keys.job(job_id), "model")
+            # An expired record counts under "" until the monitor drops it from the set.
+            self.model_of.update(zip(unknown, (text_of(m) for m in pipe.execute()), strict=True))
+        self.model_of = {m: self.model_of[m] for m in members}  # forget the jobs that ended
+        return Counter(self.model_of.values())

@@ -1,0 +1,124 @@
+"""Which processes `conveyor up` starts: the whole stack, or the part that `--only` names.
+
+`conveyor up` calls `processes` for every child it could start and `Only.parse` for its `--only`
+options; `Only.pick` keeps the children named. With `--only`, one stack can be spread over several
+hosts that share one Redis (`REDIS_URL`): host A runs `--only api,batcher,stage:0`, host B
+`--only stage:1`, and the stage workers find each other through the queues and heartbeats in Redis.
+
+The names (`conveyor up --only NAME[,NAME...]`, repeatable):
+
+    redis       the embedded Redis (only without REDIS_URL)
+    api, batcher, webhooks (the dispatcher), callbacks (the delivery worker), flower
+    stages      every stage worker of every served model
+    stage:N     stage N of every served model (all its --replicas)
+    stage:MODEL:N   stage N of one model
+    embeddings  every embeddings worker;  embed:N  one of them
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from app.core.config import Settings
+from app.launcher import Child
+
+SERVICES = ("redis", "api", "batcher", "webhooks", "callbacks", "flower")
+STAGE = re.compile(r"stage:(?:(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*):)?(?P<stage>\d+)")
+EMBED = re.compile(r"embed:(?P<stage>\d+)")
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a process is: a service by name, or a worker of one model's stage (model None: any)."""
+
+    kind: str  # one of SERVICES, "stage" or "embed"
+    model: str | None = None
+    stage: int | None = None  # None in a selector: every stage
+
+    def covers(self, other: Part) -> bool:
+        """Whether this selector names `other` (a process's own part)."""
+        return (
+            self.kind == other.kind
+            and self.model in (None, other.model)
+            and self.stage in (None, other.stage)
+        )
+
+
+@dataclass(frozen=True)
+class Only:
+    """The parts `--only` names; `everything` when it was not given."""
+
+    selectors: tuple[tuple[str, Part], ...]  # (as written, what it names)
+
+    @property
+    def everything(self) -> bool:
+        return not self.selectors
+
+    @classmethod
+    def parse(cls, values: Iterable[str]) -> Only:
+        """`["api,batcher", "stage:1"]` -> its selectors; raises ValueError naming a bad one."""
+        selectors = []
+        for value in values:
+            for name in filter(None, (n.strip() for n in value.split(","))):
+                selectors.append((name, _selector(name)))
+        return cls(tuple(selectors))
+
+    def wants(self, part: Part) -> bool:
+        return self.everything or any(selector.covers(part) for _, selector in self.selectors)
+
+    def pick(self, planned: list[tuple[Part, Child]], services: Iterable[str]) -> list[Child]:
+        """The children named. `services`: the processes other than `planned` this stack may start
+        (the api, flower, the embedded Redis). A name that names nothing here is refused."""
+        parts = [part for part, _ in planned] + [Part(name) for name in services]
+        for written, selector in self.selectors:
+            if not any(selector.covers(part) for part in parts):
+                raise ValueError(f"--only {written}: this stack starts no such process")
+        return [child for part, child in planned if self.wants(part)]
+
+
+def _selector(name: str) -> Part:
+    if name in SERVICES:
+        return Part(name)
+    if name == "stages":
+        return Part("stage")
+    if name == "embeddings":
+        return Part("embed")
+    if match := STAGE.fullmatch(name):
+        return Part("stage", match["model"], int(match["stage"]))
+    if match := EMBED.fullmatch(name):
+        return Part("embed", None, int(match["stage"]))
+    raise ValueError(
+        f"--only {name}: not a process name (one of {', '.join(SERVICES)}, stages, stage:N, "
+        "stage:MODEL:N, embeddings, embed:N)"
+    )
+
+
+def processes(settings: Settings, models: list[str], me: list[str]) -> list[tuple[Part, Child]]:
+    """Every child `up` supervises but the api, Flower and Redis, with what each one is: the
+    batcher, the webhook processes, stages x replicas workers per model, the embeddings workers."""
+    planned = [
+        (Part("batcher"), Child("batcher", [*me, "batcher"])),
+        (Part("webhooks"), Child("webhooks", [*me, "webhooks", "dispatcher"])),
+        (Part("callbacks"), Child("callbacks", [*me, "webhooks", "worker"])),
+    ]
+    for name in models:  # each model its own pipeline: stages x replicas workers
+        prefix = "" if len(models) == 1 else f"{name}:"
+        for stage in range(settings.stages):
+            argv = [*me, "worker", "--model", name, "--stage", str(stage), "--stages", str(settings.stages)]
+            for replica in range(settings.replicas):
+                suffix = f".{replica}" if settings.replicas > 1 else ""
+                planned.append((Part("stage", name, stage), Child(f"{prefix}stage{stage}{suffix}", argv)))
+    for stage in range(settings.embedding_stages):
+        argv = [
+            *me,
+            "worker",
+            "--embedding",
+            "--stage",
+            str(stage),
+            "--stages",
+            str(settings.embedding_stages),
+        ]
+        planned.append((Part("embed", None, stage), Child(f"embed{stage}", argv)))
+    return planned

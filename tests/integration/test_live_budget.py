@@ -1,0 +1,139 @@
+"""The batcher's in-flight budget against a real Redis and real heartbeats: it follows the live stage
+replicas of each model, and each model's sequences count against its own budget only.
+
+The batcher runs in process; what it hands the broker is recorded (no stage worker runs), and a
+sequence "finishes" by leaving the progress set, as a stage worker's last token makes it leave.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from app.batching import intake
+from app.batching.scheduler import Batcher
+from app.core.config import Settings
+from app.core.keys import Keys
+from app.core.protocol import StepMessage
+from app.workers.heartbeat import Heartbeat
+
+PER_REPLICA = 4  # max_running_sequences: one replica's share of sequences
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def keys(redis) -> Iterator[Keys]:  # type: ignore[no-untyped-def]
+    keys = Keys(f"test-budget-{uuid.uuid4().hex[:8]}")
+    yield keys
+    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
+        redis.delete(key)
+
+
+@pytest.fixture()
+def batcher(redis, redis_url, keys):  # type: ignore[no-untyped-def]
+    settings = Settings(
+        redis_url=redis_url,
+        namespace=keys.namespace,
+        stages=2,
+        max_running_sequences=PER_REPLICA,
+        max_batch_size=1,  # one job per batch: what was dispatched is easy to count
+        max_wait_ms=0,
+    )
+    sent: list[StepMessage] = []
+    clock = Clock()
+    batcher = Batcher(settings, redis=redis, send=lambda message, _queue: sent.append(message), clock=clock)
+    intake.ensure_groups(redis, keys)
+    batcher.sent, batcher.fake_clock = sent, clock  # type: ignore[attr-defined]
+    return batcher
+
+
+def replica(redis, keys: Keys, model: str, stage: int) -> Heartbeat:  # type: ignore[no-untyped-def]
+    """A stage replica's heartbeat, beating once (a live replica as the batcher sees it)."""
+    heartbeat = Heartbeat(
+        redis,
+        keys.workers(model, stage),
+        f"{model}-{stage}-{uuid.uuid4().hex[:6]}",
+        interval_s=2.0,
+        ttl_s=10.0,
+        stats=lambda _device: None,
+    )
+    heartbeat.beat()
+    return heartbeat
+
+
+def submit(redis, keys: Keys, model: str, n: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """Queue `n` jobs of `model` as the api does: a queued record and an intake entry each."""
+    job_ids = [uuid.uuid4().hex for _ in range(n)]
+    for job_id in job_ids:
+        redis.hset(keys.job(job_id), mapping={"id": job_id, "status": "queued", "model": model})
+        fields = intake.intake_fields(job_id=job_id, model=model, prompt_tokens=3, priority="normal")
+        redis.xadd(keys.intake("normal"), fields)  # type: ignore[arg-type]
+    return job_ids
+
+
+def settle(batcher) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Let the batcher run until it dispatches nothing more; sequences dispatched so far, per model."""
+    batcher.fake_clock.now += 2.0  # past the window, and past the census' refresh of live replicas
+    quiet = 0
+    while quiet < 2:  # two rounds in a row that dispatch nothing
+        before = len(batcher.sent)
+        batcher.tick()
+        quiet = quiet + 1 if len(batcher.sent) == before else 0
+    counts: dict[str, int] = {}
+    for message in batcher.sent:
+        counts[message.model] = counts.get(message.model, 0) + len(message.seq_ids)
+    return counts
+
+
+def finish(redis, keys: Keys, batcher, model: str, n: int) -> None:  # type: ignore[no-untyped-def]
+    """`n` running sequences of `model` end (they leave the progress set)."""
+    ended = [j for m in batcher.sent if m.model == model for j in m.seq_ids]
+    done = [j for j in ended if redis.zscore(keys.progress(), j) is not None][:n]
+    redis.zrem(keys.progress(), *done)
+
+
+def test_the_budget_follows_the_live_replicas_of_the_thinnest_stage(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    beats = [replica(redis, keys, "a", 0), replica(redis, keys, "a", 1)]
+    submit(redis, keys, "a", 20)
+    assert settle(batcher) == {"a": PER_REPLICA}  # one replica per stage: one replica's share
+
+    beats.append(replica(redis, keys, "a", 0))  # a second replica of stage 0 only: stage 1 bounds
+    assert settle(batcher) == {"a": PER_REPLICA}
+    beats.append(replica(redis, keys, "a", 1))  # and of stage 1: the budget doubles
+    assert settle(batcher) == {"a": 2 * PER_REPLICA}
+    assert redis.zcard(keys.progress()) == 2 * PER_REPLICA
+
+    beats.pop().stop()  # a stage 1 replica leaves: back to one replica's share
+    finish(redis, keys, batcher, "a", PER_REPLICA + 1)  # 3 still in flight, room for 1
+    assert settle(batcher) == {"a": 2 * PER_REPLICA + 1}
+
+
+def test_each_model_counts_its_own_sequences(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    for model in ("a", "b"):
+        for stage in range(2):
+            replica(redis, keys, model, stage)
+    submit(redis, keys, "a", 10)
+    assert settle(batcher) == {"a": PER_REPLICA}
+    # Model a's pipeline is full; b's is empty and takes its own full share.
+    submit(redis, keys, "b", 10)
+    assert settle(batcher) == {"a": PER_REPLICA, "b": PER_REPLICA}
+    finish(redis, keys, batcher, "b", 2)  # b's room is b's: a gets nothing more
+    assert settle(batcher) == {"a": PER_REPLICA, "b": PER_REPLICA + 2}
+
+
+def test_a_pipeline_whose_heartbeats_lapsed_keeps_one_replicas_budget(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    lapsed = time.time() - 60  # beyond heartbeat_ttl_s: not live
+    for stage in range(2):
+        redis.zadd(keys.workers("a", stage), {f"gone-{stage}": lapsed})
+    submit(redis, keys, "a", 10)
+    assert settle(batcher) == {"a": PER_REPLICA}

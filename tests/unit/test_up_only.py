@@ -1,0 +1,72 @@
+"""`conveyor up --only`: which processes a host starts, and what it refuses before starting any."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.core.config import Settings
+from app.stack import Only, Part, processes
+
+ME = ["python", "-m", "app.cli"]
+
+
+def names(
+    only: list[str], *, stages: int = 2, replicas: int = 1, models: tuple[str, ...] = ("tiny",)
+) -> list[str]:
+    settings = Settings(stages=stages, replicas=replicas, embedding_stages=2)
+    return [child.name for child in Only.parse(only).pick(processes(settings, list(models), ME), ["api"])]
+
+
+def test_without_only_every_process_starts():
+    assert names([]) == ["batcher", "webhooks", "callbacks", "stage0", "stage1", "embed0", "embed1"]
+    assert Only.parse([]).wants(Part("api")) and Only.parse([]).wants(Part("redis"))
+
+
+def test_a_host_can_run_one_stage_or_the_front_of_the_pipeline():
+    assert names(["stage:1"]) == ["stage1"]
+    assert names(["stage:1"], replicas=2) == ["stage1.0", "stage1.1"]
+    front = Only.parse(["api,batcher", "stage:0"])
+    assert front.wants(Part("api")) and not front.wants(Part("redis")) and not front.wants(Part("flower"))
+    assert names(["api,batcher", "stage:0"]) == ["batcher", "stage0"]
+    assert names(["stages"]) == ["stage0", "stage1"]
+    assert names(["embeddings", "webhooks"]) == ["webhooks", "embed0", "embed1"]
+    assert names(["embed:1"]) == ["embed1"]
+
+
+def test_a_stage_of_one_model_among_several():
+    assert names(["stage:b:0"], models=("a", "b")) == ["b:stage0"]
+    assert names(["stage:0"], models=("a", "b")) == ["a:stage0", "b:stage0"]
+
+
+@pytest.mark.parametrize(
+    ("only", "says"),
+    [
+        (["stage:2"], "starts no such process"),  # two stages: 0 and 1
+        (["stage:other:0"], "starts no such process"),
+        (["flower"], "starts no such process"),  # not offered to pick from here
+        (["stage1"], "not a process name"),
+        (["stage:-1"], "not a process name"),
+        (["api,workers"], "not a process name"),
+    ],
+)
+def test_a_name_that_names_nothing_is_refused(only: list[str], says: str):
+    with pytest.raises(ValueError, match=says):
+        names(only)
+
+
+def test_leaving_redis_out_requires_a_shared_redis(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    result = CliRunner().invoke(
+        cli, ["up", "--only", "stage:0"], env={"CONVEYOR_HOME": str(tmp_path), "COLUMNS": "300"}
+    )
+    assert result.exit_code == 2
+    assert "REDIS_URL" in result.output
+
+
+def test_naming_the_embedded_redis_with_redis_url_set_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+    env = {"CONVEYOR_HOME": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0", "COLUMNS": "300"}
+    result = CliRunner().invoke(cli, ["up", "--only", "redis,api"], env=env)
+    assert result.exit_code == 2
+    assert "REDIS_URL replaces" in result.output
