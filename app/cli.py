@@ -130,7 +130,10 @@ def up(
     else:
         try:
             redis_process, url = start_embedded(
-                settings.home / "redis", settings.embedded_redis_port, preexec_fn=die_with_parent()
+                settings.home / "redis",
+                settings.embedded_redis_port,
+                maxmemory=settings.embedded_redis_maxmemory,
+                preexec_fn=die_with_parent(),
             )
         except RuntimeError as exc:
             typer.echo(f"conveyor: {exc}", err=True)

