@@ -61,7 +61,13 @@ def serve_topped_up(rounds: int, weights=None) -> Counter[str]:  # type: ignore[
             n += 1
         share = fairshare.settle(share, {it.tenant for it in pending})
         for batch in plan(
-            pending, inflight={}, capacity={"m": 1}, limits=LIMITS, now=100.0 + r, share=share, weights=weights
+            pending,
+            inflight={},
+            capacity={"m": 1},
+            limits=LIMITS,
+            now=100.0 + r,
+            share=share,
+            weights=weights,
         ):
             share = fairshare.charge(share, batch.items, weights or {})
             for it in batch.items:
