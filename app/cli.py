@@ -143,6 +143,7 @@ def up(
                 settings.home / "redis",
                 settings.embedded_redis_port,
                 password=ensure_password(secret),
+                maxmemory=settings.embedded_redis_maxmemory,
                 preexec_fn=die_with_parent(),
             )
         except RuntimeError as exc:

@@ -10,11 +10,12 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.core import metrics
-from app.core.errors import ConveyorError, Refused, Unavailable
+from app.core.errors import ConveyorError, Refused, StoreFull, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,16 @@ HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
 }
+
+
+# Room comes back as ended jobs expire, over minutes, not at once: ask clients for more patience
+# than a busy queue needs.
+STORE_FULL_RETRY_S = 30.0
+
+
+def is_out_of_memory(exc: ResponseError) -> bool:
+    """A write Redis refused at its maxmemory, as a command or inside a script."""
+    return isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc)
 
 
 def problem(
@@ -61,6 +72,23 @@ def install(app: FastAPI) -> None:
 
     app.add_exception_handler(RedisConnectionError, redis_unreachable)
     app.add_exception_handler(RedisTimeoutError, redis_unreachable)
+
+    @app.exception_handler(ResponseError)
+    async def redis_refused(request: Request, exc: ResponseError) -> JSONResponse:
+        # Redis at its maxmemory refuses writes (policy noeviction): redis-py raises OutOfMemoryError
+        # for a command, a ResponseError quoting "-OOM" for a script. A script is refused at its first
+        # write and a MULTI as a whole, so nothing was half written; reads go on, and writes resume as
+        # ended jobs expire. Any other ResponseError is a bug: 500.
+        if not is_out_of_memory(exc):
+            return await unexpected(request, exc)
+        log.warning("Redis is at its memory limit (maxmemory); refusing a write: %s", exc)
+        retry_after_s = request.app.state.settings.retry_after_s
+        return error_response(
+            StoreFull(
+                "the job store (Redis) is full and takes no new work; retry later",
+                retry_after_s=max(retry_after_s, STORE_FULL_RETRY_S),
+            )
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -33,10 +33,11 @@ from app.core.errors import (
     MaxTokensExceeded,
     ModelNotFound,
     NotServed,
+    PriorityNotAllowed,
     SyncTimeout,
 )
 from app.core.jobs import END_LUA, JobStatus, Transition, decode_record
-from app.core.keys import Keys
+from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.webhooks.intake import CallbackIntake
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 FINAL_EVENTS = frozenset({"done", "error", "cancelled", "expired"})
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
 MAX_IDEMPOTENCY_KEY = 255
+# Drop an Idempotency-Key only if it still names the job it named when read (compare and delete).
+FORGET_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class JobService:
         self.ratelimit = RateLimiter(redis, self.keys, settings)
         self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
         self._cancel = redis.register_script(END_LUA)
+        self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()
         self.prompts = PromptEncoder(settings)  # tokenizes on its own threads, never on the event loop
 
@@ -83,12 +87,15 @@ class JobService:
         work (loading a tokenizer, tokenizing, resolving a callback's host), then admit
         (app/core/admission.py) and queue a job owned by `tenant`; with an Idempotency-Key (scoped
         to the tenant), the job that key already named (same body) instead of a new one."""
+        self._check_entitled(tenant, request.priority)
         idempotency = None
         if idempotency_key is not None:
             idempotency = (_key_digest(tenant, idempotency_key), _digest(request.model_dump_json()))
             held = await self.redis.get(self.keys.idempotency(idempotency[0]))
             if held is not None:
-                return await self._replay(held, idempotency[1], tenant)
+                replayed = await self._replay(held, idempotency, tenant)
+                if replayed is not None:
+                    return replayed
         if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest(
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
@@ -217,6 +224,8 @@ class JobService:
             prompt_tokens=len(prompt_ids),
             priority=request.priority,
             deadline=deadline,
+            tenant=tenant,
+            max_tokens=max_tokens,
         )
         written = await self.admission.write(
             ticket,
@@ -228,17 +237,38 @@ class JobService:
         )
         if written.held is not None:
             assert idempotency is not None
-            return await self._replay(written.held, idempotency[1], tenant)
+            replayed = await self._replay(written.held, idempotency, tenant)
+            if replayed is None:  # its job expired just now: the key was dropped, this write may go
+                return await self._admit_and_write(
+                    request,
+                    tenant=tenant,
+                    model_name=model_name,
+                    prompt_ids=prompt_ids,
+                    max_tokens=max_tokens,
+                    stop=stop,
+                    callback=callback,
+                    idempotency=idempotency,
+                )
+            return replayed
         return record
 
-    async def _replay(self, held: str | bytes, body_hash: str, tenant: str) -> Submitted:
-        job_id, _, held_hash = (held.decode() if isinstance(held, bytes) else held).partition(" ")
-        if held_hash != body_hash:
+    async def _replay(self, held: str | bytes, idempotency: tuple[str, str], tenant: str) -> Submitted | None:
+        """The job an Idempotency-Key names; None when that job has expired (an ended job lives
+        ended_job_ttl_s, less than its key may): the key is dropped and names nothing any more."""
+        value = held.decode() if isinstance(held, bytes) else held
+        job_id, _, held_hash = value.partition(" ")
+        if held_hash != idempotency[1]:
             raise IdempotencyConflict(
                 f"this Idempotency-Key was used for job {job_id} with a different request body",
                 job_id=job_id,
             )
-        return Submitted(await self.get(job_id, tenant=tenant), replayed=True)
+        try:
+            return Submitted(await self.get(job_id, tenant=tenant), replayed=True)
+        except JobNotFound:
+            if await self.redis.exists(self.keys.job(job_id)):
+                raise  # another tenant's job (digests are per tenant: not reachable, but never leak)
+            await self._forget(keys=[self.keys.idempotency(idempotency[0])], args=[value])
+            return None
 
     async def cancel(
         self, job_id: str, *, tenant: str | None, reason: str = "cancelled by the client"
@@ -250,8 +280,8 @@ class JobService:
         error = {"code": "cancelled", "message": reason}
         transition = Transition(job_id, JobStatus.CANCELLED, {"error": error})
         maxlen = self.settings.max_tokens_limit + 16  # as the workers cap it
-        args: list[Any] = ["cancelled", json.dumps(error), maxlen, self.settings.job_ttl_s]
-        args += [self.keys.announce(job_id), job_id, *transition.script_args(time.time())]
+        args: list[Any] = ["cancelled", json.dumps(error), maxlen, self.settings.ended_job_ttl_s]
+        args += [self.keys.announce(job_id), job_id, "0", *transition.script_args(time.time())]
         keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]
         applied, current = await self._cancel(keys=keys, args=args)
         if not int(applied):
@@ -278,6 +308,18 @@ class JobService:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _check_entitled(self, tenant: str, priority: str) -> None:
+        """Refuse a class the tenant may not submit to (Settings.tenant_priorities), before any work."""
+        allowed = self.settings.allowed_priorities(tenant)
+        wanted = PRIORITY_ALIASES.get(priority, priority)
+        if allowed is not None and wanted not in allowed:
+            raise PriorityNotAllowed(
+                f"tenant {tenant!r} may not submit {priority} jobs; allowed: "
+                f"{[p for p in PRIORITIES if p in allowed]}",
+                priority=priority,
+                allowed=[p for p in PRIORITIES if p in allowed],
+            )
 
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
@@ -350,7 +392,7 @@ class JobService:
         limit = self.settings.max_embedding_inputs
         if not 1 <= len(texts) <= limit or not all(texts):
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
-        await self.ratelimit.take(tenant, tokens=0)
+        await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
         job_id = uuid.uuid4().hex
         record = {
             "id": job_id,
@@ -373,6 +415,8 @@ class JobService:
             raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)
         if done["status"] != JobStatus.SUCCEEDED:
             raise SyncTimeout(f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s")
+        # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
+        await self.redis.hdel(self.keys.job(job_id), "embedding")
         return json.loads(done["embedding"]), done
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:

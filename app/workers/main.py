@@ -138,6 +138,7 @@ def run_worker(
             keys,
             jobs,
             ttl_s=settings.job_ttl_s,
+            ended_ttl_s=settings.ended_job_ttl_s,
             stream_maxlen=settings.max_tokens_limit + 16,
             outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
         ),

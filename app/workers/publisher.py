@@ -16,23 +16,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.jobs import END_LUA, JobStatus, JobStore, Transition, text_of
+from app.core.jobs import END_LUA, ENDED_FUNCTION, JobStatus, JobStore, Transition, text_of
 from app.core.keys import Keys
 
 # KEYS[1] = the progress sorted set; then, per row, the job hash and its event stream.
-# ARGV[1..4] = now, stream maxlen, stream ttl, announce channel prefix; then 8 values per row:
-# job id, batch id, emit (0/1), index, token event data, completion text, completion tokens,
+# ARGV[1..5] = now, stream maxlen, stream ttl, announce channel prefix, ended ttl; then 8 values per
+# row: job id, batch id, emit (0/1), index, token event data, completion text, completion tokens,
 # finish reason ('' while it goes on). Returns the ids of the rows whose job is no longer theirs.
-STEP_LUA = """
-local now, maxlen, ttl, announce = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+# A row whose job ended meanwhile (cancelled while running) loses its prompt here: this batch's
+# prefill has read it (ENDED_FUNCTION, app/core/jobs.py).
+STEP_LUA = (
+    ENDED_FUNCTION
+    + """
+local now, maxlen, ttl, announce, ended_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local live = {queued = true, scheduled = true, running = true, recovering = true}
 local gone = {}
 for r = 0, (#KEYS - 1) / 2 - 1 do
   local job, events = KEYS[2 + 2 * r], KEYS[3 + 2 * r]
-  local a = 5 + 8 * r
+  local a = 6 + 8 * r
   local id, batch, emit, index = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local rec = redis.call('HMGET', job, 'status', 'batch_id')
   if rec[1] ~= 'running' or rec[2] ~= batch then
     table.insert(gone, id)
+    if rec[1] and rec[2] == batch and not live[rec[1]] then  -- it ended in this batch
+      redis.call('HDEL', job, 'prompt_ids')
+    end
   else
     if emit == '1' then
       redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'token', 'data', ARGV[a + 4])
@@ -47,7 +55,7 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
       -- running -> succeeded, the move TRANSITIONS allows; then the final event
       redis.call('HSET', job, 'status', 'succeeded', 'finished_at', now, 'finish_reason', ARGV[a + 7])
       redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'done', 'data', '{}')
-      redis.call('EXPIRE', events, ttl)
+      ended(job, events, ended_ttl, '')
       redis.call('ZREM', KEYS[1], id)
       redis.call('PUBLISH', announce .. id, 'done')
     else
@@ -57,6 +65,7 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
 end
 return gone
 """
+)
 
 
 @dataclass(frozen=True)
@@ -85,11 +94,13 @@ class Publisher:
         ttl_s: int,
         stream_maxlen: int,
         outcomes: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
+        ended_ttl_s: int | None = None,  # what an ended job keeps its record and stream; None: ttl_s
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
         self.ttl_s = ttl_s
+        self.ended_ttl_s = ttl_s if ended_ttl_s is None else ended_ttl_s
         self.stream_maxlen = stream_maxlen
         self.outcomes = outcomes
         self._step = redis.register_script(STEP_LUA)
@@ -99,7 +110,7 @@ class Publisher:
         """Append one step's tokens, finish the sequences whose last token this is; return the ids
         of the jobs that are no longer this batch's (cancelled, failed, recovered elsewhere)."""
         keys, args = [self.keys.progress()], [repr(time.time()), self.stream_maxlen, self.ttl_s]
-        args.append(self.keys.announce(""))
+        args += [self.keys.announce(""), self.ended_ttl_s]
         for out in outs:
             keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
             data = {"index": out.index, "text": out.text, "token_id": out.token_id}
@@ -153,9 +164,11 @@ class Publisher:
     ) -> None:
         """The final move, then the final event, atomically and only if the move applies: a client
         that reads the event sees the final record, and a job that had already ended (or was
-        recovered into another batch meanwhile) gets no second final event."""
+        recovered into another batch meanwhile) gets no second final event. The callers (the stage
+        workers, the batcher expiring a queued job) have read the job's inputs or never will."""
         transition = Transition(job_id, status, fields)
-        args = [event, _json(data), self.stream_maxlen, self.ttl_s, self.keys.announce(job_id), job_id]
+        args = [event, _json(data), self.stream_maxlen, self.ended_ttl_s, self.keys.announce(job_id)]
+        args += [job_id, "1"]
         keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]
         self._end_script(keys=keys, args=args + transition.script_args(now), client=pipe)
 

@@ -16,9 +16,9 @@ import pytest
 import redis.asyncio
 
 from app.core.config import Settings, TenantLimits
-from app.core.errors import MaxTokensExceeded, RateLimited
+from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
-from app.core.ratelimit import Policy, RateLimiter, policy_for
+from app.core.ratelimit import RateLimiter, policy_for
 
 T0 = 1_700_000_000.0
 
@@ -30,8 +30,9 @@ def settings() -> Settings:
         rate_limit_rps=2.0,
         rate_limit_burst=3,
         rate_limit_tokens_per_min=600,  # 10 tokens a second, 600 at once
+        embedding_bytes_per_min=2048,
         rate_limits={
-            "big": TenantLimits(rps=20.0, burst=10, tokens_per_min=0),
+            "big": TenantLimits(rps=20.0, burst=10, tokens_per_min=0, embedding_bytes_per_min=0),
             "free": TenantLimits(rps=0, tokens_per_min=0),
         },
     )
@@ -57,7 +58,28 @@ def test_policies_resolve_overrides_field_by_field(settings):  # type: ignore[no
     )
     big = policy_for(settings, "big")
     assert big.requests is not None and big.requests.interval_ms == 50.0 and big.tokens is None
-    assert policy_for(settings, "free") == Policy(requests=None, tokens=None)
+    free = policy_for(settings, "free")
+    assert free.requests is None and free.tokens is None
+    assert free.embedding_bytes is not None and free.embedding_bytes.capacity == 2048  # not overridden
+    assert policy_for(settings, "big").embedding_bytes is None  # overridden: off
+
+
+def test_embeddings_input_is_limited_in_bytes_per_tenant(redis_url, settings):  # type: ignore[no-untyped-def]
+    async def body(limiter: RateLimiter) -> None:
+        first = await limiter.take_embedding("free", nbytes=1500, now=T0)
+        assert first is not None and first.name == "embedding_bytes" and first.remaining == 548
+        with pytest.raises(RateLimited) as refused:
+            await limiter.take_embedding("free", nbytes=1000, now=T0)
+        assert refused.value.details["limit"] == "embedding_bytes" and refused.value.status == 429
+        assert refused.value.retry_after_s == 14  # 452 bytes short at 2048 a minute: 13.2 s, rounded up
+        assert "2048 bytes of embeddings input per minute" in refused.value.message
+        with pytest.raises(InvalidRequest):  # more than the whole quota could never pass
+            await limiter.take_embedding("free", nbytes=4096, now=T0)
+        await limiter.take_embedding("big", nbytes=10**7, now=T0)  # its override turns the limit off
+        # a job's submit is not charged bytes, an embeddings request not tokens
+        await limiter.take("free", tokens=10**6, now=T0)
+
+    run(redis_url, settings, body)
 
 
 def test_burst_then_one_per_interval(redis, redis_url, settings):  # type: ignore[no-untyped-def]

@@ -380,7 +380,15 @@ def mebibytes(quantity: str) -> int:
 def test_redis_is_durable_and_never_evicts(overlay):
     _, docs = overlay
     redis = one(docs, "StatefulSet", "redis")
-    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    containers = {c["name"]: c for c in redis["spec"]["template"]["spec"]["containers"]}
+    container = containers["redis"]
+    # its metrics come from the redis_exporter beside it (the RedisMemoryHigh alert)
+    annotations = redis["spec"]["template"]["metadata"]["annotations"]
+    exporter_ports = {p["containerPort"] for p in containers["redis-exporter"]["ports"]}
+    assert (
+        annotations["prometheus.io/scrape"] == "true"
+        and int(annotations["prometheus.io/port"]) in exporter_ports
+    )
     args = container["args"]
     options = dict(zip(args[1::2], args[2::2], strict=False))
     assert options["--appendonly"] == "yes" and options["--appendfsync"] == "everysec"

@@ -64,6 +64,8 @@ KNOWN_METRICS = {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_
     "process_open_fds",
     "process_start_time_seconds",
 }
+# redis_exporter's, for the Redis memory alert (the `redis` scrape job).
+EXPORTER_METRICS = {"redis_memory_used_bytes", "redis_memory_max_bytes"}
 REQUIRED_ALERTS = {
     "HighPartitionLatency",
     "HighEndToEndLatencyP99",
@@ -73,6 +75,7 @@ REQUIRED_ALERTS = {
     "CircuitBreakerOpen",
     "WorkerMissing",
     "StageReplicaUnhealthy",
+    "RedisMemoryHigh",
 }
 
 
@@ -184,10 +187,11 @@ def test_compose_prometheus_and_grafana_see_what_runs():
             if host == "localhost":
                 continue
             assert host in services, f"{job['job_name']}: no service {host}"
-            expected = {"api": "8000", "flower": "5555"}.get(host, METRICS_PORT)
+            expected = {"api": "8000", "flower": "5555", "redis-exporter": "9121"}.get(host, METRICS_PORT)
             assert port == expected, target
             scraped.add(host)
-    assert scraped == CONVEYOR_SERVICES
+    assert scraped == CONVEYOR_SERVICES | {"redis-exporter"}
+    assert services["redis-exporter"]["environment"]["REDIS_ADDR"] == "redis://redis:6379"
     mounts = dict(v.rsplit(":", 2)[:2] for v in services["grafana"]["volumes"] if v.startswith("./"))
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/conveyor.yml").read_text())
     assert mounts["./deploy/grafana/dashboards"] == provider["providers"][0]["options"]["path"]
@@ -242,7 +246,8 @@ def test_rules_are_well_formed_and_use_real_metrics():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
         assert {"summary", "description"} <= rule["annotations"].keys(), name
         metrics, _, _ = query_facts(rule["expr"])
-        assert metrics <= KNOWN_METRICS, f"{name}: unknown metrics {metrics - KNOWN_METRICS}"
+        known = KNOWN_METRICS | EXPORTER_METRICS
+        assert metrics <= known, f"{name}: unknown metrics {metrics - known}"
     seed = (
         "sum by (partition_id) (rate(conveyor_partition_latency_seconds_sum[5m]))"
         " / sum by (partition_id) (rate(conveyor_partition_latency_seconds_count[5m])) > 0.5"
@@ -251,6 +256,10 @@ def test_rules_are_well_formed_and_use_real_metrics():
     assert ALERTS["HighPartitionLatency"]["for"] == ALERTS["HighEndToEndLatencyP99"]["for"] == "5m"
     assert query_facts(ALERTS["HighEndToEndLatencyP99"]["expr"])[2] == {0.99}
     assert ALERTS["CircuitBreakerOpen"]["for"] == "1m" and ALERTS["WorkerMissing"]["for"] == "2m"
+    assert query_facts(ALERTS["RedisMemoryHigh"]["expr"])[0] == EXPORTER_METRICS
+    assert ALERTS["RedisMemoryHigh"]["for"] == "5m"
+    redis = " ".join(COMPOSE["services"]["redis"]["command"])
+    assert "--maxmemory-policy noeviction" in redis and "--maxmemory 1gb" in redis  # the alert's divisor
 
 
 def test_rule_jobs_match_the_scrape_configs():
