@@ -480,7 +480,8 @@ def test_each_pod_mounts_only_the_secrets_it_needs(overlay):
 
 def test_redis_requires_a_password_every_client_sends(overlay):
     _, docs = overlay
-    (container,) = one(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"]
+    containers = one(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"]
+    (container,) = [c for c in containers if c["name"] == "redis"]
     args = container["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     password = container_env(docs, "redis")["REDIS_PASSWORD"]
