@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import uuid
-from urllib.parse import urlparse
 
+import redis as redis_lib
 from conftest import ROOT
 
 from app.core.keys import Keys
@@ -26,33 +26,38 @@ def conveyor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
     )
 
 
-def test_rebalance_reads_the_embedded_redis_without_redis_url(redis, redis_url, tiny_model, tmp_path):  # type: ignore[no-untyped-def]
-    url = urlparse(redis_url)
-    if url.path not in ("", "/", "/0"):
-        import pytest
+def test_rebalance_reads_the_embedded_redis_without_redis_url(tiny_model, tmp_path):  # type: ignore[no-untyped-def]
+    """As beside `make run`: the embedded Redis of a home, its password in the home's file."""
+    from conftest import free_port
 
-        pytest.skip("the embedded Redis is database 0; this REDIS_URL names another")
+    from app.core.redis import ensure_password, password_file, start_embedded
+
+    home, port = tmp_path / "home", free_port()
+    process, url = start_embedded(home / "redis", port, password=ensure_password(password_file(home)))
+    redis = redis_lib.Redis.from_url(url)
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
     env.update(
         {
+            "CONVEYOR_HOME": str(home),
             "CONVEYOR_NAMESPACE": namespace,
-            "CONVEYOR_EMBEDDED_REDIS_PORT": str(url.port),  # where `make run` would have started it
+            "CONVEYOR_EMBEDDED_REDIS_PORT": str(port),  # where `make run` started it
             "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
             "CONVEYOR_DEFAULT_MODEL": "tiny",
         }
     )
-    plan = tmp_path / "plan.json"
-    made = conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env)
-    assert made.returncode == 0, made.stderr
-    keys = Keys(namespace)
-    # Stage 0 measured three times as slow as stage 1: the cut must move towards stage 0.
-    for stage, seconds in ((0, 0.030), (1, 0.010)):
-        StepLatency(redis, keys, "tiny", stage, (0, 1), f"w{stage}", ewma_s=seconds).report(0.0)
     try:
+        plan = tmp_path / "plan.json"
+        made = conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env)
+        assert made.returncode == 0, made.stderr
+        keys = Keys(namespace)
+        # Stage 0 measured three times as slow as stage 1: the cut must move towards stage 0.
+        for stage, seconds in ((0, 0.030), (1, 0.010)):
+            StepLatency(redis, keys, "tiny", stage, (0, 1), f"w{stage}", ewma_s=seconds).report(0.0)
         answer = conveyor("plan", "--rebalance", str(plan), env=env)
     finally:
-        redis.delete(keys.latency("tiny"))
+        process.terminate()
+        process.wait(10)
     assert answer.returncode == 0, answer.stderr
     assert "measured: stage 0 30.0 ms, stage 1 10.0 ms" in answer.stdout
 
@@ -60,9 +65,14 @@ def test_rebalance_reads_the_embedded_redis_without_redis_url(redis, redis_url, 
 def test_rebalance_says_so_when_no_redis_answers(tiny_model, tmp_path):  # type: ignore[no-untyped-def]
     from conftest import free_port
 
+    from app.core.redis import ensure_password, password_file
+
+    home = tmp_path / "home"
+    ensure_password(password_file(home))  # a stack's home, its Redis stopped
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
     env.update(
         {
+            "CONVEYOR_HOME": str(home),
             "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),  # nothing listens there
             "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
             "CONVEYOR_DEFAULT_MODEL": "tiny",
