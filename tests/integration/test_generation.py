@@ -292,4 +292,4 @@ def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  
     assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, PROMPTS[1], 12)
     log = stack.log.read_text()
     for stage, (start, stop) in enumerate(ranges):
-        assert f"stage {stage}/3 of tiny: layers {start}-{stop - 1}" in log
+        assert f"stage {stage}/3 of tiny (llama): layers {start}-{stop - 1}" in log
