@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import random
 import re
+import secrets
 import socket
 import statistics
 import sys
@@ -175,7 +176,9 @@ async def run(args: argparse.Namespace, model: Model, workdir: Path) -> list[Pha
     if not env.get("REDIS_URL"):  # the second host needs a Redis it can share: start one for both
         from app.core.redis import start_embedded
 
-        embedded, env["REDIS_URL"] = start_embedded(workdir / "redis", free_port())
+        embedded, env["REDIS_URL"] = start_embedded(
+            workdir / "redis", free_port(), password=secrets.token_hex(16)
+        )
     from app.core.keys import Keys
 
     keys = Keys(env["CONVEYOR_NAMESPACE"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def own_redis(tmp: Path, maxmemory: str) -> Iterator[str]:
     """An embedded Redis of this test's own, bounded at `maxmemory` (set after its start, so that
     the bound is the test's whatever the server's default)."""
-    process, url = start_embedded(tmp, free_port())
+    process, url = start_embedded(tmp, free_port(), password=secrets.token_hex(16))
     try:
         redis_lib.Redis.from_url(url).config_set("maxmemory", maxmemory)
         yield url
@@ -184,7 +185,9 @@ def fill(client: redis_lib.Redis) -> list[str]:
 def test_the_embedded_server_is_bounded_and_never_evicts(tmp_path):  # type: ignore[no-untyped-def]
     maxmemory = Settings().embedded_redis_maxmemory
     assert maxmemory == "1gb"
-    process, url = start_embedded(tmp_path / "redis", free_port(), maxmemory=maxmemory)
+    process, url = start_embedded(
+        tmp_path / "redis", free_port(), password=secrets.token_hex(16), maxmemory=maxmemory
+    )
     try:
         config = redis_lib.Redis.from_url(url, decode_responses=True).config_get("maxmemory*")
         assert config["maxmemory"] == str(2**30) and config["maxmemory-policy"] == "noeviction"
