@@ -24,11 +24,11 @@ from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
 from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, ws
 from app.api.service import JobService
+from app.core.broker import create_celery_app
 from app.core.config import Settings
 from app.core.errors import ConveyorError
 from app.core.keys import Keys
 from app.core.known_secrets import refuse_known_secrets
-from app.workers.celery_app import create_celery_app
 
 log = logging.getLogger(__name__)
 

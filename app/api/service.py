@@ -22,6 +22,7 @@ from app.api.schemas import JobCreate
 from app.batching.intake import intake_fields
 from app.core import metrics
 from app.core.admission import Admission
+from app.core.broker import send_embedding
 from app.core.config import Settings
 from app.core.errors import (
     ContextLengthExceeded,
@@ -381,7 +382,7 @@ class JobService:
     ) -> tuple[list[list[float]], dict[str, str]]:
         """Run an embeddings job through the embedding stage workers and return its vectors (one
         request on the tenant's request limit; no generated tokens)."""
-        from app.workers.embedding import EMBED_TASK, EMBEDDING_MODEL
+        from app.workers.embedding import EMBEDDING_MODEL
 
         if self.settings.embedding_stages <= 0:
             raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
@@ -409,7 +410,7 @@ class JobService:
         pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
         await pipe.execute()
         queue = self.keys.embed_queue(0)
-        await run_in_threadpool(self.celery.send_task, EMBED_TASK, args=[{"job_id": job_id}], queue=queue)
+        await run_in_threadpool(send_embedding, self.celery, {"job_id": job_id}, queue)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
         if done["status"] == JobStatus.FAILED:
             raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)

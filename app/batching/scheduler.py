@@ -341,15 +341,14 @@ def run_batcher(settings: Settings) -> None:
     """Entry point of the batcher process."""
     import signal
 
-    from app.core.protocol import STEP_TASK, broker_priority
+    from app.core.broker import create_celery_app, send_step
     from app.core.redis import sync_client
-    from app.workers.celery_app import create_celery_app
 
     url = settings.redis_url or ""
     celery = create_celery_app(settings, url)
 
     def send(message: StepMessage, queue: str) -> None:
-        celery.send_task(STEP_TASK, args=[message.to_wire()], queue=queue, priority=broker_priority(message))
+        send_step(celery, message, queue)
 
     metrics.serve(settings.metrics_port, "batcher", settings.metrics_host)
     stop = threading.Event()

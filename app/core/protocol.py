@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 Kind = Literal["prefill", "decode", "release"]
 STEP_TASK = "conveyor.stage.step"
+EMBED_TASK = "conveyor.embed.step"  # one embeddings job through one embeddings stage
 PROTOCOL_VERSION = 1
 
 
@@ -57,6 +58,14 @@ class StepMessage:
 
     def forward(self, **changes: Any) -> StepMessage:
         return replace(self, **changes)
+
+    def summary(self) -> str:
+        """What monitoring (Flower, Celery's events and logs) shows of this message: its place in
+        the pipeline and nothing of the jobs' data (no tensors, no token ids, no job ids)."""
+        return (
+            f"<{self.kind} batch {self.batch_id[:8]} step {self.step} stage {self.stage}/{self.num_stages}"
+            f" {len(self.seq_ids)} seq>"
+        )
 
     @property
     def urgent(self) -> bool:

@@ -279,14 +279,26 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def send_delivery(celery: Any, message: dict[str, Any], queue: str) -> None:
+    """Hand one delivery to the callbacks workers. Monitoring sees its event type, ids and attempt:
+    never the receiver's URL nor the body (another tenant's output)."""
+    from app.core.broker import send_redacted
+    from app.webhooks.delivery import DELIVER_TASK
+
+    summary = (
+        f"<{message.get('type', 'event')} webhook {str(message.get('webhook_id', ''))[:8]}"
+        f" job {str(message.get('job_id', ''))[:8]} attempt {message.get('attempt', 1)}>"
+    )
+    send_redacted(celery, DELIVER_TASK, message, queue=queue, summary=summary)
+
+
 def run_dispatcher(settings: Settings) -> None:
     """Entry point of `conveyor webhooks dispatcher`."""
     import signal
 
     from app.core import metrics
+    from app.core.broker import create_celery_app
     from app.core.redis import sync_client
-    from app.webhooks.delivery import DELIVER_TASK
-    from app.workers.celery_app import create_celery_app
 
     url = settings.redis_url or ""
     keys = Keys(settings.namespace)
@@ -294,7 +306,7 @@ def run_dispatcher(settings: Settings) -> None:
     queue = keys.callbacks_queue()
 
     def send(message: dict[str, Any]) -> None:
-        celery.send_task(DELIVER_TASK, args=[message], queue=queue)
+        send_delivery(celery, message, queue)
 
     metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.metrics_host)
     stop = threading.Event()

@@ -1,4 +1,5 @@
-"""The Celery app factory. The app is always passed explicitly; nothing here runs at import."""
+"""The worker side of Celery: the stage task and the worker loop. The app factory and the senders
+live in `app.core.broker` (every layer sends; only workers serve)."""
 
 from __future__ import annotations
 
@@ -7,49 +8,23 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from app.core.broker import PRIORITY_STEPS, VISIBILITY_TIMEOUT_S, create_celery_app, send_step
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
 
+__all__ = [
+    "PRIORITY_STEPS",
+    "VISIBILITY_TIMEOUT_S",
+    "create_celery_app",
+    "register_step_task",
+    "send_step",
+    "serve",
+]
+
 if TYPE_CHECKING:
     from app.workers.health import HealthMonitor
     from app.workers.lane import LaneConsumer
-
-VISIBILITY_TIMEOUT_S = 3600
-PRIORITY_STEPS = (0, 3, 6, 9)
-
-
-def create_celery_app(settings: Settings, broker_url: str) -> Celery:
-    app = Celery("conveyor", broker=broker_url, set_as_current=False)
-    transport = {
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
-        # A queue is one Redis list per priority step, BRPOPed in step order: 0 is fetched first.
-        # Urgent prefills go at 0, normal at 3, batch at 6 (app.core.protocol.broker_priority); the
-        # lists are `<queue>`, `<queue>:3`, `<queue>:6`, `<queue>:9` (what an autoscaler counts).
-        "priority_steps": list(PRIORITY_STEPS),
-        "sep": ":",
-    }
-    app.conf.update(
-        # msgpack carries tensor bytes as they are; json is what Flower's control commands use.
-        # pickle is refused, so a broker cannot run code in a worker.
-        task_serializer="msgpack",
-        accept_content=["msgpack", "json"],
-        result_serializer="msgpack",
-        task_ignore_result=True,
-        # A step is acknowledged after it ran, and a step whose worker died goes back to the queue.
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        broker_transport_options=transport,
-        visibility_timeout=VISIBILITY_TIMEOUT_S,
-        broker_connection_retry_on_startup=True,
-        worker_send_task_events=settings.celery_events,
-        task_send_sent_event=False,
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        task_default_queue=f"{settings.namespace}.default",
-    )
-    return app
 
 
 def register_step_task(app: Celery, handle: Callable[[dict[str, Any]], None]) -> None:

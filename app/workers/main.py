@@ -12,13 +12,14 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from app.core import breaker
+from app.core.broker import create_celery_app, send_step
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
 from app.core.jobs import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
-from app.core.protocol import STEP_TASK, StepMessage, broker_priority
+from app.core.protocol import StepMessage
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
@@ -26,7 +27,7 @@ from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import load_config
 from app.partitions.precision import dtype_name, resolve_dtype
 from app.workers import lane
-from app.workers.celery_app import create_celery_app, register_step_task, serve
+from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
@@ -117,16 +118,7 @@ def run_worker(
     celery = create_celery_app(settings, redis_url)
 
     def send(message: StepMessage, queue: str) -> None:
-        # argsrepr: Celery would otherwise render the tensor bytes as text for monitoring, every step.
-        summary = f"<{message.kind} {message.batch_id[:8]} step {message.step} -> stage {message.stage}>"
-        celery.send_task(
-            STEP_TASK,
-            args=[message.to_wire()],
-            queue=queue,
-            priority=broker_priority(message),
-            argsrepr=summary,
-            kwargsrepr="{}",
-        )
+        send_step(celery, message, queue)
 
     runtime = StageRuntime(
         identity=identity,
