@@ -5,7 +5,10 @@ An entry holds the time, tenant, method, path, status (a WebSocket's close code)
 address, and where the request touched a job: its model, id and prompt and output token counts (as
 they stood when the request ended), and the prompt text only with `audit_prompts`. Routes add what
 they learn with `note`/`note_job`; the middleware writes the entry once the response has been sent
-(for a stream: once it ends). Probes (/health, /healthz, /readyz) are not audited: they would drown the rest.
+(for a stream: once it ends). A request refused before its tenant was known (a 401) goes to a
+stream of its own (`audit:unauthenticated`, capped apart): a flood of them from anyone without a
+key cannot roll the tenants' entries out of `audit`. Probes (/health, /healthz, /readyz) are not
+audited: they would drown the rest.
 An audit write that fails (Redis away) is logged and never fails the request.
 """
 
@@ -124,8 +127,11 @@ class AuditMiddleware:
             return
         try:
             stream = {k: v if isinstance(v, str) else json.dumps(v) for k, v in line.items()}
-            await redis.xadd(
-                Keys(settings.namespace).audit(), stream, maxlen=settings.audit_maxlen, approximate=True
-            )
+            keys = Keys(settings.namespace)
+            if line["tenant"]:
+                name, maxlen = keys.audit(), settings.audit_maxlen
+            else:
+                name, maxlen = keys.audit_unauthenticated(), settings.audit_unauthenticated_maxlen
+            await redis.xadd(name, stream, maxlen=maxlen, approximate=True)
         except Exception as exc:  # the request has been answered; the JSON line above still holds it
             log.warning("audit entry not written to Redis: %s: %s", type(exc).__name__, exc)

@@ -299,6 +299,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     # Audit: one JSON line (logger conveyor.audit) and one entry of the capped `audit` stream per request.
     audit_maxlen: int = Field(default=100_000, ge=1)  # about 40 MB of Redis at ~400 bytes an entry
+    # Requests refused before a tenant was known go to a stream of their own, capped at this, so that
+    # anyone without a key cannot push the tenants' entries out of the capped `audit` stream.
+    audit_unauthenticated_maxlen: int = Field(default=10_000, ge=1)
     audit_prompts: bool = False  # prompt text in the audit entries: off, prompts may be personal data
 
     # Models served. `conveyor up` sets this to the models it starts workers for (`--model`, and the

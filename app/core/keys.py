@@ -174,3 +174,8 @@ class Keys:
     def audit(self) -> str:
         """Stream: one entry per API request (tenant, method, path, status, ...), capped at audit_maxlen."""
         return f"{self.namespace}:audit"
+
+    def audit_unauthenticated(self) -> str:
+        """Stream: the entries of requests refused before a tenant was known (401s), capped apart at
+        audit_unauthenticated_maxlen so that a flood of them cannot roll the tenants' entries over."""
+        return f"{self.namespace}:audit:unauthenticated"
