@@ -95,6 +95,7 @@ class Batcher:
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
         self.unstarted: dict[str, tuple[str, float]] = {}
         self.tenant_clock: dict[str, float] = {}  # tenant -> its fair-share virtual time (fairshare.py)
+        self.seeded = False  # inflight_models holds every model with an inflight hash (see recover)
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -141,9 +142,14 @@ class Batcher:
     def recover(self) -> None:
         """Stalled jobs go back to the intake (or fail); batches no job progresses in free their slot."""
         self.monitor.sweep()
-        prefix = self.keys.inflight("")
-        for key in self.redis.scan_iter(match=f"{prefix}*", count=100):
-            self.monitor.prune_inflight((key.decode() if isinstance(key, bytes) else key)[len(prefix) :])
+        if not self.seeded:  # hashes a release without the set left behind: one scan per process
+            prefix = self.keys.inflight("")
+            found = [_text(k)[len(prefix) :] for k in self.redis.scan_iter(match=f"{prefix}*", count=1000)]
+            if found:
+                self.redis.sadd(self.keys.inflight_models(), *found)
+            self.seeded = True
+        for model in sorted(_text(m) for m in self.redis.smembers(self.keys.inflight_models())):
+            self.monitor.prune_inflight(model)
 
     def expire_late(self) -> None:
         """Jobs still waiting at their deadline end `expired`; their entries are acknowledged."""
@@ -281,6 +287,7 @@ class Batcher:
         for move in moves:
             self.jobs.enqueue(pipe, move, now)
         pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(job_ids))
+        pipe.sadd(self.keys.inflight_models(), batch.model)
         pipe.zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
         results = pipe.execute()
         self.census.dispatched(batch.model, job_ids)
@@ -335,6 +342,10 @@ class Batcher:
         longest = max(it.prompt_tokens for it in items)
         padding = 1.0 - sum(it.prompt_tokens for it in items) / (longest * len(items)) if longest else 0.0
         metrics.BATCH_PADDING.labels(batch.model).observe(padding)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def run_batcher(settings: Settings) -> None:

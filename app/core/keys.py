@@ -52,6 +52,11 @@ class Keys:
         """Hash: batch id -> job ids, for batches dispatched and not yet finished."""
         return f"{self.namespace}:inflight:{model}"
 
+    def inflight_models(self) -> str:
+        """Set: the models that have had an `inflight` hash (added with each dispatch, never removed:
+        bounded by the catalog), so the monitor walks them without scanning the keyspace."""
+        return f"{self.namespace}:inflightmodels"
+
     def progress(self) -> str:
         """Sorted set: unfinished scheduled or running jobs, scored by their last sign of progress
         (dispatch, prefill start, a token). The batcher's monitor recovers the ones that stall."""
