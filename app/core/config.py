@@ -115,6 +115,11 @@ class Settings(BaseSettings):
     batching: Literal["continuous", "request"] = "continuous"
     # Sequences in one running batch, joiners included; past it a new batch runs on its own.
     max_running_sequences: int = 64
+    # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
+    # running one only if rows x padded positions stays under this (the KV cache a stage holds for
+    # one batch: positions x layers x 2 x kv heads x head dim x dtype bytes). 65536 positions is
+    # 3 GB for all of SmolLM2-135M's 30 layers in fp32; a joiner that does not fit runs on its own.
+    max_batch_kv_positions: int = Field(default=65536, ge=1)
     # Continuous batching: prompt positions (batch size x longest prompt) one prefill batch may hold.
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
     # prefill waits behind. A longer prompt still goes, alone.

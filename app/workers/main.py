@@ -142,6 +142,7 @@ def run_worker(
         pad_id=_pad_id(partition.config),
         continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
+        max_kv_positions=settings.max_batch_kv_positions,
         preempt=compute.yield_to_urgent if settings.preempt_between_layers else None,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
         codec=CodecSpec(

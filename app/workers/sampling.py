@@ -56,8 +56,24 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     if params.seed is None:
         generator.seed()
     else:
-        generator.manual_seed(params.seed)
+        generator.manual_seed(token_seed(params.seed, 0))
     return generator
+
+
+MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed of token `index` of a seeded job: SplitMix64 of (seed, index).
+
+    Each token's draw depends on the job's seed and the token's position only, never on how many
+    draws the generator made before. So a job recovered on another worker after n tokens, whose
+    generator starts afresh, draws token n exactly as the uninterrupted run would have.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are taken as signed 64-bit
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

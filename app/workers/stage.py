@@ -29,7 +29,7 @@ from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.latency import StepLatency
 from app.workers.publisher import Publisher, TokenOut
-from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
+from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample, token_seed
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,17 @@ class Sequence:
     created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
     priority: str = "normal"
     last_token_at: float | None = None  # unix time of its previous token: inter-token latency
+
+    def reseed(self) -> None:
+        """A seeded job's generator, set for its next token from its seed and that token's index
+        (`token_seed`): the same draws whether or not the job was recovered partway."""
+        if self.params.seed is not None:
+            self.generator.manual_seed(token_seed(self.params.seed, self.generated))
+
+
+class BatchGone(LookupError):
+    """A step for a batch this stage no longer holds (dropped as stale, or held by a replica that
+    restarted): its jobs were, or will be, recovered by the monitor; nothing here fails them."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,9 @@ class StageRuntime:
     pad_id: int = 0
     continuous: bool = True  # let new batches join running ones at step boundaries
     max_running: int = 64  # sequences in one running batch, joiners included
+    # A join pads every row to the longest: rows x positions of the merged batch stays under this,
+    # so one long-context job cannot make a running batch's KV cache explode.
+    max_kv_positions: int = 65536
     batches: dict[str, BatchState] = field(default_factory=dict)
     # Last stage only: per batch, its sequences, its routes, and the batches waiting to join it.
     sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)
@@ -124,6 +138,9 @@ class StageRuntime:
             return
         try:
             self._step(msg)
+        except BatchGone as gone:
+            log.warning("batch %s step %d on stage %d: %s", msg.batch_id, msg.step, self.identity.stage, gone)
+            self._abandon(msg)
         except Exception as exc:  # the worker's error boundary
             log.exception("batch %s step %d failed on stage %d", msg.batch_id, msg.step, self.identity.stage)
             self._fail(msg, exc)
@@ -168,6 +185,9 @@ class StageRuntime:
 
     def _resume(self, msg: StepMessage) -> BatchState:
         """Decode: drop finished rows, append the rows of joining batches, make room for one token."""
+        missing = [b for b in (msg.batch_id, *msg.merge) if b not in self.batches]
+        if missing:
+            raise BatchGone(f"this stage holds no state for batch {', '.join(missing)}")
         state = self.batches[msg.batch_id]
         joining = [self.batches.pop(batch_id) for batch_id in msg.merge]
         for batch_id in msg.merge:
@@ -279,6 +299,8 @@ class StageRuntime:
         logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
         candidates = [sequences[msg.seq_ids[i]] for i in index]
         held = [self.eos_ids if s.generated < s.min_tokens else frozenset() for s in candidates]
+        for seq in candidates:
+            seq.reseed()
         logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
         sampled = self._sample_rows(logits, candidates)
         for seq, token in sampled:
@@ -389,7 +411,17 @@ class StageRuntime:
         if len(sizes) < msg.num_stages:
             return None
         host = min(sizes, key=lambda batch_id: sizes[batch_id])
-        return host if sizes[host] + size <= self.max_running else None
+        if sizes[host] + size > self.max_running:
+            return None
+        fits = self.merged_positions(host, msg.batch_id, sizes[host] + size) <= self.max_kv_positions
+        return host if fits else None
+
+    def merged_positions(self, host: str, joiner: str, rows: int) -> int:
+        """KV positions of `host` once `joiner` (and the batches already waiting to join it) are in:
+        every row padded to the longest of them, plus the step about to be taken."""
+        parts = [host, joiner, *(j.msg.batch_id for j in self.joins.get(host, []))]
+        longest = max(self.batches[b].attention_mask.shape[-1] for b in parts if b in self.batches)
+        return rows * (longest + 1)
 
     def _continue(self, msg: StepMessage, alive: list[tuple[str, int]]) -> None:
         """Send the next decode step of this batch, with any batches that join it now."""
@@ -464,6 +496,16 @@ class StageRuntime:
         )
         metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
         self._finish_batch(msg)
+
+    def _abandon(self, msg: StepMessage) -> None:
+        """Let go of a batch this stage cannot step: the other stages free its state and its slot is
+        given back; its jobs, no longer progressing, are recovered by the monitor, not failed."""
+        for batch_id in (msg.batch_id, *msg.merge):
+            self._forget(batch_id)
+        for stage, lane in enumerate(msg.routes):
+            if lane and stage != self.identity.stage:
+                self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
+        self._notify_done(msg.model, msg.batch_id)
 
     def _forget(self, batch_id: str) -> None:
         self.batches.pop(batch_id, None)

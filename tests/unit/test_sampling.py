@@ -62,3 +62,23 @@ def test_banned_tokens_are_never_sampled_and_other_rows_are_untouched():
     drawn = sample(rows, hot, [make_generator(p) for p in hot])
     assert eos not in drawn.tolist()
     assert ban_tokens(x, [frozenset()] * 3) is x
+
+
+def test_a_seeded_tokens_draw_depends_on_its_seed_and_index_only() -> None:
+    """token_seed: deterministic, distinct per index and per seed, a valid torch seed; a generator set
+    from it for index n draws the same whatever it drew before (what recovery relies on)."""
+    from app.workers.sampling import token_seed
+
+    seeds = [token_seed(1234, i) for i in range(1000)]
+    assert seeds == [token_seed(1234, i) for i in range(1000)]
+    assert len(set(seeds)) == 1000 and len({token_seed(s, 0) for s in range(1000)}) == 1000
+    assert all(0 <= s < 2**63 for s in seeds + [token_seed(2**64 - 1, 2**40)])
+    probs = torch.softmax(torch.randn(50), dim=-1)
+    used, fresh = torch.Generator(), torch.Generator()
+    for _ in range(7):
+        torch.multinomial(probs, 1, generator=used)  # a generator that has drawn before
+    draws = []
+    for generator in (used, fresh):
+        generator.manual_seed(token_seed(1234, 7))
+        draws.append(torch.multinomial(probs, 1, generator=generator).item())
+    assert draws[0] == draws[1]

@@ -1,0 +1,104 @@
+"""The stage worker's runtime in process (tests/stageharness.py): real `StageRuntime`s over the tiny
+model and a real Redis, messages passed in memory, so a test can choose the order they arrive in and
+what a stage has forgotten. What a client would see is read from the job records and event streams.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.stageharness import Pipeline, build, reference
+
+SHORT = [[5, 17, 42, 99], [7, 8, 9]]
+
+
+@pytest.fixture()
+def pipelines(redis):  # type: ignore[no-untyped-def]
+    made: list[Pipeline] = []
+    yield made
+    for pipeline in made:
+        for key in redis.scan_iter(match=f"{pipeline.keys.namespace}:*"):
+            redis.delete(key)
+
+
+def test_a_batch_run_in_process_matches_generate(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    pipeline = build(redis, tiny_model, stages=2)
+    pipelines.append(pipeline)
+    jobs = [pipeline.submit(prompt, max_tokens=6) for prompt in SHORT]
+    pipeline.dispatch(jobs)
+    pipeline.pump()
+    for job, prompt in zip(jobs, SHORT, strict=True):
+        assert pipeline.record(job)["status"] == "succeeded"
+        assert pipeline.tokens(job) == reference(tiny_model, prompt, 6)
+
+
+def test_a_step_for_a_batch_a_stage_no_longer_holds_fails_no_job(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """A stage that dropped a batch (no step for `stale_after_s` under load, or a restarted replica)
+    and then receives its next step lets the batch go: the other stages free it, its slot is given
+    back, and its jobs are recovered and finish, where they used to all fail with `worker_error`."""
+    pipeline = build(redis, tiny_model, stages=2)
+    pipelines.append(pipeline)
+    jobs = [pipeline.submit(prompt, max_tokens=6) for prompt in SHORT]
+    pipeline.dispatch(jobs)
+    pipeline.pump(until=lambda: all(len(pipeline.tokens(j)) >= 2 for j in jobs))
+    pipeline.stages[0].batches.clear()  # stage 0 forgot the batch; its next decode step is queued
+    pipeline.pump()
+
+    assert [pipeline.record(j)["status"] for j in jobs] == ["running", "running"]  # none failed
+    assert redis.hlen(pipeline.keys.inflight("tiny")) == 0  # the batch's slot is free
+    assert not pipeline.stages[1].batches and not pipeline.stages[1].sequences  # stage 1 let it go
+    assert pipeline.recover_stalled() == dict.fromkeys(jobs, "recovering")
+    pipeline.dispatch(jobs)
+    pipeline.pump()
+    for job, prompt in zip(jobs, SHORT, strict=True):
+        assert pipeline.record(job)["status"] == "succeeded"
+        assert pipeline.tokens(job) == reference(tiny_model, prompt, 6)  # no gap, no duplicate
+
+
+@pytest.mark.parametrize(("budget", "joins"), [(4096, True), (64, False)])
+def test_a_join_stays_inside_the_kv_budget(redis, tiny_model, pipelines, budget, joins):  # type: ignore[no-untyped-def]
+    """A long prompt joins a running batch of short ones only if rows x padded positions of the
+    merged batch fit `max_kv_positions`; otherwise it runs as its own batch. Outputs are the same."""
+    pipeline = build(redis, tiny_model, stages=1, max_kv_positions=budget)
+    pipelines.append(pipeline)
+    running = [pipeline.submit(prompt, max_tokens=12) for prompt in SHORT]
+    pipeline.dispatch(running)
+    pipeline.pump(steps=3)
+    long_prompt = [(i * 7) % 200 + 3 for i in range(100)]
+    joiner = pipeline.submit(long_prompt, max_tokens=4)
+    joiner_batch = pipeline.dispatch([joiner])
+    pipeline.pump()
+
+    merged = [m for m in pipeline.delivered if joiner_batch in m.merge]
+    assert bool(merged) is joins  # 3 rows x 101 positions = 303: over 64, under 4096
+    assert pipeline.tokens(joiner) == reference(tiny_model, long_prompt, 4)
+    for job, prompt in zip(running, SHORT, strict=True):
+        assert pipeline.tokens(job) == reference(tiny_model, prompt, 12)
+
+
+def test_a_seeded_job_recovered_partway_continues_as_if_never_interrupted(redis, tiny_model: Path, pipelines):  # type: ignore[no-untyped-def]
+    """Sampled with a seed, a job whose worker died after 4 tokens and that was recovered onto a
+    fresh worker streams the same tokens as the same request run without interruption."""
+    request = {"temperature": 1.0, "seed": 1234, "max_tokens": 10}
+    pipeline = build(redis, tiny_model, stages=1)
+    pipelines.append(pipeline)
+    whole = pipeline.submit(SHORT[0], **request)
+    pipeline.dispatch([whole])
+    pipeline.pump()
+    expected = pipeline.tokens(whole)
+    assert len(expected) == 10
+
+    interrupted = pipeline.submit(SHORT[0], **request)
+    pipeline.dispatch([interrupted])
+    pipeline.pump(until=lambda: len(pipeline.tokens(interrupted)) >= 4)
+    pipeline.outbox.clear()  # the worker died with the batch's next step
+    assert pipeline.recover_stalled() == {interrupted: "recovering"}
+    fresh = build(redis, tiny_model, stages=1, namespace=pipeline.keys.namespace)  # another worker
+    fresh.dispatch([interrupted])
+    fresh.pump()
+
+    assert fresh.record(interrupted)["status"] == "succeeded"
+    assert fresh.record(interrupted)["attempts"] == "1"
+    assert fresh.tokens(interrupted) == expected
