@@ -6,7 +6,9 @@ worker (killed, out of memory) or sits behind one that missed its step deadline.
 moves it to `recovering`, counts the attempt and puts it back on its class's intake stream, all
 in one script; the batcher schedules it again like any job, and stage 0 prefills it with its
 prompt plus the tokens it had already streamed (they are in its event stream), so the client
-sees the stream continue, with neither a gap nor a duplicate: the old batch, if it ever wakes
+sees the stream continue, with neither a gap nor a duplicate, after a `recovered` event that names
+the index it continues from (`{"index", "attempt"}`); a seeded job draws the same tokens it would
+have drawn uninterrupted (`app.workers.sampling.token_seed`). The old batch, if it ever wakes
 up, can no longer write to the job (tokens are written only for the batch in its record).
 
 A job that reaches `max_attempts` fails (`worker_lost`). One recovered more than once runs in a
@@ -44,7 +46,7 @@ local job = ARGV[1]
 local score = redis.call('ZSCORE', KEYS[1], job)
 if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
 redis.call('ZREM', KEYS[1], job)
-local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id')
+local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id', 'completion_tokens')
 if rec[1] ~= 'scheduled' and rec[1] ~= 'running' then return '' end
 if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
 local attempts = tonumber(rec[2] or '0') + 1
@@ -57,6 +59,11 @@ if attempts >= tonumber(ARGV[3]) then
   return 'failed'
 end
 redis.call('HSET', KEYS[2], 'status', 'recovering', 'recovered_at', ARGV[4], 'attempts', attempts)
+-- Where the stream picks up: the next token's index. A client that saw tokens up to index-1 knows
+-- what follows is a continuation, not a replay (a seeded job draws exactly what it would have).
+local resumed = '{"index":' .. tonumber(rec[4] or '0') .. ',"attempt":' .. attempts .. '}'
+redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'recovered', 'data', resumed)
+redis.call('PUBLISH', ARGV[7], 'recovered')
 local entry = {}
 for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
 table.insert(entry, 'attempts')

@@ -72,6 +72,13 @@ def check_stream(client: httpx.Client, job: dict) -> None:  # type: ignore[type-
     assert indices == list(range(len(indices))), f"gap or duplicate in {job['id']}: {indices}"
     assert [e.event for e in stream].count("done") == 1 and stream[-1].event == "done"
     assert "".join(e.data["text"] for e in tokens(stream)) == job["text"]
+    seen = 0  # each `recovered` event names the index the stream goes on from
+    for event in stream:
+        if event.event == "token":
+            seen += 1
+        elif event.event == "recovered":
+            assert event.data["index"] == seen, (job["id"], event.data, seen)
+    assert sum(e.event == "recovered" for e in stream) == int(job["attempts"])
 
 
 def test_a_stage_worker_killed_mid_generation_loses_no_job_and_no_token(pipeline):  # type: ignore[no-untyped-def]

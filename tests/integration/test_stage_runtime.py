@@ -102,3 +102,8 @@ def test_a_seeded_job_recovered_partway_continues_as_if_never_interrupted(redis,
     assert fresh.record(interrupted)["status"] == "succeeded"
     assert fresh.record(interrupted)["attempts"] == "1"
     assert fresh.tokens(interrupted) == expected
+    events = fresh.events(interrupted)
+    names = [name for name, _ in events]
+    at = names.index("recovered")  # once, between the 4 tokens before and the 6 after
+    assert names.count("recovered") == 1 and events[at][1] == {"index": 4, "attempt": 1}
+    assert [data["index"] for name, data in events[at + 1 :] if name == "token"] == list(range(4, 10))
