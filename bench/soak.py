@@ -1,0 +1,441 @@
+"""The soak: a whole stack under steady mixed load for half an hour, checked for what a long run
+would show and a test would not: lost or stuck jobs, memory that creeps, tracebacks in the log.
+
+One `conveyor up` (its own embedded Redis, two tenants' API keys) is first saturated by a closed
+loop of clients to measure its capacity (jobs/s); then jobs arrive as a Poisson process at
+`--load` (70%) of that capacity, for `--minutes`, from two tenants (two thirds and one third of
+the traffic): 5% are cancelled shortly after they are accepted, 5% are poison (a sampling value out
+of bounds, an unknown model alias, a `top_k` past int64: each must be refused 4xx, never a 500 and
+never harm to the others). Every 15 s the sampler reads Redis's `used_memory` and the RSS of every
+process of the stack. Every accepted job is followed over its event stream to its final event, as
+a client would; those the stream did not see end are polled once the load stops. A job accepted
+and gone (404) without having been seen to end is lost; one not ended after the drain is stuck.
+Memory slopes (MiB per hour, least squares after the warm-up) tell whether anything grows; the
+stack's log is searched for tracebacks.
+
+Ended jobs keep their records `--ended-ttl-s` (300 s here, an hour by default in production): with
+the default, Redis would grow for the whole first hour by design, and the soak could not tell that
+growth from a leak. The warm-up is the longer of that TTL and a fifth of the run.
+
+    python -m bench.soak [--model tiny|smollm2] [--minutes 30] [--load 0.7] [--calibrate-s 60]
+
+Not part of `make test`. Writes bench/results/soak.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis as redis_lib
+
+from bench.processes import child_pids, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.replicas import consecutive_ports
+from bench.report import RESULTS_DIR, git_commit
+from bench.scheduling_stack import Model, chosen_model
+from bench.slice import conveyor_env
+from bench.suite_systems import log_tail
+
+SAMPLE_S = 15.0
+TENANTS = (("tenant-a", 2 / 3), ("tenant-b", 1 / 3))
+TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+FINAL_EVENTS = {"done", "error", "cancelled", "expired"}
+POISON = (
+    {"temperature": 1e-300},  # 422: out of the sampling bounds
+    {"model": "SmolLM2-135M-Instruct/"},  # 404: an alias of a served model's name
+    {"top_k": 2**63},  # 422: past int64
+)
+WORDS = "river stone cloud lantern orbit maple signal harbor copper meadow violet engine".split()
+
+
+# ---------------------------------------------------------------- pure parts (tests/unit/test_soak_bench.py)
+
+
+def arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
+    """Poisson arrival times in [0, seconds) at `rate` per second (exponential gaps)."""
+    out, t = [], rng.expovariate(rate)
+    while t < seconds:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def kind_of(rng: random.Random, cancel: float, poison: float) -> str:
+    """What one arrival is: `cancel`, `poison` or `normal`."""
+    draw = rng.random()
+    return "cancel" if draw < cancel else "poison" if draw < cancel + poison else "normal"
+
+
+def tenant_of(rng: random.Random) -> str:
+    draw, total = rng.random(), 0.0
+    for tenant, share in TENANTS:
+        total += share
+        if draw < total:
+            return tenant
+    return TENANTS[-1][0]
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value) samples, per hour; None with fewer than 3 samples."""
+    if len(samples) < 3:
+        return None
+    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var * 3600
+
+
+def role_of(cmdline: str) -> str:
+    """The stack's name for a process, from its command line."""
+    for needle, role in (
+        ("redis-server", "redis"),
+        ("--embedding", "embeddings worker"),
+        ("webhooks dispatcher", "webhooks dispatcher"),
+        ("webhooks worker", "callbacks worker"),
+        (" worker ", "stage worker"),
+        ("batcher", "batcher"),
+        ("flower", "flower"),
+        (" api", "api"),
+        (" up", "supervisor"),
+    ):
+        if needle in f" {cmdline} ":
+            return role
+    return cmdline.split()[0] if cmdline else "?"
+
+
+def tracebacks(log: str) -> list[str]:
+    """Each traceback's last line (the exception) in a log."""
+    lines, found = log.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            tail = next((lines[j] for j in range(i + 1, len(lines)) if not lines[j].startswith(" ")), "?")
+            found.append(tail)
+    return found
+
+
+@dataclass
+class Tally:
+    accepted: dict[str, str] = field(default_factory=dict)  # job id -> tenant
+    cancelled: set[str] = field(default_factory=set)  # cancel asked and answered 200
+    refused: Counter[int] = field(default_factory=Counter)  # poison: status code -> count
+    unexpected: Counter[str] = field(default_factory=Counter)  # e.g. "500", "poison 202", errors
+    ended: set[str] = field(default_factory=set)  # seen ending (its final event, or polled)
+    final: Counter[str] = field(default_factory=Counter)
+    lost: list[str] = field(default_factory=list)
+    stuck: list[str] = field(default_factory=list)
+    tokens: Counter[str] = field(default_factory=Counter)  # tenant -> tokens of its succeeded jobs
+
+
+@dataclass
+class Samples:
+    redis: list[tuple[float, float]] = field(default_factory=list)  # (s, MiB)
+    rss: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # "role pid" -> (s, MiB)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def job_body(i: int, max_tokens: int) -> dict[str, object]:
+    words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(8 + i % 24))
+    return {"prompt": f"{i}: {words}", "max_tokens": max_tokens, "temperature": 0.7, "seed": i}
+
+
+async def calibrate(
+    client: httpx.AsyncClient, keys: dict[str, str], seconds: float, max_tokens: int
+) -> float:
+    """Jobs per second the stack finishes when kept saturated (a closed loop of 32 clients)."""
+    done, stop = 0, time.monotonic() + seconds
+
+    async def loop(c: int) -> None:
+        nonlocal done
+        headers = {"X-API-Key": keys["tenant-a"]}
+        i = c
+        while time.monotonic() < stop:
+            answer = await client.post("/v1/inference", json=job_body(i, max_tokens), headers=headers)
+            if answer.status_code == 200:
+                done += 1
+            i += 32
+
+    started = time.monotonic()
+    await asyncio.gather(*(loop(c) for c in range(32)))
+    return done / (time.monotonic() - started)
+
+
+async def one(
+    client: httpx.AsyncClient,
+    keys: dict[str, str],
+    i: int,
+    kind: str,
+    tally: Tally,
+    args: argparse.Namespace,
+    rng: random.Random,
+) -> None:
+    tenant = tenant_of(rng)
+    headers = {"X-API-Key": keys[tenant]}
+    body = job_body(i, args.max_tokens)
+    if kind == "poison":
+        body |= POISON[i % len(POISON)]
+    try:
+        answer = await client.post("/v1/jobs", json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        tally.unexpected[f"submit {type(exc).__name__}"] += 1
+        return
+    if kind == "poison":
+        if 400 <= answer.status_code < 500:
+            tally.refused[answer.status_code] += 1
+        else:
+            tally.unexpected[f"poison {answer.status_code}"] += 1
+        return
+    if answer.status_code != 202:
+        tally.unexpected[str(answer.status_code)] += 1
+        return
+    job_id = answer.json()["id"]
+    tally.accepted[job_id] = tenant
+    if kind == "cancel":
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        cancelled = await client.post(f"/v1/jobs/{job_id}/cancel", headers=headers)
+        if cancelled.status_code == 200:
+            tally.cancelled.add(job_id)
+        elif cancelled.status_code != 409:  # 409: it had ended already
+            tally.unexpected[f"cancel {cancelled.status_code}"] += 1
+    await follow(client, job_id, tenant, headers, tally)
+
+
+async def follow(
+    client: httpx.AsyncClient, job_id: str, tenant: str, headers: dict[str, str], tally: Tally
+) -> None:
+    """Read the job's events as a client does, to its final event (which carries the job); a stream
+    that ends without one leaves the job to the drain."""
+    event = ""
+    try:
+        async with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:") and event in FINAL_EVENTS:
+                    ended(tally, job_id, tenant, json.loads(line[5:]))
+                    return
+    except httpx.HTTPError as exc:
+        tally.unexpected[f"events {type(exc).__name__}"] += 1
+
+
+def ended(tally: Tally, job_id: str, tenant: str, job: dict[str, object]) -> None:
+    if job_id in tally.ended:
+        return
+    tally.ended.add(job_id)
+    tally.final[str(job["status"])] += 1
+    if job["status"] == "succeeded":
+        usage = job.get("usage")
+        tally.tokens[tenant] += int(usage["completion_tokens"]) if isinstance(usage, dict) else 0
+
+
+async def sample(redis: redis_lib.Redis, roots: list[int], samples: Samples, t: float) -> None:
+    used = (await asyncio.to_thread(redis.info, "memory"))["used_memory"]
+    samples.redis.append((t, used / 2**20))
+    for pid in [p for root in roots for p in (root, *child_pids(root))]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        if rss is not None:
+            samples.rss.setdefault(f"{role_of(cmdline)} {pid}", []).append((t, rss / 1024))
+
+
+async def soak(
+    client: httpx.AsyncClient,
+    keys: dict[str, str],
+    redis: redis_lib.Redis,
+    roots: list[int],
+    rate: float,
+    args: argparse.Namespace,
+) -> tuple[Tally, Samples]:
+    rng = random.Random(args.seed)
+    tally, samples = Tally(), Samples()
+    seconds = args.minutes * 60
+    times = arrivals(rate, seconds, rng)
+    say(f"soak: {len(times)} arrivals over {args.minutes:g} min at {rate:.2f}/s")
+    started = time.monotonic()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def sampler() -> None:
+        while (t := time.monotonic() - started) < seconds:
+            await sample(redis, roots, samples, t)
+            await asyncio.sleep(SAMPLE_S)
+
+    sampling = asyncio.create_task(sampler())
+    for i, at in enumerate(times):
+        delay = at - (time.monotonic() - started)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(
+            one(client, keys, i, kind_of(rng, args.cancel, args.poison), tally, args, rng)
+        )
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if i % 2000 == 0 and i:
+            say(f"soak: {i} arrivals, {len(tally.accepted)} accepted, {time.monotonic() - started:.0f} s")
+    await asyncio.gather(*tasks)
+    await sampling
+    return tally, samples
+
+
+async def drain(client: httpx.AsyncClient, keys: dict[str, str], tally: Tally, timeout_s: float) -> None:
+    """Poll every accepted job until it ends; lost: gone (404); stuck: not ended by the deadline."""
+    waiting = {j: t for j, t in tally.accepted.items() if j not in tally.ended}
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for job_id, tenant in list(waiting.items()):
+            answer = await client.get(f"/v1/jobs/{job_id}", headers={"X-API-Key": keys[tenant]})
+            if answer.status_code == 404:  # accepted, never seen ending, and gone
+                tally.lost.append(job_id)
+                del waiting[job_id]
+            elif answer.status_code == 200 and (job := answer.json())["status"] in TERMINAL:
+                ended(tally, job_id, tenant, job)
+                del waiting[job_id]
+        if waiting:
+            await asyncio.sleep(1.0)
+    tally.stuck = list(waiting)
+
+
+async def run(args: argparse.Namespace, model: Model, workdir: Path) -> str:
+    from app.api.auth import key_digest, new_api_key
+    from app.core.redis import start_embedded
+
+    keys = {tenant: new_api_key() for tenant, _ in TENANTS}
+    port = free_port()
+    embedded, url = start_embedded(workdir / "redis", free_port(), password=secrets.token_hex(16))
+    env = {**conveyor_env(port, workdir), **model.env(), "REDIS_URL": url}
+    env |= {
+        "CONVEYOR_AUTH": "keys",
+        "CONVEYOR_API_KEYS": json.dumps({key_digest(k): t for t, k in keys.items()}),
+        "CONVEYOR_ENDED_JOB_TTL_S": str(args.ended_ttl_s),
+        "CONVEYOR_METRICS_PORT": str(consecutive_ports(8)),
+        "CONVEYOR_RATE_LIMITS": json.dumps({t: {"rps": 1000, "burst": 2000} for t in keys}),
+    }
+    log = workdir / "up.log"
+    redis = redis_lib.Redis.from_url(url)
+    try:
+        with server_process("conveyor up", [sys.executable, "-m", "app.cli", "up"], env, log, 60.0) as up:
+            base = f"http://127.0.0.1:{port}"
+            try:
+                wait_ready(f"{base}/readyz", up, 300.0, log)
+            except RuntimeError:
+                say("conveyor up did not become ready; its log ends:\n" + log_tail(log))
+                raise
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+            async with httpx.AsyncClient(base_url=base, timeout=120.0, limits=limits) as client:
+                capacity = await calibrate(client, keys, args.calibrate_s, args.max_tokens)
+                say(f"capacity: {capacity:.2f} jobs/s")
+                t0 = time.time()
+                roots = [up.pid, embedded.pid]
+                tally, samples = await soak(client, keys, redis, roots, capacity * args.load, args)
+                await drain(client, keys, tally, args.drain_s)
+                elapsed = time.time() - t0
+        text = log.read_text(errors="replace")
+    finally:
+        embedded.terminate()
+    return report(args, model, capacity, elapsed, tally, samples, tracebacks(text))
+
+
+def report(
+    args: argparse.Namespace,
+    model: Model,
+    capacity: float,
+    elapsed: float,
+    tally: Tally,
+    samples: Samples,
+    traces: list[str],
+) -> str:
+    warmup = max(args.ended_ttl_s, args.minutes * 60 / 5)
+    after = lambda series: [s for s in series if s[0] >= warmup]  # noqa: E731
+    rows = [("redis used_memory", samples.redis)] + sorted(samples.rss.items())
+    unexpected = ", ".join(f"{c}: {n}" for c, n in sorted(tally.unexpected.items())) or 0
+    lines = [
+        "# Soak",
+        "",
+        f"`python -m bench.soak --model {args.model} --minutes {args.minutes:g} --load {args.load:g}"
+        f" --calibrate-s {args.calibrate_s:g}` at commit {git_commit()},"
+        f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 2 cores, load average at the end"
+        f" {Path('/proc/loadavg').read_text().split()[0]}.",
+        "",
+        f"Capacity {capacity:.2f} jobs/s (closed loop of 32, `max_tokens` {args.max_tokens}); offered"
+        f" {args.load:.0%} of it as Poisson arrivals for {args.minutes:g} min, {args.cancel:.0%} cancelled,"
+        f" {args.poison:.0%} poison, tenants {', '.join(f'{t} {s:.0%}' for t, s in TENANTS)};"
+        f" ended jobs kept {args.ended_ttl_s} s; run and drain {elapsed / 60:.1f} min.",
+        "",
+        "| jobs | count |",
+        "|---|---:|",
+        f"| accepted (202) | {len(tally.accepted)} |",
+        *(f"| ended {status} | {n} |" for status, n in sorted(tally.final.items())),
+        f"| cancel answered 200 | {len(tally.cancelled)} |",
+        f"| **lost** (accepted, then gone) | **{len(tally.lost)}** |",
+        f"| **stuck** (not ended after the drain) | **{len(tally.stuck)}** |",
+        f"| poison refused | {', '.join(f'{c}: {n}' for c, n in sorted(tally.refused.items())) or 0} |",
+        f"| unexpected answers | {unexpected} |",
+        f"| tracebacks in the log | {len(traces)} |",
+        "",
+        "Tokens of succeeded jobs per tenant: "
+        + ", ".join(f"{t} {n}" for t, n in sorted(tally.tokens.items()))
+        + ".",
+        "",
+        f"Memory after the {warmup / 60:.0f}-minute warm-up (sampled every {SAMPLE_S:g} s):",
+        "",
+        "| process | first MiB | last MiB | slope MiB/h |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, series in rows:
+        kept = after(series)
+        if not kept:
+            continue
+        slope = slope_per_hour(kept)
+        lines.append(
+            f"| {name} | {kept[0][1]:.1f} | {kept[-1][1]:.1f} | {'-' if slope is None else f'{slope:+.1f}'} |"
+        )
+    if traces:
+        lines += ["", "Tracebacks: " + "; ".join(sorted(set(traces)))]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--load", type=float, default=0.7)
+    parser.add_argument("--cancel", type=float, default=0.05)
+    parser.add_argument("--poison", type=float, default=0.05)
+    parser.add_argument("--calibrate-s", type=float, default=60.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--ended-ttl-s", type=int, default=300)
+    parser.add_argument("--drain-s", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.md")
+    args = parser.parse_args(argv)
+    terminate_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        model = chosen_model(args.model, Path(tmp))
+        if model is None:
+            return 1
+        text = asyncio.run(run(args, model, Path(tmp)))
+    print(text)
+    args.out.write_text(text)
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
