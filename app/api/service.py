@@ -19,6 +19,7 @@ from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
+from app.api.streams import Slot, StreamSlots
 from app.batching.intake import intake_fields
 from app.core import metrics
 from app.core.admission import Admission
@@ -72,6 +73,7 @@ class JobService:
         self.celery = celery  # producer only: embedding jobs go straight to their first stage
         self.catalog = catalog
         self.hub = hub
+        self.streams = StreamSlots(settings.tenant_max_streams)
         self.keys = Keys(settings.namespace)
         self.admission = Admission(redis, self.keys, settings)
         self.ratelimit = RateLimiter(redis, self.keys, settings)
@@ -344,8 +346,19 @@ class JobService:
             raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
         return record
 
-    async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[Event]:
-        """The job's events after entry id `after`: the backlog first, then the live tail, until the end."""
+    async def events(
+        self, job_id: str, after: str | None = None, *, slot: Slot | None = None
+    ) -> AsyncIterator[Event]:
+        """The job's events after entry id `after`: the backlog first, then the live tail, until the
+        end. `slot` (the tenant's open-stream slot, `StreamSlots.take`) is given back when it ends."""
+        try:
+            async for event in self._events(job_id, after):
+                yield event
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def _events(self, job_id: str, after: str | None) -> AsyncIterator[Event]:
         stream = self.keys.events(job_id)
         async with self.hub.watch(job_id) as woke:
             while True:

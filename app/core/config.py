@@ -299,6 +299,9 @@ class Settings(BaseSettings):
     # listed). Unlisted, and no "*": every class, as without the setting. Another class: 403
     # priority_not_allowed. {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
     tenant_priorities: dict[str, list[str]] = Field(default_factory=dict)
+    # Event streams (SSE, WebSocket, OpenAI `stream`) one tenant may hold open at once, per API process;
+    # past it 429 too_many_streams (0: no cap). Each open stream holds a connection and a task.
+    tenant_max_streams: int = Field(default=256, ge=0)
     # Request bodies larger than this are refused (413) before they are parsed: the longest job a
     # 8192-token context allows is tens of KB of JSON, 64 embedding texts a few hundred KB.
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)

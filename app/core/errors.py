@@ -183,6 +183,13 @@ class Unauthorized(ConveyorError):
         return {"WWW-Authenticate": challenge}
 
 
+class TooManyStreams(Refused):
+    """A tenant already following as many job event streams as it may (app/api/streams.py)."""
+
+    code = "too_many_streams"
+    status = 429
+
+
 class RateLimited(Refused):
     """A tenant over its request or token rate (app/core/ratelimit.py); the IETF draft's RateLimit-*
     headers describe the limit that refused (`details.limit` names it: requests or tokens)."""

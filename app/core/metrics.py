@@ -81,6 +81,10 @@ ANONYMOUS_REQUESTS = Counter(
     "conveyor_anonymous_requests",
     "Requests served without authentication, as tenant anonymous (CONVEYOR_AUTH=none)",
 )
+STREAMS_REFUSED = Counter(
+    "conveyor_streams_refused",
+    "Event streams refused because their tenant had CONVEYOR_TENANT_MAX_STREAMS open (429)",
+)
 
 # ---------------------------------------------------------------- batcher
 INTAKE_WAIT = Histogram(

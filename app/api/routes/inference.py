@@ -38,15 +38,17 @@ async def inference(
 
     A client that disconnects before the end cancels the job (`cancel_on_disconnect`)."""
     job = JobCreate.model_validate(body.model_dump(exclude={"stream"}))
+    slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
     job_id = submitted.record["id"]
-    if body.stream:
+    if slot is not None:
         stream = event_stream(
             jobs,
             job_id,
             settings,
             after=None,
             notes=audit.fields(request),
+            slot=slot,
             cancel_on_disconnect=settings.cancel_on_disconnect,
         )
         mark_submitted(request, stream, submitted, job)

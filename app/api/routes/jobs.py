@@ -15,6 +15,7 @@ from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobPublic, JobUrls
 from app.api.service import FINAL_EVENTS, MAX_IDEMPOTENCY_KEY, JobService, Submitted
+from app.api.streams import Slot
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
 
@@ -115,7 +116,7 @@ async def cancel_job(
 
 @router.get(
     "/{job_id}/events",
-    responses=ERRORS,
+    responses={**ERRORS, 429: {"model": ErrorBody}},  # too_many_streams
     response_description="Server-sent events: `token`, then `done`, `error`, `cancelled` or `expired`.",
 )
 async def job_events(
@@ -138,7 +139,8 @@ async def job_events(
     # Also the 404 for an unknown job (or another tenant's), before the stream starts.
     if await jobs.is_over(job_id, after, tenant=tenant):
         return Response(status_code=204)
-    return event_stream(jobs, job_id, settings, after=after, notes=audit.fields(request))
+    slot = jobs.streams.take(tenant)
+    return event_stream(jobs, job_id, settings, after=after, notes=audit.fields(request), slot=slot)
 
 
 def _checked_event_id(value: str | None) -> str | None:
@@ -158,6 +160,7 @@ def event_stream(
     *,
     after: str | None,
     notes: dict[str, Any],
+    slot: Slot,
     cancel_on_disconnect: bool = False,
 ) -> EventSourceResponse:
     """The job's events as SSE (the caller has checked the job is the tenant's); the final event
@@ -166,7 +169,7 @@ def event_stream(
     away cancels the job."""
 
     async def generate() -> AsyncIterator[dict[str, str]]:
-        async for event in jobs.events(job_id, after):
+        async for event in jobs.events(job_id, after, slot=slot):
             if event.event in FINAL_EVENTS:
                 record = await jobs.get(job_id, tenant=None)
                 audit.note_job(notes, record)

@@ -41,6 +41,7 @@ from app.api.openai_schemas import (
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
+from app.api.streams import Slot
 from app.core.config import Settings
 from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, SyncTimeout
 from app.core.jobs import JobStatus
@@ -276,9 +277,10 @@ async def _answer(
     """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
     (`cancel_on_disconnect`), as on /v1/inference."""
     job = body.to_job()
+    slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
     job_id, reply = submitted.record["id"], reply_type(submitted.record)
-    if body.stream:
+    if slot is not None:
         notes = audit.fields(request)
         stream = _stream(
             jobs,
@@ -288,6 +290,7 @@ async def _answer(
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
             notes=notes,
+            slot=slot,
         )
         mark_submitted(request, stream, submitted, job)
         return stream
@@ -327,6 +330,7 @@ def _stream(
     include_usage: bool,
     continuous_usage: bool,
     notes: dict[str, Any],
+    slot: Slot,
 ) -> EventSourceResponse:
     """OpenAI's stream: `data: <chunk>` lines, then `data: [DONE]`. A job that ends without a
     completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`. With
@@ -343,7 +347,7 @@ def _stream(
     async def generate() -> AsyncIterator[dict[str, str]]:
         if (first := reply.first(so_far(0))) is not None:
             yield data(first)
-        async for event in jobs.events(job_id):
+        async for event in jobs.events(job_id, slot=slot):
             if event.event == "token" and event.data.get("text"):
                 yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1)))
         record = await jobs.get(job_id, tenant=None)  # the stream has ended: so has the job

@@ -9,6 +9,7 @@ Credentials go in the handshake's headers, as on every other route (`Authorizati
 - 4401: no credentials, or credentials that do not verify (`unauthorized`);
 - 4404: no such job (unknown, expired, or another tenant's);
 - 4422: a `last_event_id` that is not an entry id;
+- 4429: the tenant already has `CONVEYOR_TENANT_MAX_STREAMS` event streams open;
 - 1013 (try again later): Redis does not answer;
 - 1000 at once, without a message: the final event was already delivered (resuming after the end).
 
@@ -31,7 +32,8 @@ from app.api import audit
 from app.api.routes.jobs import EVENT_ID
 from app.api.schemas import JobPublic
 from app.api.service import FINAL_EVENTS, JobService
-from app.core.errors import ConveyorError, JobNotFound, Unauthorized
+from app.api.streams import Slot
+from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 UNAUTHORIZED = 4401  # 4000 + the HTTP status the same refusal has on GET /v1/jobs/{id}/events
 NOT_FOUND = 4404
 INVALID = 4422
+TOO_MANY = 4429  # the tenant has CONVEYOR_TENANT_MAX_STREAMS streams open
 MAX_REASON = 123  # bytes a close frame's reason may hold
 
 
@@ -58,12 +61,16 @@ async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = 
         principal = await websocket.app.state.auth.authenticate(websocket.headers)
         audit.note(websocket, tenant=principal.tenant)
         if not await jobs.is_over(job_id, after, tenant=principal.tenant):
-            await _follow(websocket, jobs, job_id, after)
+            slot = jobs.streams.take(principal.tenant)
+            await _follow(websocket, jobs, job_id, after, slot)
     except Unauthorized as exc:
         await _close(websocket, UNAUTHORIZED, f"{exc.code}: {exc.message}")
         return
     except JobNotFound as exc:
         await _close(websocket, NOT_FOUND, f"{exc.code}: {exc.message}")
+        return
+    except TooManyStreams as exc:
+        await _close(websocket, TOO_MANY, f"{exc.code}: {exc.message}")
         return
     except (RedisConnectionError, RedisTimeoutError):
         log.warning("Redis unreachable while streaming job %s", job_id)
@@ -77,11 +84,11 @@ async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = 
     await _close(websocket, status.WS_1000_NORMAL_CLOSURE, "")
 
 
-async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: str | None) -> None:
+async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: str | None, slot: Slot) -> None:
     """Send the events until the final one, or until the client goes away (then stop reading Redis)."""
 
     async def send() -> None:
-        async for event in jobs.events(job_id, after):
+        async for event in jobs.events(job_id, after, slot=slot):
             data = event.data
             if event.event in FINAL_EVENTS:
                 record = await jobs.get(job_id, tenant=None)  # checked before following
