@@ -144,6 +144,7 @@ def up(
                 settings.embedded_redis_port,
                 password=ensure_password(secret),
                 maxmemory=settings.embedded_redis_maxmemory,
+                appendfsync="always" if settings.submit_durability == "fsync" else "everysec",
                 preexec_fn=die_with_parent(),
             )
         except RuntimeError as exc:

@@ -26,6 +26,7 @@ from app.api.routes import deliveries, embeddings, health, inference, jobs, open
 from app.api.service import JobService
 from app.core.broker import create_celery_app
 from app.core.config import Settings
+from app.core.durability import fsync_mode
 from app.core.errors import ConveyorError
 from app.core.keys import Keys
 from app.core.known_secrets import refuse_known_secrets
@@ -73,6 +74,9 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.redis = redis
         celery = create_celery_app(settings, settings.redis_url or "")
         app.state.jobs = JobService(settings, redis, catalog, hub, celery)
+        if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
+            app.state.jobs.admission.fsync = await fsync_mode(redis)
+            log.info("submits are answered once on disk (%s)", app.state.jobs.admission.fsync)
         try:
             yield
         finally:

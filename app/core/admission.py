@@ -32,6 +32,7 @@ from typing import Any
 
 from app.core import breaker
 from app.core.config import Settings
+from app.core.durability import wait_on_disk
 from app.core.errors import (
     CircuitOpen,
     DeadlineUnmeetable,
@@ -215,6 +216,7 @@ class Admission:
         self.limits = Limits.from_settings(settings)
         self.breaker = breaker.Breaker(redis, keys, breaker.Policy.from_settings(settings))
         self._admit = redis.register_script(ADMIT_LUA)
+        self.fsync: str | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync: how (set at the API's start)
 
     @property
     def stage_down_after_s(self) -> float:
@@ -323,6 +325,8 @@ class Admission:
             outcome, detail = await self._admit(keys=keys, args=args)
             outcome = _text(outcome)
             if outcome == "ok":
+                if self.fsync is not None:
+                    await wait_on_disk(self.redis, self.fsync, self.settings.submit_fsync_timeout_ms)
                 return Written()
             if outcome == "held":
                 if ticket.probe:

@@ -173,6 +173,12 @@ class Settings(BaseSettings):
     # and stream live this long: an hour to poll or replay the result. What Redis holds is then about
     # submit rate x this x a few KB, instead of a day of every prompt (tens of KB each).
     ended_job_ttl_s: int = Field(default=3600, ge=1)
+    # memory: 202 once Redis holds the job (AOF fsynced every second: a crash of the Redis host can
+    # lose the last second of accepted jobs). fsync: 202 once the job is on disk: WAITAOF on Redis
+    # 7.2+, else Redis must run with appendfsync always (the embedded one then does); the API refuses
+    # to start on a Redis that offers neither (app/core/durability.py).
+    submit_durability: Literal["memory", "fsync"] = "memory"
+    submit_fsync_timeout_ms: int = Field(default=1000, ge=1)  # WAITAOF's wait; past it 503
     sse_ping_s: float = 15.0  # comment lines keep proxies from closing an idle stream
     sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 

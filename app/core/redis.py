@@ -75,12 +75,13 @@ def start_embedded(
     password: str,
     host: str = "127.0.0.1",
     maxmemory: str = "0",
+    appendfsync: str = "everysec",
     preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the bundled redis-server, requiring `password`; return the process and its URL (with the
     password) once it answers PING. `maxmemory`: its memory bound (Settings.embedded_redis_maxmemory;
-    "0": none). `preexec_fn` runs in the child before the server starts (`conveyor up`: die with the
-    parent)."""
+    "0": none). `appendfsync`: `always` under CONVEYOR_SUBMIT_DURABILITY=fsync. `preexec_fn` runs in
+    the child before the server starts (`conveyor up`: die with the parent)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         server_binary(),
@@ -94,7 +95,7 @@ def start_embedded(
         "--appendonly",
         "yes",
         "--appendfsync",
-        "everysec",
+        appendfsync,
         "--save",
         "",
         "--maxmemory",

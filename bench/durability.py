@@ -1,0 +1,132 @@
+"""What synchronous durability costs a submit: `CONVEYOR_SUBMIT_DURABILITY` memory vs fsync.
+
+For each mode, the real API app (in process, no worker: jobs stay queued) on an embedded Redis of
+its own, configured as `conveyor up` configures it for that mode (`appendfsync everysec`, or
+`always`), takes `--submits` POST /v1/jobs at each concurrency; the latency of each submit (request
+to 202) and the submits per second are measured in the same run, and the ratio printed. The disk
+is this machine's: an fsync's price is the disk's, so measure on the disk you will deploy on.
+
+    python -m bench.durability [--submits 1000] [--concurrency 1,8]
+
+Writes bench/results/durability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import redis as redis_lib
+from fastapi.testclient import TestClient
+
+from bench.processes import free_port, say
+from bench.report import RESULTS_DIR, git_commit, percentile
+from bench.scheduling_stack import tiny
+
+MODES = (("memory", "everysec"), ("fsync", "always"))
+
+
+def submit(client: TestClient, i: int, latencies: list[float]) -> None:
+    started = time.perf_counter()
+    answer = client.post("/v1/jobs", json={"prompt": f"job {i}", "max_tokens": 4})
+    if answer.status_code != 202:
+        raise RuntimeError(f"{answer.status_code} {answer.text[:200]}")
+    latencies.append(time.perf_counter() - started)
+
+
+def run_mode(
+    mode: str, appendfsync: str, concurrency: list[int], submits: int, workdir: Path
+) -> dict[int, dict[str, float]]:  # noqa: E501
+    from app.api.app import create_app
+    from app.core.config import Settings
+    from app.core.keys import Keys
+    from app.core.redis import start_embedded
+
+    model = tiny(workdir)
+    process, url = start_embedded(
+        workdir / f"redis-{mode}", free_port(), password=uuid.uuid4().hex, appendfsync=appendfsync
+    )
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    settings = Settings(
+        redis_url=url,
+        namespace=namespace,
+        models={model.name: model.path},
+        default_model=model.name,
+        embedding_stages=0,
+        auth="none",
+        submit_durability=mode,  # type: ignore[arg-type]
+        queue_depth_limit=10**6,
+        rate_limits={"anonymous": {"rps": 10**6, "burst": 10**6}},  # type: ignore[dict-item]
+        overload_limit=10**6,
+    )
+    out: dict[int, dict[str, float]] = {}
+    try:
+        redis = redis_lib.Redis.from_url(url)
+        with TestClient(create_app(settings)) as client:
+            for c in concurrency:
+                redis.zadd(Keys(namespace).workers(model.name, 0), {"w0": time.time() + 3600})
+                latencies: list[float] = []
+                for i in range(20):  # warm: tokenizer, scripts, connections
+                    submit(client, i, [])
+                started = time.perf_counter()
+                with ThreadPoolExecutor(c) as pool:
+                    list(pool.map(lambda i: submit(client, i, latencies), range(submits)))  # noqa: B023
+                elapsed = time.perf_counter() - started
+                out[c] = {
+                    "rate": submits / elapsed,
+                    "p50": statistics.median(latencies) * 1000,
+                    "p99": (percentile(latencies, 99) or 0.0) * 1000,
+                }
+                say(f"{mode} c{c}: {out[c]['rate']:.0f} submits/s, p50 {out[c]['p50']:.1f} ms")
+    finally:
+        process.terminate()
+        process.wait(10)
+    return out
+
+
+def report(results: dict[str, dict[int, dict[str, float]]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Submit durability: what `CONVEYOR_SUBMIT_DURABILITY=fsync` costs",
+        "",
+        f"`python -m bench.durability --submits {args.submits} --concurrency {args.concurrency}` at commit"
+        f" {git_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 2 cores, this machine's"
+        " disk;"
+        f" load average at the end {Path('/proc/loadavg').read_text().split()[0]}. The API in process, no"
+        " worker; the embedded Redis (6.2) with `appendfsync everysec` (memory) or `always` (fsync).",
+        "",
+        "| clients | memory submits/s | fsync submits/s | ratio | memory p50 ms | fsync p50 ms | memory p99 ms | fsync p99 ms |",  # noqa: E501
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    memory, fsync = results["memory"], results["fsync"]
+    for c in sorted(memory):
+        m, f = memory[c], fsync[c]
+        lines.append(
+            f"| {c} | {m['rate']:.0f} | {f['rate']:.0f} | {f['rate'] / m['rate']:.2f}x | {m['p50']:.1f} |"
+            f" {f['p50']:.1f} | {m['p99']:.1f} | {f['p99']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--submits", type=int, default=1000)
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "durability.md")
+    args = parser.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
+        results = {mode: run_mode(mode, fsync, levels, args.submits, Path(tmp)) for mode, fsync in MODES}
+    text = report(results, args)
+    print(text)
+    args.out.write_text(text)
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Synchronous durability is opt-in and never silently absent: CONVEYOR_SUBMIT_DURABILITY=fsync
+stops the API at start on a Redis that can neither WAITAOF (7.2+) nor fsync every write, and runs on
+one started with `appendfsync always` (what `conveyor up` starts in that mode), where a submit is
+answered 202 once the job is in the AOF.
+
+Each test on an embedded Redis of its own (the AOF settings are the server's)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+from fastapi.testclient import TestClient
+
+from app.api.app import create_app
+from app.core.config import Settings
+from app.core.durability import DurabilityUnavailable
+from app.core.keys import Keys
+from app.core.redis import start_embedded
+from tests.conftest import free_port
+
+
+def settings(url: str, tiny_model: Path, namespace: str) -> Settings:
+    return Settings(
+        redis_url=url,
+        namespace=namespace,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        embedding_stages=0,
+        auth="none",
+        submit_durability="fsync",
+    )
+
+
+def test_fsync_on_a_redis_that_cannot_give_it_stops_the_api(tmp_path, tiny_model):  # type: ignore[no-untyped-def]
+    process, url = start_embedded(tmp_path / "redis", free_port(), password=uuid.uuid4().hex)  # everysec
+    try:
+        with (
+            pytest.raises(DurabilityUnavailable) as refused,
+            TestClient(create_app(settings(url, tiny_model, "d1"))),
+        ):
+            pass
+        message = str(refused.value)
+        assert "CONVEYOR_SUBMIT_DURABILITY=fsync" in message and "appendfsync everysec" in message
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_fsync_on_a_redis_that_fsyncs_every_write_answers_once_on_disk(tmp_path, tiny_model):  # type: ignore[no-untyped-def]
+    process, url = start_embedded(
+        tmp_path / "redis", free_port(), password=uuid.uuid4().hex, appendfsync="always"
+    )
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    keys = Keys(namespace)
+    try:
+        redis = redis_lib.Redis.from_url(url)
+        redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 60})  # a live stage worker
+        with TestClient(create_app(settings(url, tiny_model, namespace))) as client:
+            assert client.app.state.jobs.admission.fsync == "always"  # type: ignore[attr-defined]
+            answer = client.post("/v1/jobs", json={"prompt": "keep me", "max_tokens": 2})
+            assert answer.status_code == 202, answer.text
+            job_id = answer.json()["id"]
+        aof = b"".join(path.read_bytes() for path in (tmp_path / "redis").rglob("*.aof*") if path.is_file())
+        assert job_id.encode() in aof  # in the file the server fsyncs before it answers
+    finally:
+        process.terminate()
+        process.wait(10)
