@@ -2,11 +2,12 @@
 
 For each mode, the real API app (in process, no worker: jobs stay queued) on an embedded Redis of
 its own, configured as `conveyor up` configures it for that mode (`appendfsync everysec`, or
-`always`), takes `--submits` POST /v1/jobs at each concurrency; the latency of each submit (request
-to 202) and the submits per second are measured in the same run, and the ratio printed. The disk
+`always`), takes `--submits` POST /v1/jobs at each concurrency, the two modes interleaved for
+`--rounds` rounds; the submits per second (median of the rounds) and the latency of each submit
+(request to 202) are measured in the same run, and the ratio printed. The disk
 is this machine's: an fsync's price is the disk's, so measure on the disk you will deploy on.
 
-    python -m bench.durability [--submits 1000] [--concurrency 1,8]
+    python -m bench.durability [--submits 1000] [--concurrency 1,8] [--rounds 3]
 
 Writes bench/results/durability.md.
 """
@@ -14,10 +15,12 @@ Writes bench/results/durability.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,9 +42,9 @@ def submit(client: TestClient, i: int, latencies: list[float]) -> None:
     latencies.append(time.perf_counter() - started)
 
 
-def run_mode(
-    mode: str, appendfsync: str, concurrency: list[int], submits: int, workdir: Path
-) -> dict[int, dict[str, float]]:  # noqa: E501
+@contextlib.contextmanager
+def api(mode: str, appendfsync: str, workdir: Path) -> Iterator[TestClient]:
+    """The API in process with `mode`, on an embedded Redis of its own with `appendfsync`."""
     from app.api.app import create_app
     from app.core.config import Settings
     from app.core.keys import Keys
@@ -61,39 +64,63 @@ def run_mode(
         auth="none",
         submit_durability=mode,  # type: ignore[arg-type]
         queue_depth_limit=10**6,
-        rate_limits={"anonymous": {"rps": 10**6, "burst": 10**6}},  # type: ignore[dict-item]
         overload_limit=10**6,
+        rate_limits={"anonymous": {"rps": 10**6, "burst": 10**6}},  # type: ignore[dict-item]
     )
-    out: dict[int, dict[str, float]] = {}
     try:
-        redis = redis_lib.Redis.from_url(url)
+        redis_lib.Redis.from_url(url).zadd(Keys(namespace).workers(model.name, 0), {"w0": time.time() + 3600})
         with TestClient(create_app(settings)) as client:
-            for c in concurrency:
-                redis.zadd(Keys(namespace).workers(model.name, 0), {"w0": time.time() + 3600})
-                latencies: list[float] = []
-                for i in range(20):  # warm: tokenizer, scripts, connections
-                    submit(client, i, [])
-                started = time.perf_counter()
-                with ThreadPoolExecutor(c) as pool:
-                    list(pool.map(lambda i: submit(client, i, latencies), range(submits)))  # noqa: B023
-                elapsed = time.perf_counter() - started
-                out[c] = {
-                    "rate": submits / elapsed,
-                    "p50": statistics.median(latencies) * 1000,
-                    "p99": (percentile(latencies, 99) or 0.0) * 1000,
-                }
-                say(f"{mode} c{c}: {out[c]['rate']:.0f} submits/s, p50 {out[c]['p50']:.1f} ms")
+            for i in range(20):  # warm: tokenizer, scripts, connections
+                submit(client, i, [])
+            yield client
     finally:
         process.terminate()
         process.wait(10)
-    return out
+
+
+def measure(client: TestClient, clients: int, submits: int) -> tuple[float, list[float]]:
+    """Submits per second and each submit's latency (s), `clients` at a time."""
+    latencies: list[float] = []
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda i: submit(client, i, latencies), range(submits)))
+    return submits / (time.perf_counter() - started), latencies
+
+
+def run(
+    levels: list[int], submits: int, rounds: int, workdir: Path
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Both modes side by side, interleaved round by round (the machine's noise hits both alike)."""
+    rates: dict[tuple[str, int], list[float]] = {}
+    latencies: dict[tuple[str, int], list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        clients = {mode: stack.enter_context(api(mode, fsync, workdir)) for mode, fsync in MODES}
+        for r in range(rounds):
+            for c in levels:
+                for mode, _ in MODES:
+                    rate, took = measure(clients[mode], c, submits)
+                    rates.setdefault((mode, c), []).append(rate)
+                    latencies.setdefault((mode, c), []).extend(took)
+                    say(f"round {r + 1}: {mode} c{c}: {rate:.0f} submits/s")
+    return {
+        mode: {
+            c: {
+                "rate": statistics.median(rates[mode, c]),
+                "p50": statistics.median(latencies[mode, c]) * 1000,
+                "p99": (percentile(latencies[mode, c], 99) or 0.0) * 1000,
+            }
+            for c in levels
+        }
+        for mode, _ in MODES
+    }
 
 
 def report(results: dict[str, dict[int, dict[str, float]]], args: argparse.Namespace) -> str:
     lines = [
         "# Submit durability: what `CONVEYOR_SUBMIT_DURABILITY=fsync` costs",
         "",
-        f"`python -m bench.durability --submits {args.submits} --concurrency {args.concurrency}` at commit"
+        f"`python -m bench.durability --submits {args.submits} --concurrency {args.concurrency}"
+        f" --rounds {args.rounds}` at commit"
         f" {git_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 2 cores, this machine's"
         " disk;"
         f" load average at the end {Path('/proc/loadavg').read_text().split()[0]}. The API in process, no"
@@ -116,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--submits", type=int, default=1000)
     parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "durability.md")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
-        results = {mode: run_mode(mode, fsync, levels, args.submits, Path(tmp)) for mode, fsync in MODES}
+        results = run(levels, args.submits, args.rounds, Path(tmp))
     text = report(results, args)
     print(text)
     args.out.write_text(text)
