@@ -52,6 +52,9 @@ class BatchState:
         ]
         self.seq_ids = list(seq_ids)
         self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
+        # The batches whose rows this state holds: its own, then every batch that joined it. A job's
+        # record names the batch it was scheduled in; only those are this state's to fail.
+        self.batch_ids: set[str] = set()
 
     @property
     def slabs(self) -> list[SlabLayer]:
@@ -104,6 +107,7 @@ class BatchState:
             [_left_pad_time(self.attention_mask, length), _left_pad_time(other.attention_mask, length)]
         )
         self.seq_ids += other.seq_ids
+        self.batch_ids |= other.batch_ids
 
     @property
     def length(self) -> int:

@@ -129,14 +129,19 @@ class Publisher:
         self._end(pipe, job_id, JobStatus.SUCCEEDED, fields, "done", {}, time.time())
         pipe.execute()
 
-    def fail(self, job_ids: list[str], *, code: str, message: str) -> int:
+    def fail(
+        self, job_ids: list[str], *, code: str, message: str, when: dict[str, dict[str, str]] | None = None
+    ) -> int:
         """End jobs as failed, with a reason a client can read, from whatever state they are in;
-        returns how many ended here (the others had ended already)."""
+        returns how many ended here (the others had ended already). `when[job_id]`: the record
+        values the move requires (the batch and status the caller read), so a job that moved on
+        meanwhile is left alone."""
         now = time.time()
         error = {"code": code, "message": message}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            self._end(pipe, job_id, JobStatus.FAILED, {"error": error}, "error", error, now)
+            guard = (when or {}).get(job_id, {})
+            self._end(pipe, job_id, JobStatus.FAILED, {"error": error}, "error", error, now, guard)
         failed = sum(int(applied) for applied, _ in pipe.execute())
         if failed and self.outcomes is not None:
             self.outcomes(0, failed)
@@ -161,12 +166,13 @@ class Publisher:
         event: str,
         data: dict[str, Any],
         now: float,
+        when: dict[str, str] | None = None,
     ) -> None:
         """The final move, then the final event, atomically and only if the move applies: a client
         that reads the event sees the final record, and a job that had already ended (or was
         recovered into another batch meanwhile) gets no second final event. The callers (the stage
         workers, the batcher expiring a queued job) have read the job's inputs or never will."""
-        transition = Transition(job_id, status, fields)
+        transition = Transition(job_id, status, fields, when or {})
         args = [event, _json(data), self.stream_maxlen, self.ended_ttl_s, self.keys.announce(job_id)]
         args += [job_id, "1"]
         keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]

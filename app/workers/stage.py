@@ -225,6 +225,7 @@ class StageRuntime:
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
             mask = decode_tensor(msg.tensors["attention_mask"]).long()
         state = BatchState(self.partition.config, msg.seq_ids, mask)
+        state.batch_ids = {msg.batch_id}
         self.batches[msg.batch_id] = state
         if self.partition.is_last:
             self.sequences[msg.batch_id] = self._load_sequences(msg.batch_id, msg.seq_ids)
@@ -487,12 +488,23 @@ class StageRuntime:
         pipe.execute()
 
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
-        held = self.batches[msg.batch_id].seq_ids if msg.batch_id in self.batches else []
-        job_ids = list(dict.fromkeys([*msg.seq_ids, *held]))
+        """Fail the jobs this batch still holds. A job recovered meanwhile (re-queued, or scheduled
+        into another batch) has left it: its record names another batch, or no longer a running
+        one, and it is not failed here."""
+        state = self.batches.get(msg.batch_id)
+        owned = {msg.batch_id, *msg.merge} | (state.batch_ids if state is not None else set())
+        job_ids = list(dict.fromkeys([*msg.seq_ids, *(state.seq_ids if state is not None else [])]))
+        records = self.jobs.get_many(job_ids, "status", "batch_id") if job_ids else []
+        mine = {
+            job_id: {"batch_id": r["batch_id"], "status": r["status"]}
+            for job_id, r in zip(job_ids, records, strict=True)
+            if r.get("batch_id") in owned and r.get("status") in (JobStatus.SCHEDULED, JobStatus.RUNNING)
+        }
         failed = self.publisher.fail(
-            job_ids,
+            list(mine),
             code="worker_error",
             message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}",
+            when=mine,
         )
         metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
         self._finish_batch(msg)

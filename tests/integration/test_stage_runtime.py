@@ -107,3 +107,27 @@ def test_a_seeded_job_recovered_partway_continues_as_if_never_interrupted(redis,
     at = names.index("recovered")  # once, between the 4 tokens before and the 6 after
     assert names.count("recovered") == 1 and events[at][1] == {"index": 4, "attempt": 1}
     assert [data["index"] for name, data in events[at + 1 :] if name == "token"] == list(range(4, 10))
+
+
+def test_a_failing_batch_fails_only_the_jobs_it_still_holds(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """A batch whose step raises fails its jobs, but not one recovered meanwhile: a job re-queued
+    (`recovering`) or already running in another batch has left it and goes on there."""
+    old = build(redis, tiny_model, stages=1)
+    pipelines.append(old)
+    moved, requeued = (old.submit(prompt, max_tokens=6) for prompt in SHORT)
+    old.dispatch([moved, requeued])
+    old.pump(until=lambda: len(old.tokens(moved)) >= 2)
+    assert old.recover_stalled() == {moved: "recovering", requeued: "recovering"}
+    new = build(redis, tiny_model, stages=1, namespace=old.keys.namespace)  # another worker
+    new.dispatch([moved])
+    new.pump(steps=2)  # `moved` runs in its new batch
+    assert new.record(moved)["status"] == "running"
+
+    [step] = old.outbox  # the old batch's next step, which now fails on its stage
+    old.outbox[0] = step.forward(tensors={"input_ids": {"broken": True}})
+    old.pump()
+
+    assert old.record(requeued)["status"] == "recovering"  # waiting to run again, not failed
+    new.pump()
+    assert new.record(moved)["status"] == "succeeded"
+    assert new.tokens(moved) == reference(tiny_model, SHORT[0], 6)
