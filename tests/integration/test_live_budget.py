@@ -165,3 +165,19 @@ def test_the_monitor_finds_in_flight_batches_without_scanning_the_keyspace(redis
         batcher.recover()
     assert len(scans) == 1  # no sweep after the first scans
     assert redis.hlen(keys.inflight("a")) == 0  # yet the finished batches were found and freed
+
+
+def test_a_model_without_workers_holding_100_scheduled_jobs_does_not_stop_another(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    """Capacity is counted per model: 100 jobs of a model whose workers are all gone, scheduled and
+    stuck (as a dispatch leaves them: a scheduled record and a progress score each), take nothing
+    of another model's budget."""
+    lapsed = time.time() - 60
+    for stage in range(2):
+        redis.zadd(keys.workers("dead", stage), {f"gone-{stage}": lapsed})
+        replica(redis, keys, "a", stage)
+    stuck = [uuid.uuid4().hex for _ in range(100)]
+    for job_id in stuck:
+        redis.hset(keys.job(job_id), mapping={"id": job_id, "status": "scheduled", "model": "dead"})
+    redis.zadd(keys.progress(), dict.fromkeys(stuck, time.time()))
+    submit(redis, keys, "a", 10)
+    assert settle(batcher) == {"a": PER_REPLICA}  # a's whole budget, whatever "dead" holds
