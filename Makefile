@@ -35,8 +35,9 @@ test: $(STAMP) chromium
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
+# Everything but the whole-stack (e2e) and slow tests: the logic, in process, on a real Redis.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not e2e"
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

@@ -7,6 +7,7 @@ Nothing here fakes Redis or Celery: integration and e2e tests run real processes
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -193,3 +194,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: 
     )
     yield s
     s.stop()
+
+
+def _starts_a_stack(func: object) -> bool:
+    try:
+        return "start_stack(" in inspect.getsource(func)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `e2e` every test that starts a whole stack (`conveyor up` and its processes), itself or
+    through a fixture: `make test-fast` leaves them out (`-m "not slow and not e2e"`)."""
+    seen: dict[object, bool] = {}
+    for item in items:
+        funcs = [getattr(item, "function", None)]
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (info.name2fixturedefs.values() if info is not None else []):
+            funcs += [d.func for d in defs]
+        if "/e2e/" in str(item.path) or any(
+            seen.setdefault(f, _starts_a_stack(f)) for f in funcs if f is not None
+        ):
+            item.add_marker(pytest.mark.e2e)
