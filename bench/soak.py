@@ -369,7 +369,8 @@ def report(
         "# Soak",
         "",
         f"`python -m bench.soak --model {args.model} --minutes {args.minutes:g} --load {args.load:g}"
-        f" --calibrate-s {args.calibrate_s:g}` at commit {git_commit()},"
+        f" --calibrate-s {args.calibrate_s:g}{''.join(f' --env {e}' for e in args.env)}` at commit"
+        f" {git_commit()},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 2 cores, load average at the end"
         f" {Path('/proc/loadavg').read_text().split()[0]}.",
         "",
@@ -423,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ended-ttl-s", type=int, default=300)
     parser.add_argument("--drain-s", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="set in the stack's environment"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.md")
     args = parser.parse_args(argv)
     terminate_on_sigterm()

@@ -67,6 +67,7 @@ def test_the_report_states_lost_stuck_and_each_slope() -> None:
         cancel=0.05,
         poison=0.05,
         ended_ttl_s=300,
+        env=[],
     )
     tally = soak.Tally(accepted={"j1": "tenant-a", "j2": "tenant-b"}, lost=["j2"])
     tally.final["succeeded"] = 1
