@@ -188,12 +188,17 @@ def main() -> None:
         env = conveyor_env(port, Path(tmp))
         env["CONVEYOR_MODELS"] = json.dumps({MODEL_NAME: str(MODEL_DIR), GEMMA: str(gemma)})
         meta["dtype"] = env.setdefault("CONVEYOR_DTYPE", "auto")
+        env["CONVEYOR_METRICS_PORT"] = "0"  # only the api's are read; the usual ports may be taken
         argv = [sys.executable, "-m", "app.cli", "up", "--model", MODEL_NAME, "--model", GEMMA]
         log = Path(tmp) / "conveyor-up.log"
         load_start = os.getloadavg()[0]
         with server_process("conveyor up", argv, env, log, stop_timeout_s=60.0) as process:
             base = f"http://127.0.0.1:{port}"
-            wait_ready(f"{base}/readyz", process, 300.0, log)
+            try:
+                wait_ready(f"{base}/readyz", process, 300.0, log)
+            except RuntimeError:
+                say(log.read_text()[-3000:])  # the log goes with the temporary directory
+                raise
             policy = httpx.get(f"{base}/v1/models/auto", timeout=10).json()["route"]
             cells = asyncio.run(measure(base, sets, routes, args.max_tokens))
         meta["load"] = (load_start, os.getloadavg()[0])

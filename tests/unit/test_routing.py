@@ -160,3 +160,18 @@ def test_route_settings_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings(routes={"../x": {}})  # type: ignore[dict-item]
     with pytest.raises(ValidationError, match="already the name of a model"):
         Settings(models={"tiny": "/m"}, routes={"tiny": {}})  # type: ignore[dict-item]
+
+
+def test_auto_orders_the_served_models_by_their_parameters(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tiny import make_tiny_model
+
+    from app.api.catalog import Catalog, parameter_count
+
+    big = make_tiny_model(tmp_path / "big", layers=4)
+    little = make_tiny_model(tmp_path / "little", layers=1)
+    assert parameter_count(big) > parameter_count(little) > 0 and parameter_count(tmp_path) == 0
+    settings = Settings(
+        home=tmp_path / "home", models={"big": big, "little": little}, served_models=["big", "little"]
+    )
+    route = Catalog(settings).routes()[AUTO]
+    assert (route.small, route.large) == ("little", "big")
