@@ -143,10 +143,11 @@ class JobService:
         """The work a charged submit pays for: its model (a route's choice), its prompt's tokens, its
         callback, the write."""
         name = request.model or self.settings.default_model
+        routed: dict[str, str] = {}  # the record's route fields: a route's name resolves to a model here
         route = self.catalog.route(name)
-        choice = await self._route(route, request, max_tokens) if route is not None else None
-        if choice is not None:
-            name = choice.model
+        if route is not None:
+            name, reason = await self._route(route, request, max_tokens)
+            routed = {"route": route.name, "route_reason": str(reason)}
         # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
         model = self.catalog.cached(name)
         if model is None:
@@ -171,7 +172,7 @@ class JobService:
             stop=stop,
             callback=callback,
             idempotency=idempotency,
-            routed={"route": route.name, "route_reason": str(choice.reason)} if route and choice else {},
+            routed=routed,
         )
 
     async def _route(self, route: routing.Route, request: JobCreate, max_tokens: int) -> routing.Choice:
