@@ -41,6 +41,7 @@ class JobResult:
     batch_id: str | None = None  # Conveyor: the batch the job ran in
     batch_size: int | None = None
     refused: bool = False  # Conveyor: the submit was answered 429 or 503 (backpressure, not a failure)
+    model: str | None = None  # Conveyor: the model that served it (a route's choice, bench/routes.py)
 
 
 Job = Callable[[httpx.AsyncClient, Prompt], Awaitable[JobResult]]
@@ -261,4 +262,5 @@ def finished(
         phases_s=phases,
         batch_id=batch.get("id"),
         batch_size=batch.get("size"),
+        model=final.get("model"),
     )

@@ -9,6 +9,8 @@ a pipeline no worker reads.
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -18,12 +20,14 @@ from typing import Any, Final
 from redis.exceptions import RedisError
 from transformers import AutoConfig, AutoTokenizer
 
+from app.core import routing
 from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.errors import InvalidRequest, ModelNotFound
 from app.core.keys import Keys
 
 GENERATION: Final = "generation"
 EMBEDDING: Final = "embedding"
+ROUTE: Final = "route"  # a name routed to one of two generation models (app/core/routing.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,11 @@ class ModelInfo:
     path: Path
     tokenizer: Any
     context_length: int
+
+    @property
+    def chat(self) -> bool:
+        """Whether it takes chat messages (its tokenizer has a template): base models have none."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -52,6 +61,21 @@ class Catalog:
         self.settings = settings
         self._models: dict[str, ModelInfo] = {}
         self._lock = threading.Lock()
+        self._routes: dict[str, routing.Route] | None = None
+
+    def routes(self) -> dict[str, routing.Route]:
+        """The routes a request may name (CONVEYOR_ROUTES, and `auto` over two or more served models),
+        resolved once: the API's lifespan calls it first, so a route naming a model that is not served
+        stops the start (RouteConfigError) instead of failing requests."""
+        if self._routes is None:
+            served = [name for name in available(self.settings) if name != EMBEDDING_MODEL]
+            sizes = {name: parameter_count(self.settings.model_path(name)) for name in served}
+            self._routes = routing.resolve(self.settings.routes, served, sizes)
+        return self._routes
+
+    def route(self, name: str) -> routing.Route | None:
+        """The route called exactly `name`; None for a model's name (or an unknown one)."""
+        return self.routes().get(name)
 
     def cached(self, name: str) -> ModelInfo | None:
         """The model if its tokenizer is already loaded (no I/O): the request path's fast case."""
@@ -80,6 +104,26 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+def parameter_count(path: Path | None) -> int:
+    """Parameters in a model directory's safetensors files, from their headers alone (8 bytes of length,
+    then JSON: a few KB read, no tensor). 0 when unknown: routing then orders models as served."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")) if path is not None else []:
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error):
+            return 0
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    return total
 
 
 def available(settings: Settings) -> list[str]:

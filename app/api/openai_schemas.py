@@ -292,12 +292,25 @@ class ChatCompletionChunk(BaseModel):
     usage: CompletionUsage | None = None
 
 
+class RoutePolicyCard(BaseModel):
+    """A route's policy as /v1/models shows it (docs/models.md#routes): its two models and thresholds."""
+
+    small: str
+    large: str
+    max_prompt_chars: int = Field(description="A longer prompt (characters) goes to the large model.")
+    max_tokens: int = Field(description="A request for more tokens goes to the large model.")
+    max_complexity: float = Field(description="A higher complexity score (0..1) goes to the large model.")
+    deadline_s: float = Field(description="Without timeout_s, a predicted queue wait past this falls back.")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "conveyor"
-    kind: Literal["generation", "embedding"] = "generation"  # Conveyor's: which endpoints take it
+    # Conveyor's: which endpoints take it; a route is a name for two generation models (`auto`).
+    kind: Literal["generation", "embedding", "route"] = "generation"
+    route: RoutePolicyCard | None = Field(default=None, description="A route's policy (kind `route`).")
 
 
 class ModelList(BaseModel):

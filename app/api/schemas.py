@@ -123,6 +123,8 @@ class JobUrls(BaseModel):
 class JobAccepted(BaseModel):
     id: str
     status: str
+    model: str | None = Field(default=None, description="The model that serves it (a route's choice).")
+    route: str | None = Field(default=None, description="The route it was sent through, if any.")
     urls: JobUrls
 
 
@@ -153,7 +155,12 @@ class BatchInfo(BaseModel):
 class JobPublic(BaseModel):
     id: str
     status: str
-    model: str
+    model: str = Field(description="The model that serves it: with a route, the one the route chose.")
+    route: str | None = Field(default=None, description="The route the request named (`auto`), if any.")
+    route_reason: str | None = Field(
+        default=None, description="Why the route chose this model: simple, prompt_length, max_tokens, "
+        "complexity, fallback_chat, fallback_down, fallback_deadline (docs/models.md#routes).",
+    )
     priority: str
     text: str
     finish_reason: str | None
@@ -173,6 +180,8 @@ class JobPublic(BaseModel):
             id=record["id"],
             status=record["status"],
             model=record["model"],
+            route=record.get("route") or None,
+            route_reason=record.get("route_reason") or None,
             priority=record.get("priority", "normal"),
             text=record.get("text", ""),
             finish_reason=record.get("finish_reason") or None,

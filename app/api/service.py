@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
@@ -21,7 +21,7 @@ from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
 from app.api.streams import Slot, StreamSlots
 from app.batching.intake import intake_fields
-from app.core import metrics
+from app.core import metrics, routing
 from app.core.admission import Admission
 from app.core.broker import send_embedding
 from app.core.config import Settings
@@ -130,6 +130,8 @@ class JobService:
         if isinstance(written, Submitted):  # another submit with the same key won the race
             await self._refund(tenant, max_tokens)
             return written
+        if written.get("route"):  # counted once queued: a refused job was served by no model
+            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
         return Submitted(written, quota=quota)
 
     async def _prepare_and_write(
@@ -141,8 +143,14 @@ class JobService:
         stop: list[str],
         idempotency: tuple[str, str] | None,
     ) -> dict[str, str] | Submitted:
-        """The work a charged submit pays for: its model, its prompt's tokens, its callback, the write."""
+        """The work a charged submit pays for: its model (a route's choice), its prompt's tokens, its
+        callback, the write."""
         name = request.model or self.settings.default_model
+        routed: dict[str, str] = {}  # the record's route fields: a route's name resolves to a model here
+        route = self.catalog.route(name)
+        if route is not None:
+            name, reason = await self._route(route, request, max_tokens)
+            routed = {"route": route.name, "route_reason": str(reason)}
         # Loading a tokenizer reads files: off the event loop, once; later requests find it cached.
         model = self.catalog.cached(name)
         if model is None:
@@ -167,7 +175,26 @@ class JobService:
             stop=stop,
             callback=callback,
             idempotency=idempotency,
+            routed=routed,
         )
+
+    async def _route(self, route: routing.Route, request: JobCreate, max_tokens: int) -> routing.Choice:
+        """Resolve a route to one of its models at admission (app/core/routing.py): the request's
+        features, and each model's pipeline as admission sees it (a chat also asks whether each
+        model has a chat template, which loads its tokenizer once)."""
+        chat = request.messages is not None
+        text = "\n".join(m.content for m in request.messages) if request.messages else request.prompt or ""
+        wanted = routing.features(text, max_tokens=max_tokens, chat=chat, timeout_s=request.timeout_s)
+        now, state = time.time(), {}
+        for name in (route.small, route.large):
+            seen = await self.admission.outlook(name, request.priority, now)
+            if chat:
+                info = self.catalog.cached(name)
+                if info is None:
+                    info = await run_in_threadpool(self.catalog.get, name)
+                seen = replace(seen, chat=info.chat)
+            state[name] = seen
+        return routing.choose(route, wanted, state)
 
     async def _refund(self, tenant: str, tokens: int) -> None:
         try:
@@ -186,9 +213,10 @@ class JobService:
         stop: list[str],
         callback: Any,
         idempotency: tuple[str, str] | None,
+        routed: dict[str, str],
     ) -> dict[str, str] | Submitted:
         """The admission gates, then the job written with its intake entry: its record, or the job an
-        Idempotency-Key already names."""
+        Idempotency-Key already names. `routed`: the route and reason that chose `model_name`."""
         now = time.time()
         ticket = await self.admission.check(
             model=model_name, priority=request.priority, timeout_s=request.timeout_s, now=now
@@ -218,6 +246,7 @@ class JobService:
             "completion_tokens": "0",
             "text": "",
             "attempts": "0",
+            **routed,
             **({"deadline": repr(deadline)} if deadline is not None else {}),
             **(callback.record_fields() if callback is not None else {}),
         }
@@ -251,6 +280,7 @@ class JobService:
                     stop=stop,
                     callback=callback,
                     idempotency=idempotency,
+                    routed=routed,
                 )
             return replayed
         return record

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.core import breaker
+from app.core import breaker, routing
 from app.core.config import Settings
 from app.core.durability import wait_on_disk
 from app.core.errors import (
@@ -287,6 +287,20 @@ class Admission:
                     model, min(policy.interval_s, self.settings.retry_after_s), "a probe job is out"
                 )
         return Ticket(model=model, priority=priority, probe=probe, rate=rate)
+
+    async def outlook(self, model: str, priority: str, now: float) -> routing.PipelineState:
+        """What the gates would see for a job of `model` now, without refusing: for routing
+        (app/core/routing.py), which takes another model rather than meet a refusal or a long queue.
+        Up: every stage has a live worker now (not after the grace of gate 1: a route need not
+        wait for a restart when another pipeline is up) and the breaker admits (or lets a probe)."""
+        seen, snap, depths = await self.read(model, now)
+        ttl = self.settings.heartbeat_ttl_s
+        live = all(down_since(s, now=now, ttl_s=ttl) is None for s in seen)
+        verdict = breaker.decide(snap, self.breaker.policy, now)
+        admits = verdict.action not in (breaker.Action.TRIP, breaker.Action.REFUSE)
+        rate = snap.completion_rate(now, self.breaker.policy.interval_s)
+        wait = predicted_wait_s(depths, priority, rate)
+        return routing.PipelineState(up=live and admits, predicted_wait_s=wait)
 
     def _open(self, model: str, retry_after_s: float, reason: str) -> CircuitOpen:
         return CircuitOpen(

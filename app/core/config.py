@@ -40,6 +40,33 @@ class TenantLimits(BaseModel):
     embedding_bytes_per_min: int | None = Field(default=None, ge=0)
 
 
+class RoutePolicy(BaseModel):
+    """One route's small-model / large-model policy (`Settings.routes`; app/core/routing.py applies it).
+
+    A request goes to `large` when its prompt is longer than `max_prompt_chars`, it asks for more than
+    `max_tokens` tokens, or its complexity score is over `max_complexity`; else to `small`. A model left
+    unset is picked among the served ones by parameter count (the fewest: small, the most: large)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    small: str | None = None
+    large: str | None = None
+    # About 500 tokens of English: a question with its context, not a document to read.
+    max_prompt_chars: int = Field(default=2000, ge=0)
+    max_tokens: int = Field(default=256, ge=0)  # a paragraph; longer answers are worth the larger model
+    # The score is 0..1 (app/core/routing.py); 0.3 needs two reasoning markers, or one with code or maths.
+    max_complexity: float = Field(default=0.3, ge=0.0, le=1.0)
+    # A job without timeout_s is routed as if it had to start within this: past it the other model's
+    # queue is tried (the chosen one's predicted wait is admission's, W = A / R).
+    deadline_s: float = Field(default=30.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _two_models(self) -> RoutePolicy:
+        if self.small is not None and self.small == self.large:
+            raise ValueError(f"a route needs two different models; small and large are both {self.small!r}")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
@@ -323,6 +350,14 @@ class Settings(BaseSettings):
     # its jobs, and lists a model in /v1/models while its workers load. Empty (processes started one
     # by one): every configured or added model is accepted; /v1/models lists those with live workers.
     served_models: list[str] = Field(default_factory=list)
+    # Routes: a name a request may give as its model, sent to one of two served models by the input
+    # (JSON, name -> policy; docs/models.md#routes): {"auto": {"small": "A", "large": "B",
+    # "max_prompt_chars": 2000, "max_tokens": 256, "max_complexity": 0.3, "deadline_s": 30}}, the
+    # defaults shown (small / large unset: the served models with the fewest / most parameters). Past
+    # any threshold a request goes to the large model; a pipeline down or a predicted wait past the
+    # deadline sends it to the other. `auto` exists without this whenever two or more generation
+    # models are served, with those defaults; naming it here tunes it.
+    routes: dict[str, RoutePolicy] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_priorities(self) -> Settings:
@@ -333,6 +368,15 @@ class Settings(BaseSettings):
                 raise ValueError(f"tenant_priorities[{tenant!r}] names unknown classes {unknown}")
         if any(w <= 0 for w in self.tenant_weights.values()):
             raise ValueError("tenant_weights must be positive")
+        return self
+
+    @model_validator(mode="after")
+    def _route_names(self) -> Settings:
+        for name in self.routes:
+            if not valid_model_name(name):
+                raise ValueError(f"routes: {name[:64]!r} cannot name a route (letters, digits, . _ -)")
+            if name in self.models:
+                raise ValueError(f"routes: {name!r} is already the name of a model (CONVEYOR_MODELS)")
         return self
 
     def allowed_priorities(self, tenant: str) -> set[str] | None:

@@ -4,8 +4,8 @@ The api serves `/metrics` on its own port; the batcher, the stage workers and th
 serve theirs on `CONVEYOR_METRICS_PORT` (one port per process; `conveyor up` numbers them upwards
 from it). Who observes what:
 
-- api: HTTP requests and their latency, admission refusals, cancellations, and, read from Redis at
-  each scrape, the intake depth per class, live workers per stage and each breaker's state;
+- api: HTTP requests and their latency, admission refusals, cancellations, routing choices, and,
+  read from Redis at each scrape, the intake depth per class, live workers per stage and each breaker's state;
 - batcher: intake wait per class, batch size and padding, jobs that expired or were lost, and each
   pipeline's live replicas and in-flight budget;
 - stage workers: partition latency per step, their heartbeat, device memory (NVML on a GPU, the
@@ -77,6 +77,11 @@ ADMISSION_REFUSED = Counter(
 INTAKE_DEPTH = Gauge("conveyor_intake_depth", "Jobs waiting in the intake, by class", ["model", "priority"])
 WORKERS_LIVE = Gauge("conveyor_workers_live", "Stage workers with a fresh heartbeat", ["model", "stage"])
 BREAKER_STATE = Gauge("conveyor_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["model"])
+ROUTES = Counter(
+    "conveyor_routes",
+    "Jobs queued through a route (model auto, or one in CONVEYOR_ROUTES): the model it chose, and why",
+    ["route", "model", "reason"],
+)
 ANONYMOUS_REQUESTS = Counter(
     "conveyor_anonymous_requests",
     "Requests served without authentication, as tenant anonymous (CONVEYOR_AUTH=none)",

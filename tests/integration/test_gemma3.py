@@ -131,7 +131,7 @@ def test_smollm2_and_gemma3_in_one_stack(tmp_path, redis_url, smollm2_dir, gemma
             done = list(pool.map(lambda job: wait(client, job["id"], timeout_s=300), jobs))
     finally:
         stack.stop()
-    assert listed == [SMOLLM2, GEMMA]
+    assert listed == [SMOLLM2, GEMMA, "auto"]  # two models served: the route between them too
     assert [d["status"] for d in done] == ["succeeded"] * 4
     assert [d["model"] for d in done] == [SMOLLM2, GEMMA] * 2
     assert done[0]["text"] == done[2]["text"] and done[1]["text"] == done[3]["text"]

@@ -41,7 +41,9 @@ def test_two_models_in_one_stack_answer_concurrently_and_are_listed(tmp_path, re
             # readyz waits for every stage of both pipelines
             assert set(client.get("/readyz").json()["checks"]["models"]) == {"tiny", "tiny2"}
             listed = client.get("/v1/models").json()["data"]
-            assert [(m["id"], m["kind"]) for m in listed] == [("tiny", "generation"), ("tiny2", "generation")]
+            # two generation models served: the `auto` route between them is listed after them
+            kinds = [(m["id"], m["kind"]) for m in listed]
+            assert kinds == [("tiny", "generation"), ("tiny2", "generation"), ("auto", "route")]
             assert client.get("/v1/models/tiny3").status_code == 404
             refused = client.post("/v1/jobs", json={"model": "tiny3", "prompt": "hi"})
             assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"

@@ -49,6 +49,8 @@ def accepted(request: Request, record: dict[str, str]) -> JobAccepted:
     return JobAccepted(
         id=job_id,
         status=record["status"],
+        model=record.get("model"),
+        route=record.get("route") or None,
         urls=JobUrls(
             self=str(request.url_for("get_job", job_id=job_id)),
             events=str(request.url_for("job_events", job_id=job_id)),

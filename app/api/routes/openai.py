@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.api import audit
 from app.api.auth import current_tenant
-from app.api.catalog import EMBEDDING, GENERATION, serving
+from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
 from app.api.deps import get_jobs, get_settings
 from app.api.openai_schemas import (
     AssistantMessage,
@@ -37,11 +37,13 @@ from app.api.openai_schemas import (
     ModelCard,
     ModelList,
     OpenAIRequest,
+    RoutePolicyCard,
 )
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
 from app.api.streams import Slot
+from app.core import routing
 from app.core.config import Settings
 from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, SyncTimeout
 from app.core.jobs import JobStatus
@@ -115,9 +117,11 @@ SYNC_ERRORS: dict[int | str, dict[str, Any]] = {**SUBMIT_ERRORS, 502: ERRORS[404
 async def list_models(
     settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
 ) -> ModelList:
-    """The models with workers (or, under `conveyor up`, starting them): generation and embeddings."""
+    """The models with workers (or, under `conveyor up`, starting them): generation and embeddings;
+    then the routes (`auto`) to any of them, each with its policy."""
     served = await serving(settings, jobs.redis)
-    return ModelList(data=[_card(settings, name, kind) for name, kind in served.items()])
+    cards = [_card(settings, name, kind) for name, kind in served.items()]
+    return ModelList(data=cards + [_route_card(r) for r in _routes(jobs, served)])
 
 
 @router.get("/models/{model}", response_model=ModelCard, responses=ERRORS)
@@ -125,11 +129,25 @@ async def get_model(
     model: str, settings: Settings = Depends(get_settings), jobs: JobService = Depends(get_jobs)
 ) -> ModelCard:
     served = await serving(settings, jobs.redis)
+    routes = {r.name: r for r in _routes(jobs, served)}
+    if model in routes:
+        return _route_card(routes[model])
     if model not in served:
         raise ModelNotFound(
-            f"model {model[:128]!r} does not exist; available: {list(served)}", model=model[:128]
+            f"model {model[:128]!r} does not exist; available: {[*served, *routes]}", model=model[:128]
         )
     return _card(settings, model, served[model])
+
+
+def _routes(jobs: JobService, served: dict[str, str]) -> list[routing.Route]:
+    """The routes that can send a request somewhere now: one of their models is listed."""
+    return [r for r in jobs.catalog.routes().values() if r.small in served or r.large in served]
+
+
+def _route_card(route: routing.Route) -> ModelCard:
+    policy = route.policy.model_dump(exclude={"small", "large"})
+    card = RoutePolicyCard(small=route.small, large=route.large, **policy)
+    return ModelCard(id=route.name, created=0, kind=ROUTE, route=card)
 
 
 def _card(settings: Settings, name: str, kind: str) -> ModelCard:
