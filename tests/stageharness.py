@@ -24,9 +24,9 @@ from app.batching.recovery import Monitor
 from app.core.jobs import JobStatus, JobStore, Transition, decode_record
 from app.core.keys import Keys
 from app.core.protocol import StepMessage
+from app.core.publisher import Publisher
 from app.partitions.layers import LayerRange
 from app.workers.main import _pad_id, eos_token_ids, load_partition
-from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
 
 MODEL = "tiny"

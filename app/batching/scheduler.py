@@ -25,7 +25,7 @@ from app.core.config import Settings
 from app.core.jobs import JobStatus, JobStore, Transition, text_of
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
-from app.workers.publisher import Publisher
+from app.core.publisher import Publisher
 
 log = logging.getLogger(__name__)
 

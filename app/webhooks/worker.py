@@ -29,9 +29,9 @@ def register_deliver_task(app: Celery, deliverer: Deliverer) -> None:
 def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     """Entry point of `conveyor webhooks worker`."""
     from app.core import metrics
+    from app.core.broker import create_celery_app
     from app.core.known_secrets import refuse_known_secrets
     from app.core.redis import sync_client
-    from app.workers.celery_app import create_celery_app
 
     refuse_known_secrets(settings)
     url = settings.redis_url or ""

@@ -21,10 +21,10 @@ import torch
 from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.core.protocol import EMBED_TASK
+from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.embedding import load_piece, plan_on_meta, pool_and_normalize, tokenize
 from app.partitions.graph import GraphPlan
-from app.workers.publisher import Publisher
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from app.core.jobs import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
 from app.core.protocol import StepMessage
+from app.core.publisher import Publisher
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
@@ -31,7 +32,6 @@ from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
-from app.workers.publisher import Publisher
 from app.workers.stage import StageIdentity, StageRuntime
 
 log = logging.getLogger(__name__)

