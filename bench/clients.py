@@ -47,7 +47,7 @@ from bench.clients_tools import (
     table,
     tool_version,
 )
-from bench.processes import ROOT, say, terminate_on_sigterm
+from bench.processes import ROOT, say, server_process, terminate_on_sigterm
 from bench.report import RESULTS_DIR, git_commit
 from bench.slice import MODEL_DIR
 from bench.suite_systems import log_tail
@@ -124,18 +124,19 @@ def warm_up(base_url: str, model: str) -> None:
 
 
 def run_client(client: str, argv: list[str], log: Path, timeout_s: float) -> None:
-    """Run one client to its end, its output in `log`; RuntimeError with the log's end if it failed."""
+    """Run one client to its end, its output in `log`; RuntimeError with the log's end if it failed.
+
+    In its own session, as a server is (bench.processes): a client stopped on a timeout or by Ctrl-C
+    takes its worker processes with it (guidellm's and aiperf's outlive a killed parent otherwise).
+    """
     say(f"{client}: {shlex.join(argv)}")
-    with log.open("w") as out:
+    with server_process(client, argv, client_env(client, os.environ), log, stop_timeout_s=10.0) as process:
         try:
-            done = subprocess.run(
-                argv, env=client_env(client, os.environ), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, timeout=timeout_s, cwd=log.parent,
-            )  # fmt: skip
+            code = process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{client}: still running after {timeout_s:.0f} s; see {log}") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"{client}: exit code {done.returncode}; log ends: {log_tail(log)}")
+    if code != 0:
+        raise RuntimeError(f"{client}: exit code {code}; log ends: {log_tail(log)}")
 
 
 def measure(
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     commands: list[str] = []
     versions = {client: PINS[client] for client in args.clients}
+    commit = git_commit()  # now: the code that runs, whatever is edited while it does
     load_before, started = os.getloadavg()[0], time.perf_counter()
     with target(args.url, workdir) as base_url:
         model = args.model or served_model(base_url)
@@ -222,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([".venv/bin/python", "-m", "bench.clients", *argv]),
         "model": model,
         "target": "a `conveyor up` stack started by the benchmark" if not args.url else args.url,
+        "settings": {k: v for k, v in os.environ.items() if k.startswith("CONVEYOR_")},
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "requests": args.requests,
         "started": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "commit": git_commit(),
+        "commit": commit,
         "cpus": os.cpu_count(),
         "versions": versions,
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},

@@ -247,6 +247,7 @@ def report(rows: Sequence[Row], meta: Mapping[str, Any], failures: Sequence[str]
     """bench/results/clients.md: how it was run, with what, on how loaded a machine, and the table."""
     versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
     load = meta["load_average"]
+    settings = ", ".join(f"`{k}={v}`" for k, v in sorted(meta.get("settings", {}).items()))
     lines = [
         "# Conveyor under guidellm and aiperf",
         "",
@@ -259,6 +260,7 @@ def report(rows: Sequence[Row], meta: Mapping[str, Any], failures: Sequence[str]
         *table(rows),
         "",
         f"- clients: {versions} (each in its own virtualenv under .conveyor/bench-venvs/)",
+        f"- stack settings from the environment: {settings or 'none (the defaults)'}",
         f"- 1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after "
         f"(the machine is shared: other work skews the figures)",
         f"- wall time: {meta['wall_s']:.0f} s",

@@ -195,6 +195,7 @@ def test_report_has_the_command_versions_load_average_and_failures():
         "commit": "abc1234",
         "cpus": 2,
         "versions": {GUIDELLM: "0.8.1", AIPERF: "0.13.0"},
+        "settings": {"CONVEYOR_TORCH_THREADS": "1"},
         "load_average": {"before": 1.25, "after": 2.5},
         "wall_s": 600.0,
         "commands": ["guidellm run ..."],
@@ -204,6 +205,7 @@ def test_report_has_the_command_versions_load_average_and_failures():
     assert "`.venv/bin/python -m bench.clients --requests 16 --concurrency 1,8`" in text
     assert "guidellm 0.8.1, aiperf 0.13.0" in text
     assert "1.25 before, 2.50 after" in text
+    assert "`CONVEYOR_TORCH_THREADS=1`" in text
     assert "- failure: aiperf at concurrency 8: boom" in text
     assert "| guidellm | 1 | 16 / 0 | 6.1 | 167 | 184.0 | 11.76 |" in text
     assert "guidellm run ..." in text
