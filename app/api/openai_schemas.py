@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -21,9 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature
+from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature, temperature_schema
 from app.core.errors import InvalidRequest
-from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P
+from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -78,10 +79,28 @@ class OpenAIRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        """Each unsupported field declared with the only values it is accepted with (`UNSUPPORTED`),
+        so that a request made from the schema is one the server takes."""
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        properties = target.setdefault("properties", {})
+        for name, accepted in UNSUPPORTED.items():
+            properties.setdefault(
+                name,
+                {"enum": list(accepted), "description": "Not supported: accepted only with these values."},
+            )
+        return dict(schema)
+
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(
-        default=None, ge=0.0, le=MAX_TEMPERATURE, description="0 means greedy; default 1."
+        default=None,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; default 1.",
+        json_schema_extra=temperature_schema,
     )
     top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a job's seed (JobCreate.seed)

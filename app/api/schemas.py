@@ -18,6 +18,22 @@ Priority = Annotated[
 ]
 
 
+def temperature_schema(schema: dict[str, Any]) -> None:
+    """The temperature rule as the schema states it: 0, or MIN_TEMPERATURE to MAX_TEMPERATURE. A
+    client (or a fuzzer) generating from the schema then never sends a value in between, which the
+    validator refuses (`checked_temperature`); a nullable field keeps its null branch."""
+    rule = [
+        {"type": "number", "const": 0},
+        {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_TEMPERATURE},
+    ]
+    if "anyOf" in schema:
+        schema["anyOf"] = rule + [branch for branch in schema["anyOf"] if branch.get("type") != "number"]
+        return
+    for key in ("type", "minimum", "maximum"):
+        schema.pop(key, None)
+    schema["anyOf"] = rule
+
+
 def checked_temperature(value: float) -> float:
     """0 (greedy) or at least MIN_TEMPERATURE: between them float32 sampling breaks (app/core/sampling.py)."""
     if 0 < value < MIN_TEMPERATURE:
@@ -59,6 +75,7 @@ class JobCreate(BaseModel):
         ge=0.0,
         le=MAX_TEMPERATURE,
         description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}.",
+        json_schema_extra=temperature_schema,
     )
     top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
@@ -158,7 +175,8 @@ class JobPublic(BaseModel):
     model: str = Field(description="The model that serves it: with a route, the one the route chose.")
     route: str | None = Field(default=None, description="The route the request named (`auto`), if any.")
     route_reason: str | None = Field(
-        default=None, description="Why the route chose this model: simple, prompt_length, max_tokens, "
+        default=None,
+        description="Why the route chose this model: simple, prompt_length, max_tokens, "
         "complexity, fallback_chat, fallback_down, fallback_deadline (docs/models.md#routes).",
     )
     priority: str

@@ -11,7 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.api import audit
 from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
-from app.api.routes.jobs import IDEMPOTENCY_KEY, SUBMIT_ERRORS, event_stream, mark_submitted
+from app.api.routes.jobs import IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, event_stream, mark_submitted
 from app.api.schemas import InferenceRequest, JobCreate, JobPublic
 from app.api.service import JobService
 from app.core.config import Settings
@@ -24,7 +24,11 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log does
 
 
-@router.post("/v1/inference", response_model=JobPublic, responses={**SUBMIT_ERRORS, 504: SUBMIT_ERRORS[404]})
+@router.post(
+    "/v1/inference",
+    response_model=JobPublic,
+    responses={**SUBMIT_ERRORS, **STREAMED, 504: SUBMIT_ERRORS[404]},
+)
 async def inference(
     body: InferenceRequest,
     request: Request,

@@ -32,6 +32,13 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     **BODY_ERRORS,
     **{status: {"model": ErrorBody} for status in (409, 429, 503)},
 }
+# A submit that asks for `stream: true` is answered with server-sent events instead of the JSON body.
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The JSON body; with `stream: true`, server-sent events.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 IDEMPOTENCY_KEY = Header(
     default=None,
     alias="Idempotency-Key",

@@ -40,7 +40,7 @@ from app.api.openai_schemas import (
     RoutePolicyCard,
 )
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
-from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, SUBMIT_ERRORS, mark_submitted
+from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
 from app.api.streams import Slot
 from app.core import routing
@@ -110,7 +110,12 @@ def _with_error_type(response: Response) -> Response:
 
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
-SYNC_ERRORS: dict[int | str, dict[str, Any]] = {**SUBMIT_ERRORS, 502: ERRORS[404], 504: ERRORS[404]}
+SYNC_ERRORS: dict[int | str, dict[str, Any]] = {
+    **SUBMIT_ERRORS,
+    **STREAMED,
+    502: ERRORS[404],
+    504: ERRORS[404],
+}
 
 
 @router.get("/models", response_model=ModelList)
