@@ -7,9 +7,11 @@ loop of clients to measure its capacity (jobs/s); then jobs arrive as a Poisson 
 the traffic): 5% are cancelled shortly after they are accepted, 5% are poison (a sampling value out
 of bounds, an unknown model alias, a `top_k` past int64: each must be refused 4xx, never a 500 and
 never harm to the others). Every 15 s the sampler reads Redis's `used_memory` and the RSS of every
-process of the stack. Every accepted job is followed over its event stream to its final event, as
-a client would; those the stream did not see end are polled once the load stops. A job accepted
-and gone (404) without having been seen to end is lost; one not ended after the drain is stuck.
+process of the stack, and every 5 s the watcher reads each accepted job's status straight from
+Redis (one pipeline; following each job's event stream from one Python client would make the load
+generator, not the stack, the bottleneck); what it has not seen end once the load stops is polled
+through the API. A job accepted and gone without having been seen to end is lost; one not ended
+after the drain is stuck. "Arrivals behind schedule" says whether the generator kept up.
 Memory slopes (MiB per hour, least squares after the warm-up) tell whether anything grows; the
 stack's log is searched for tracebacks.
 
@@ -48,9 +50,9 @@ from bench.slice import conveyor_env
 from bench.suite_systems import log_tail
 
 SAMPLE_S = 15.0
+WATCH_S = 5.0
 TENANTS = (("tenant-a", 2 / 3), ("tenant-b", 1 / 3))
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
-FINAL_EVENTS = {"done", "error", "cancelled", "expired"}
 POISON = (
     {"temperature": 1e-300},  # 422: out of the sampling bounds
     {"model": "SmolLM2-135M-Instruct/"},  # 404: an alias of a served model's name
@@ -135,6 +137,7 @@ class Tally:
     ended: set[str] = field(default_factory=set)  # seen ending (its final event, or polled)
     final: Counter[str] = field(default_factory=Counter)
     lost: list[str] = field(default_factory=list)
+    lag_s: float = 0.0  # how far the arrivals fell behind their schedule, at most
     stuck: list[str] = field(default_factory=list)
     tokens: Counter[str] = field(default_factory=Counter)  # tenant -> tokens of its succeeded jobs
 
@@ -211,35 +214,42 @@ async def one(
             tally.cancelled.add(job_id)
         elif cancelled.status_code != 409:  # 409: it had ended already
             tally.unexpected[f"cancel {cancelled.status_code}"] += 1
-    await follow(client, job_id, tenant, headers, tally)
 
 
-async def follow(
-    client: httpx.AsyncClient, job_id: str, tenant: str, headers: dict[str, str], tally: Tally
-) -> None:
-    """Read the job's events as a client does, to its final event (which carries the job); a stream
-    that ends without one leaves the job to the drain."""
-    event = ""
-    try:
-        async with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as stream:
-            async for line in stream.aiter_lines():
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:") and event in FINAL_EVENTS:
-                    ended(tally, job_id, tenant, json.loads(line[5:]))
-                    return
-    except httpx.HTTPError as exc:
-        tally.unexpected[f"events {type(exc).__name__}"] += 1
+async def watch(redis: redis_lib.Redis, namespace: str, tally: Tally, stop: asyncio.Event) -> None:
+    """Every few seconds, read the status of each accepted job not yet seen ending, straight from
+    Redis (one pipeline: it costs the API nothing and the load generator little). A record gone
+    before its job was seen ending is a lost job: an ended record lives `--ended-ttl-s`, far longer
+    than a round of this."""
+    from app.core.keys import Keys
+
+    keys = Keys(namespace)
+    while True:
+        waiting = [j for j in tally.accepted if j not in tally.ended and j not in tally.lost]
+        pipe = redis.pipeline(transaction=False)
+        for job_id in waiting:
+            pipe.hmget(keys.job(job_id), ["status", "completion_tokens"])
+        rows = await asyncio.to_thread(pipe.execute) if waiting else []
+        for job_id, (status, tokens) in zip(waiting, rows, strict=True):
+            if status is None:
+                tally.lost.append(job_id)
+            elif status.decode() in TERMINAL:
+                ended(tally, job_id, tally.accepted[job_id], status.decode(), int(tokens or 0))
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), WATCH_S)
+        except TimeoutError:
+            pass
 
 
-def ended(tally: Tally, job_id: str, tenant: str, job: dict[str, object]) -> None:
+def ended(tally: Tally, job_id: str, tenant: str, status: str, tokens: int) -> None:
     if job_id in tally.ended:
         return
     tally.ended.add(job_id)
-    tally.final[str(job["status"])] += 1
-    if job["status"] == "succeeded":
-        usage = job.get("usage")
-        tally.tokens[tenant] += int(usage["completion_tokens"]) if isinstance(usage, dict) else 0
+    tally.final[status] += 1
+    if status == "succeeded":
+        tally.tokens[tenant] += tokens
 
 
 async def sample(redis: redis_lib.Redis, roots: list[int], samples: Samples, t: float) -> None:
@@ -263,9 +273,12 @@ async def soak(
     roots: list[int],
     rate: float,
     args: argparse.Namespace,
+    namespace: str,
 ) -> tuple[Tally, Samples]:
     rng = random.Random(args.seed)
     tally, samples = Tally(), Samples()
+    stop = asyncio.Event()
+    watching = asyncio.create_task(watch(redis, namespace, tally, stop))
     seconds = args.minutes * 60
     times = arrivals(rate, seconds, rng)
     say(f"soak: {len(times)} arrivals over {args.minutes:g} min at {rate:.2f}/s")
@@ -280,8 +293,8 @@ async def soak(
     sampling = asyncio.create_task(sampler())
     for i, at in enumerate(times):
         delay = at - (time.monotonic() - started)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        tally.lag_s = max(tally.lag_s, -delay)  # the generator behind its schedule: it is the bottleneck
+        await asyncio.sleep(max(delay, 0.0))  # always yield, or a late loop would starve every request
         task = asyncio.create_task(
             one(client, keys, i, kind_of(rng, args.cancel, args.poison), tally, args, rng)
         )
@@ -291,12 +304,19 @@ async def soak(
             say(f"soak: {i} arrivals, {len(tally.accepted)} accepted, {time.monotonic() - started:.0f} s")
     await asyncio.gather(*tasks)
     await sampling
+    deadline = time.monotonic() + args.drain_s  # the last jobs finish: the watcher sees them end
+    while time.monotonic() < deadline and any(
+        j not in tally.ended and j not in tally.lost for j in tally.accepted
+    ):
+        await asyncio.sleep(WATCH_S)
+    stop.set()
+    await watching
     return tally, samples
 
 
 async def drain(client: httpx.AsyncClient, keys: dict[str, str], tally: Tally, timeout_s: float) -> None:
     """Poll every accepted job until it ends; lost: gone (404); stuck: not ended by the deadline."""
-    waiting = {j: t for j, t in tally.accepted.items() if j not in tally.ended}
+    waiting = {j: t for j, t in tally.accepted.items() if j not in tally.ended and j not in tally.lost}
     deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline:
         for job_id, tenant in list(waiting.items()):
@@ -305,7 +325,7 @@ async def drain(client: httpx.AsyncClient, keys: dict[str, str], tally: Tally, t
                 tally.lost.append(job_id)
                 del waiting[job_id]
             elif answer.status_code == 200 and (job := answer.json())["status"] in TERMINAL:
-                ended(tally, job_id, tenant, job)
+                ended(tally, job_id, tenant, job["status"], int(job["usage"]["completion_tokens"]))
                 del waiting[job_id]
         if waiting:
             await asyncio.sleep(1.0)
@@ -343,8 +363,11 @@ async def run(args: argparse.Namespace, model: Model, workdir: Path) -> str:
                 say(f"capacity: {capacity:.2f} jobs/s")
                 t0 = time.time()
                 roots = [up.pid, embedded.pid]
-                tally, samples = await soak(client, keys, redis, roots, capacity * args.load, args)
-                await drain(client, keys, tally, args.drain_s)
+                namespace = env["CONVEYOR_NAMESPACE"]
+                tally, samples = await soak(client, keys, redis, roots, capacity * args.load, args, namespace)
+                await drain(
+                    client, keys, tally, 30.0
+                )  # what the watcher did not see end, as a client sees it
                 elapsed = time.time() - t0
         text = log.read_text(errors="replace")
     finally:
@@ -389,6 +412,7 @@ def report(
         f"| poison refused | {', '.join(f'{c}: {n}' for c, n in sorted(tally.refused.items())) or 0} |",
         f"| unexpected answers | {unexpected} |",
         f"| tracebacks in the log | {len(traces)} |",
+        f"| arrivals behind schedule, at most | {tally.lag_s:.2f} s |",
         "",
         "Tokens of succeeded jobs per tenant: "
         + ", ".join(f"{t} {n}" for t, n in sorted(tally.tokens.items()))
