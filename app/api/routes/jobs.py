@@ -162,6 +162,16 @@ def _checked_event_id(value: str | None) -> str | None:
     return value
 
 
+# Characters JSON leaves as they are but many line readers (Python's str.splitlines, httpx's
+# iter_lines) take for line ends: escaped in event data, an SSE line stays one line for every client.
+LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(text: str) -> str:
+    """A JSON text made safe as one SSE `data:` line (the same JSON value, escaped)."""
+    return text.translate(LINE_BREAKS)
+
+
 def event_stream(
     jobs: JobService,
     job_id: str,
@@ -185,7 +195,7 @@ def event_stream(
                 data = JobPublic.from_record(record).model_dump_json()
             else:
                 data = json.dumps(event.data, separators=(",", ":"), ensure_ascii=False)
-            yield {"id": event.id, "event": event.event, "data": data}
+            yield {"id": event.id, "event": event.event, "data": sse_data(data)}
 
     async def disconnected(_: object) -> None:
         jobs.cancel_soon(job_id, "the client disconnected")

@@ -40,7 +40,7 @@ from app.api.openai_schemas import (
     RoutePolicyCard,
 )
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
-from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted
+from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted, sse_data
 from app.api.service import JobService
 from app.api.streams import Slot
 from app.core import routing
@@ -364,8 +364,8 @@ def _stream(
 
     def data(chunk: BaseModel | dict[str, Any]) -> dict[str, str]:
         if isinstance(chunk, BaseModel):
-            return {"data": chunk.model_dump_json()}
-        return {"data": json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)}
+            return {"data": sse_data(chunk.model_dump_json())}
+        return {"data": sse_data(json.dumps(chunk, separators=(",", ":"), ensure_ascii=False))}
 
     async def generate() -> AsyncIterator[dict[str, str]]:
         if (first := reply.first(so_far(0))) is not None:
