@@ -35,13 +35,13 @@ from typing import Any
 import msgpack
 import torch
 
+from app.core.broker import create_celery_app
 from app.core.config import Settings
 from app.core.protocol import STEP_TASK, StepMessage
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import Wire, encode_tensor
 from app.workers import lane
-from app.workers.celery_app import create_celery_app
 from bench.hop_worker import celery_queue, floor_queue, lane_key, now_ns, results_key
 from bench.processes import say, server_process, terminate_on_sigterm
 from bench.report import git_commit, percentile, write_results

@@ -20,12 +20,13 @@ from typing import Any
 
 import msgpack
 
+from app.core.broker import create_celery_app
 from app.core.config import Settings
 from app.core.protocol import StepMessage
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import decode_tensor
-from app.workers.celery_app import create_celery_app, register_step_task
+from app.workers.celery_app import register_step_task
 
 RESULTS_TTL_S = 600
 

@@ -8,19 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from app.core.broker import PRIORITY_STEPS, VISIBILITY_TIMEOUT_S, create_celery_app, send_step
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
-
-__all__ = [
-    "PRIORITY_STEPS",
-    "VISIBILITY_TIMEOUT_S",
-    "create_celery_app",
-    "register_step_task",
-    "send_step",
-    "serve",
-]
 
 if TYPE_CHECKING:
     from app.workers.health import HealthMonitor

@@ -56,9 +56,9 @@ def test_an_urgent_prefill_is_fetched_from_the_stage_queue_before_earlier_ones(r
     # basic_get walks them in the same order, so this is the order a stage worker runs them.
     import uuid
 
+    from app.core.broker import create_celery_app
     from app.core.config import Settings
     from app.core.protocol import STEP_TASK, StepMessage, broker_priority
-    from app.workers.celery_app import create_celery_app
 
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     app = create_celery_app(Settings(namespace=namespace), redis_url)

@@ -24,11 +24,12 @@ import redis as redis_lib
 from conftest import free_port
 from starlette.testclient import TestClient
 
+from app.core.broker import create_celery_app
 from app.core.config import Settings
 from app.core.health import State, Thresholds
 from app.core.keys import Keys
 from app.core.protocol import STEP_TASK
-from app.workers.celery_app import create_celery_app, register_step_task, serve
+from app.workers.celery_app import register_step_task, serve
 from app.workers.health import HealthMonitor, gated
 
 MODEL, STAGE = "tiny", 0

@@ -43,9 +43,9 @@ from deploy_render import (
 from typer.main import get_command
 
 from app.cli import cli
+from app.core.broker import PRIORITY_STEPS
 from app.core.config import DEFAULT_MODEL, Settings
 from app.core.keys import Keys
-from app.workers.celery_app import PRIORITY_STEPS
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
