@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from app.core.errors import UnsupportedModel
+from app.partitions import attention
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
 from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
@@ -141,6 +142,7 @@ class StagePartition(nn.Module):
         self.kinds = kinds[layers.start : layers.stop]  # this stage's layers' attention kinds
         self.window = getattr(self.config, "sliding_window", None)
         self.eager = self.config._attn_implementation == "eager"  # additive float masks, else boolean
+        attention.use_for(self.config)  # half-precision decode steps on a CPU: grouped products
         family = self.family
         body = getattr(model, family.body)
         self.embed_tokens = getattr(body, family.embed) if self.is_first else None
