@@ -17,6 +17,7 @@ The names (`conveyor up --only NAME[,NAME...]`, repeatable):
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -95,9 +96,38 @@ def _selector(name: str) -> Part:
     )
 
 
-def processes(settings: Settings, models: list[str], me: list[str]) -> list[tuple[Part, Child]]:
+def torch_threads(cores: int, stage_workers: int, embed_workers: int) -> tuple[int, int]:
+    """Torch threads for each stage worker and each embeddings worker of a stack on `cores` cores.
+
+    One core is left to the api, the batcher and Redis (vLLM's CPU server keeps one for its own
+    processes too): a compute thread team that shares its cores with them waits on its slowest
+    thread at every kernel, and on a small machine that costs more than the extra thread gives
+    (docs/benchmarks.md, "Conveyor against vLLM", has the measurement). The stage workers split
+    the rest; an embeddings worker (a small encoder, idle unless asked) gets a share of the rest
+    over all of them.
+    """
+    spare = max(1, cores - 1)
+    per_stage = max(1, spare // max(1, stage_workers))
+    per_embed = max(1, spare // max(1, stage_workers + embed_workers))
+    return per_stage, per_embed
+
+
+def processes(
+    settings: Settings, models: list[str], me: list[str], cores: int | None = None
+) -> list[tuple[Part, Child]]:
     """Every child `up` supervises but the api, Flower and Redis, with what each one is: the
-    batcher, the webhook processes, stages x replicas workers per model, the embeddings workers."""
+    batcher, the webhook processes, stages x replicas workers per model, the embeddings workers.
+
+    Without CONVEYOR_TORCH_THREADS, each worker is given its share of this host's cores
+    (`torch_threads`); `cores` defaults to the CPUs this process may run on.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    stage_workers = len(models) * settings.stages * settings.replicas
+    per_stage, per_embed = torch_threads(cores, stage_workers, settings.embedding_stages)
+
+    def threads(count: int) -> dict[str, str]:
+        return {} if settings.torch_threads else {"CONVEYOR_TORCH_THREADS": str(count)}
+
     planned = [
         (Part("batcher"), Child("batcher", [*me, "batcher"])),
         (Part("webhooks"), Child("webhooks", [*me, "webhooks", "dispatcher"])),
@@ -109,7 +139,8 @@ def processes(settings: Settings, models: list[str], me: list[str]) -> list[tupl
             argv = [*me, "worker", "--model", name, "--stage", str(stage), "--stages", str(settings.stages)]
             for replica in range(settings.replicas):
                 suffix = f".{replica}" if settings.replicas > 1 else ""
-                planned.append((Part("stage", name, stage), Child(f"{prefix}stage{stage}{suffix}", argv)))
+                child = Child(f"{prefix}stage{stage}{suffix}", argv, env=threads(per_stage))
+                planned.append((Part("stage", name, stage), child))
     for stage in range(settings.embedding_stages):
         argv = [
             *me,
@@ -120,5 +151,5 @@ def processes(settings: Settings, models: list[str], me: list[str]) -> list[tupl
             "--stages",
             str(settings.embedding_stages),
         ]
-        planned.append((Part("embed", None, stage), Child(f"embed{stage}", argv)))
+        planned.append((Part("embed", None, stage), Child(f"embed{stage}", argv, env=threads(per_embed))))
     return planned

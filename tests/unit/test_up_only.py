@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.core.config import Settings
-from app.stack import Only, Part, processes
+from app.stack import Only, Part, processes, torch_threads
 
 ME = ["python", "-m", "app.cli"]
 
@@ -70,3 +70,20 @@ def test_naming_the_embedded_redis_with_redis_url_set_is_refused(tmp_path):  # t
     result = CliRunner().invoke(cli, ["up", "--only", "redis,api"], env=env)
     assert result.exit_code == 2
     assert "REDIS_URL replaces" in result.output
+
+
+def test_the_stack_leaves_one_core_to_the_api_and_splits_the_rest_among_its_workers():
+    assert torch_threads(2, 1, 2) == (1, 1)  # this project's 2-core machine: one thread each
+    assert torch_threads(1, 1, 0) == (1, 1)
+    assert torch_threads(16, 1, 2) == (15, 5)
+    assert torch_threads(16, 4, 0) == (3, 3)  # two models in two stages
+
+
+def test_each_worker_is_given_its_share_unless_the_operator_chose():
+    settings = Settings(stages=2, replicas=1, embedding_stages=1)
+    env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, cores=9)}
+    assert env["stage0"] == env["stage1"] == {"CONVEYOR_TORCH_THREADS": "4"}
+    assert env["embed0"] == {"CONVEYOR_TORCH_THREADS": "2"}
+    assert env["batcher"] == {}
+    chosen = Settings(stages=2, replicas=1, embedding_stages=1, torch_threads=3)
+    assert all(not child.env for _, child in processes(chosen, ["tiny"], ME, cores=9))
