@@ -31,9 +31,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from app.api import audit
 from app.api.routes.jobs import EVENT_ID
 from app.api.schemas import JobPublic
-from app.api.service import FINAL_EVENTS, JobService
+from app.api.service import JobService
 from app.api.streams import Slot
 from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
+from app.core.jobs import FINAL_EVENTS
 
 log = logging.getLogger(__name__)
 
