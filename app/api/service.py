@@ -38,7 +38,8 @@ from app.core.errors import (
     PriorityNotAllowed,
     SyncTimeout,
 )
-from app.core.jobs import FINAL_EVENTS, JobStatus
+from app.core.follow import Event, follow, is_over
+from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest, Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
@@ -57,13 +58,6 @@ class Submitted:
     record: dict[str, str]
     replayed: bool = False  # an Idempotency-Key named an existing job: this is it
     quota: Quota | None = None  # the tenant's rate limit after this submit (RateLimit-* headers)
-
-
-@dataclass(frozen=True)
-class Event:
-    id: str
-    event: str
-    data: dict[str, Any]
 
 
 class JobService:
@@ -384,36 +378,15 @@ class JobService:
                 slot.release()
 
     async def _events(self, job_id: str, after: str | None) -> AsyncIterator[Event]:
-        stream = self.keys.events(job_id)
-        async with self.hub.watch(job_id) as woke:
-            while True:
-                woke.clear()
-                entries = await self.redis.xrange(
-                    stream, min=f"({after}" if after else "-", max="+", count=512
-                )
-                for entry_id, fields in entries:
-                    after = entry_id.decode()
-                    event = fields[b"event"].decode()
-                    yield Event(after, event, json.loads(fields[b"data"]))
-                    if event in FINAL_EVENTS:
-                        return
-                if not entries:
-                    try:
-                        await asyncio.wait_for(woke.wait(), POLL_FALLBACK_S)
-                    except TimeoutError:
-                        if await self.is_over(job_id, after, tenant=None):
-                            return
+        async for event in follow(self.store, job_id, after, wake=self.hub.watch, poll_s=POLL_FALLBACK_S):
+            yield event
 
     async def is_over(self, job_id: str, after: str | None, *, tenant: str | None) -> bool:
         """True when the job has ended and nothing follows `after` in its stream (its final event
         was already delivered). Raises JobNotFound once the job has expired, or for another tenant."""
-        record = await self.get(job_id, tenant=tenant)
-        if not JobStatus(record["status"]).is_finished:
-            return False
-        rest = await self.redis.xrange(
-            self.keys.events(job_id), min=f"({after}" if after else "-", max="+", count=1
-        )
-        return not rest
+        if tenant is not None:
+            await self.get(job_id, tenant=tenant)
+        return await is_over(self.store, job_id, after)
 
     async def embed(
         self, texts: list[str], model: str | None, *, tenant: str
