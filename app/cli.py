@@ -437,7 +437,7 @@ def submit(
 def _follow(client: Any, job: dict[str, Any]) -> dict[str, Any]:
     """Print the job's tokens as they come; the job as its final event (done, error, cancelled or
     expired) carries it."""
-    from app.api.service import FINAL_EVENTS
+    from app.core.jobs import FINAL_EVENTS
 
     with client.stream("GET", job["urls"]["events"]) as events:
         for event, data in _sse(events.iter_lines()):

@@ -21,7 +21,8 @@ import torch
 from transformers import AutoTokenizer
 
 from app.batching.recovery import Monitor
-from app.core.jobs import JobStatus, JobStore, Transition, decode_record
+from app.core.jobs import JobStatus, Transition, decode_record
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher

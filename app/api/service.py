@@ -38,14 +38,15 @@ from app.core.errors import (
     PriorityNotAllowed,
     SyncTimeout,
 )
-from app.core.jobs import END_LUA, JobStatus, Transition, decode_record
+from app.core.follow import Event, follow, is_over
+from app.core.jobs import JobStatus
+from app.core.jobstore import JobRecord, JobRequest, Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
 
-FINAL_EVENTS = frozenset({"done", "error", "cancelled", "expired"})
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
 MAX_IDEMPOTENCY_KEY = 255
 # Drop an Idempotency-Key only if it still names the job it named when read (compare and delete).
@@ -59,13 +60,6 @@ class Submitted:
     quota: Quota | None = None  # the tenant's rate limit after this submit (RateLimit-* headers)
 
 
-@dataclass(frozen=True)
-class Event:
-    id: str
-    event: str
-    data: dict[str, Any]
-
-
 class JobService:
     def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub, celery: Any) -> None:
         self.settings = settings
@@ -76,9 +70,9 @@ class JobService:
         self.streams = StreamSlots(settings.tenant_max_streams)
         self.keys = Keys(settings.namespace)
         self.admission = Admission(redis, self.keys, settings)
+        self.store = self.admission.store  # the job record's writer (app/core/jobstore.py)
         self.ratelimit = RateLimiter(redis, self.keys, settings)
         self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
-        self._cancel = redis.register_script(END_LUA)
         self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()
         self.prompts = PromptEncoder(settings)  # tokenizes on its own threads, never on the event loop
@@ -222,34 +216,36 @@ class JobService:
             model=model_name, priority=request.priority, timeout_s=request.timeout_s, now=now
         )
         job_id = uuid.uuid4().hex
-        params = {
-            "max_tokens": max_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "top_k": request.top_k,
-            "seed": request.seed,
-            "stop": stop,
-            "ignore_eos": request.ignore_eos,
-            "min_tokens": request.min_tokens,
-        }
+        params = JobRequest(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop=tuple(stop),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+        )
         deadline = now + request.timeout_s if request.timeout_s is not None else None
-        record = {
-            "id": job_id,
-            "status": str(JobStatus.QUEUED),
-            "model": model_name,
-            "tenant": tenant,
-            "priority": request.priority,
-            "created_at": repr(now),
-            "request": json.dumps(params),
-            "prompt_ids": json.dumps(prompt_ids),
-            "prompt_tokens": str(len(prompt_ids)),
-            "completion_tokens": "0",
-            "text": "",
-            "attempts": "0",
-            **routed,
-            **({"deadline": repr(deadline)} if deadline is not None else {}),
-            **(callback.record_fields() if callback is not None else {}),
-        }
+        record = JobRecord(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            model=model_name,
+            tenant=tenant,
+            priority=request.priority,
+            created_at=now,
+            request=params,
+            prompt_ids=tuple(prompt_ids),
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=0,
+            text="",
+            attempts=0,
+            route=routed.get("route"),
+            route_reason=routed.get("route_reason"),
+            deadline=deadline,
+            callback_url=callback.url if callback is not None else None,
+            callback_events=tuple(callback.events) if callback is not None else None,
+        )
         intake = intake_fields(
             job_id=job_id,
             model=model_name,
@@ -261,7 +257,6 @@ class JobService:
         )
         written = await self.admission.write(
             ticket,
-            job_id=job_id,
             record=record,
             intake=intake,
             idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
@@ -283,7 +278,7 @@ class JobService:
                     routed=routed,
                 )
             return replayed
-        return record
+        return record.to_hash()
 
     async def _replay(self, held: str | bytes, idempotency: tuple[str, str], tenant: str) -> Submitted | None:
         """The job an Idempotency-Key names; None when that job has expired (an ended job lives
@@ -310,15 +305,10 @@ class JobService:
         A job of another tenant is 404, as if it did not exist (`tenant` None: no check, internal)."""
         if tenant is not None:
             await self.get(job_id, tenant=tenant)  # a job's tenant never changes: checked once, first
-        error = {"code": "cancelled", "message": reason}
-        transition = Transition(job_id, JobStatus.CANCELLED, {"error": error})
         maxlen = self.settings.max_tokens_limit + 16  # as the workers cap it
-        args: list[Any] = ["cancelled", json.dumps(error), maxlen, self.settings.ended_job_ttl_s]
-        args += [self.keys.announce(job_id), job_id, "0", *transition.script_args(time.time())]
-        keys = [self.keys.job(job_id), self.keys.events(job_id), self.keys.progress()]
-        applied, current = await self._cancel(keys=keys, args=args)
-        if not int(applied):
-            status = current.decode() if isinstance(current, bytes) else str(current)
+        life = Lifetimes(self.settings.job_ttl_s, self.settings.ended_job_ttl_s, maxlen)
+        applied, status = await self.store.cancel(job_id, reason=reason, life=life)
+        if not applied:
             if not status:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
             raise JobFinished(f"job {job_id} has already ended: {status}", job_id=job_id, status=status)
@@ -370,8 +360,7 @@ class JobService:
         """The job's record. A job of another tenant is 404 job_not_found, exactly as an unknown one
         (never 403: that would tell who has which job). `tenant` None: no check (the API's own reads
         of a job it has already checked or just made)."""
-        raw = await self.redis.hgetall(self.keys.job(job_id))
-        record = decode_record(raw) if raw else None
+        record = await self.store.get(job_id)
         if record is None or (tenant is not None and record.get("tenant", ANONYMOUS) != tenant):
             raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
         return record
@@ -389,36 +378,15 @@ class JobService:
                 slot.release()
 
     async def _events(self, job_id: str, after: str | None) -> AsyncIterator[Event]:
-        stream = self.keys.events(job_id)
-        async with self.hub.watch(job_id) as woke:
-            while True:
-                woke.clear()
-                entries = await self.redis.xrange(
-                    stream, min=f"({after}" if after else "-", max="+", count=512
-                )
-                for entry_id, fields in entries:
-                    after = entry_id.decode()
-                    event = fields[b"event"].decode()
-                    yield Event(after, event, json.loads(fields[b"data"]))
-                    if event in FINAL_EVENTS:
-                        return
-                if not entries:
-                    try:
-                        await asyncio.wait_for(woke.wait(), POLL_FALLBACK_S)
-                    except TimeoutError:
-                        if await self.is_over(job_id, after, tenant=None):
-                            return
+        async for event in follow(self.store, job_id, after, wake=self.hub.watch, poll_s=POLL_FALLBACK_S):
+            yield event
 
     async def is_over(self, job_id: str, after: str | None, *, tenant: str | None) -> bool:
         """True when the job has ended and nothing follows `after` in its stream (its final event
         was already delivered). Raises JobNotFound once the job has expired, or for another tenant."""
-        record = await self.get(job_id, tenant=tenant)
-        if not JobStatus(record["status"]).is_finished:
-            return False
-        rest = await self.redis.xrange(
-            self.keys.events(job_id), min=f"({after}" if after else "-", max="+", count=1
-        )
-        return not rest
+        if tenant is not None:
+            await self.get(job_id, tenant=tenant)
+        return await is_over(self.store, job_id, after)
 
     async def embed(
         self, texts: list[str], model: str | None, *, tenant: str
@@ -438,20 +406,17 @@ class JobService:
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
         await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
         job_id = uuid.uuid4().hex
-        record = {
-            "id": job_id,
-            "status": str(JobStatus.QUEUED),
-            "model": EMBEDDING_MODEL,
-            "tenant": tenant,
-            "kind": "embedding",
-            "priority": "normal",
-            "created_at": repr(time.time()),
-            "input": json.dumps(texts),
-        }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.job(job_id), mapping=record)
-        pipe.expire(self.keys.job(job_id), self.settings.job_ttl_s)
-        await pipe.execute()
+        record = JobRecord(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            model=EMBEDDING_MODEL,
+            tenant=tenant,
+            kind="embedding",
+            priority="normal",
+            created_at=time.time(),
+            input=tuple(texts),
+        )
+        await self.store.create(record, ttl_s=self.settings.job_ttl_s)
         queue = self.keys.embed_queue(0)
         await run_in_threadpool(send_embedding, self.celery, {"job_id": job_id}, queue)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
@@ -460,7 +425,7 @@ class JobService:
         if done["status"] != JobStatus.SUCCEEDED:
             raise SyncTimeout(f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s")
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
-        await self.redis.hdel(self.keys.job(job_id), "embedding")
+        await self.store.forget_embedding(job_id)
         return json.loads(done["embedding"]), done
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:

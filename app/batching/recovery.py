@@ -4,12 +4,13 @@ Every sign of progress (the batcher's dispatch, stage 0 starting a prefill, ever
 the job in the `progress` sorted set. A job whose score is older than `stall_timeout_s` lost a
 worker (killed, out of memory) or sits behind one that missed its step deadline. The monitor
 moves it to `recovering`, counts the attempt and puts it back on its class's intake stream, all
-in one script; the batcher schedules it again like any job, and stage 0 prefills it with its
-prompt plus the tokens it had already streamed (they are in its event stream), so the client
-sees the stream continue, with neither a gap nor a duplicate, after a `recovered` event that names
-the index it continues from (`{"index", "attempt"}`); a seeded job draws the same tokens it would
-have drawn uninterrupted (`app.workers.sampling.token_seed`). The old batch, if it ever wakes
-up, can no longer write to the job (tokens are written only for the batch in its record).
+in one script (`JobStore.recover`, app/core/jobstore.py); the batcher schedules it again like any
+job, and stage 0 prefills it with its prompt plus the tokens it had already streamed (they are in
+its event stream), so the client sees the stream continue, with neither a gap nor a duplicate,
+after a `recovered` event that names the index it continues from (`{"index", "attempt"}`); a
+seeded job draws the same tokens it would have drawn uninterrupted
+(`app.workers.sampling.token_seed`). The old batch, if it ever wakes up, can no longer write to
+the job (tokens are written only for the batch in its record).
 
 A job that reaches `max_attempts` fails (`worker_lost`). One recovered more than once runs in a
 batch of its own (`windows.Item.alone`): if it is what kills workers, it dies alone.
@@ -29,50 +30,11 @@ from typing import Any
 
 from app.batching.intake import intake_fields
 from app.core import breaker, metrics
-from app.core.jobs import ENDED_FUNCTION, text_of
+from app.core.jobs import text_of
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
-
-# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model.
-# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, ended ttl, announce
-# channel, error JSON, then the intake entry's field/value pairs.
-# Moves scheduled|running -> recovering (re-queued) or -> failed (its inputs dropped: a stalled
-# batch read them long ago); returns the new status or ''.
-RECOVER_LUA = (
-    ENDED_FUNCTION
-    + """
-local job = ARGV[1]
-local score = redis.call('ZSCORE', KEYS[1], job)
-if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
-redis.call('ZREM', KEYS[1], job)
-local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id', 'completion_tokens')
-if rec[1] ~= 'scheduled' and rec[1] ~= 'running' then return '' end
-if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
-local attempts = tonumber(rec[2] or '0') + 1
-if attempts >= tonumber(ARGV[3]) then
-  redis.call('HSET', KEYS[2], 'status', 'failed', 'finished_at', ARGV[4], 'attempts', attempts,
-             'error', ARGV[8])
-  redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'error', 'data', ARGV[8])
-  ended(KEYS[2], KEYS[3], ARGV[6], '')
-  redis.call('PUBLISH', ARGV[7], 'error')
-  return 'failed'
-end
-redis.call('HSET', KEYS[2], 'status', 'recovering', 'recovered_at', ARGV[4], 'attempts', attempts)
--- Where the stream picks up: the next token's index. A client that saw tokens up to index-1 knows
--- what follows is a continuation, not a replay (a seeded job draws exactly what it would have).
-local resumed = '{"index":' .. tonumber(rec[4] or '0') .. ',"attempt":' .. attempts .. '}'
-redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'recovered', 'data', resumed)
-redis.call('PUBLISH', ARGV[7], 'recovered')
-local entry = {}
-for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
-table.insert(entry, 'attempts')
-table.insert(entry, tostring(attempts))
-redis.call('XADD', KEYS[4], '*', unpack(entry))
-return 'recovering'
-"""
-)
-
 
 class Monitor:
     def __init__(
@@ -97,7 +59,7 @@ class Monitor:
         self.max_attempts = max_attempts
         self.ttl_s = ttl_s
         self.stream_maxlen = stream_maxlen
-        self._recover = redis.register_script(RECOVER_LUA)
+        self.jobs = JobStore(redis, keys, ttl_s=ttl_s)
 
     def sweep(self, now: float | None = None) -> dict[str, str]:
         """Recover every stalled job; returns job id -> new status (recovering or failed)."""
@@ -116,7 +78,7 @@ class Monitor:
         ready: dict[str, bool] = {}
         for job_id, (model, priority, prompt, completion, tenant) in zip(stalled, records, strict=True):
             if model is None:  # the record expired: nothing to run
-                self.redis.zrem(self.keys.progress(), job_id)
+                self.jobs.unprogressed([job_id])
                 continue
             model, priority = text_of(model), text_of(priority or b"normal")
             if model not in ready:
@@ -132,17 +94,17 @@ class Monitor:
             entry = intake_fields(
                 job_id=job_id, model=model, prompt_tokens=tokens, priority=priority, tenant=text_of(tenant)
             )
-            keys = [
-                self.keys.progress(),
-                self.keys.job(job_id),
-                self.keys.events(job_id),
-                self.keys.intake(priority),
-                self.keys.inflight(model),
-            ]
-            args: list[Any] = [job_id, cutoff, self.max_attempts, repr(now), self.stream_maxlen, self.ttl_s]
-            args += [self.keys.announce(job_id), json.dumps(error)]
-            args += [x for pair in entry.items() for x in pair]
-            status = text_of(self._recover(keys=keys, args=args))
+            status = self.jobs.recover(
+                job_id,
+                priority=priority,
+                model=model,
+                stalled_before=cutoff,
+                now=now,
+                max_attempts=self.max_attempts,
+                life=Lifetimes(self.ttl_s, self.ttl_s, self.stream_maxlen),
+                error=error,
+                entry=entry,
+            )
             if status == "failed":  # a pipeline that keeps losing workers trips its breaker
                 breaker.recorder(self.redis, self.keys, model)(0, 1)
                 metrics.job_ended(model, "failed", "worker_lost")

@@ -22,7 +22,8 @@ from app.batching.budget import Budget, Census, Share, budget
 from app.batching.recovery import Monitor
 from app.core import metrics
 from app.core.config import Settings
-from app.core.jobs import JobStatus, JobStore, Transition, text_of
+from app.core.jobs import JobStatus, Transition, text_of
+from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
@@ -288,7 +289,7 @@ class Batcher:
             self.jobs.enqueue(pipe, move, now)
         pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(job_ids))
         pipe.sadd(self.keys.inflight_models(), batch.model)
-        pipe.zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
+        self.jobs.progressed(job_ids, now, pipe=pipe)
         results = pipe.execute()
         self.census.dispatched(batch.model, job_ids)
         scheduled = [move.job_id for move, result in zip(moves, results, strict=False) if int(result[0])]
@@ -322,7 +323,7 @@ class Batcher:
             except Exception:
                 # The broker refused: put the jobs back as they were; the entries stay unacknowledged.
                 self.redis.hdel(self.keys.inflight(batch.model), batch_id)
-                self.redis.zrem(self.keys.progress(), *scheduled)
+                self.jobs.unprogressed(scheduled)
                 self.jobs.apply([Transition(j, JobStatus.QUEUED) for j in scheduled], strict=False)
                 raise
             log.info(

@@ -11,7 +11,8 @@ The gates, in order; the first that refuses answers, with a Retry-After:
 5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable.
 
 "Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
-dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`),
+dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`,
+app/core/jobstore.py),
 so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements, read once.
 
 Predicted wait (gate 5):  W = A / R, where
@@ -40,6 +41,7 @@ from app.core.errors import (
     QueueFull,
     StageUnavailable,
 )
+from app.core.jobstore import AsyncJobStore, JobRecord
 from app.core.keys import PRIORITIES, Keys
 
 MAX_RETRY_AFTER_S = 60.0  # a drain estimate past a minute is a guess; ask again within one
@@ -177,35 +179,6 @@ class Written:
     held: str | None = None
 
 
-# KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
-# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback,
-# KEYS[4+c] = the Idempotency-Key's key (absent without one).
-# ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
-# [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
-# then r record field/value items, then the intake entry's items.
-# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} | {'ok', depth}.
-ADMIT_LUA = """
-local c = tonumber(ARGV[1])
-local idem = KEYS[4 + c]
-if idem then
-  local held = redis.call('GET', idem)
-  if held then return {'held', held} end
-end
-local total = 0
-for i = 3, 2 + c do total = total + redis.call('XLEN', KEYS[i]) end
-if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
-local depth = redis.call('XLEN', KEYS[2])
-if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
-local r = tonumber(ARGV[7])
-redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + r))
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10 + r, #ARGV))
-if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
-if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
-return {'ok', depth}
-"""
-
-
 class Admission:
     """The gates and the write, over redis.asyncio; one per API process."""
 
@@ -215,7 +188,7 @@ class Admission:
         self.settings = settings
         self.limits = Limits.from_settings(settings)
         self.breaker = breaker.Breaker(redis, keys, breaker.Policy.from_settings(settings))
-        self._admit = redis.register_script(ADMIT_LUA)
+        self.store = AsyncJobStore(redis, keys)
         self.fsync: str | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync: how (set at the API's start)
 
     @property
@@ -313,8 +286,7 @@ class Admission:
         self,
         ticket: Ticket,
         *,
-        job_id: str,
-        record: Mapping[str, str],
+        record: JobRecord,
         intake: Mapping[str, str],
         idempotency: tuple[str, str] | None,
         callback_at: float | None = None,
@@ -322,22 +294,17 @@ class Admission:
         """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically.
         With `callback_at` (a job with a callback_url) the job is registered with the webhook
         dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
-        keys = [self.keys.job(job_id), self.keys.intake(ticket.priority)]
-        keys += [self.keys.intake(p) for p in PRIORITIES]
-        keys.append(self.keys.webhook_jobs())
         ttl = min(self.settings.idempotency_ttl_s, self.settings.job_ttl_s)  # the job outlives its key
-        value = ""
-        if idempotency is not None:
-            keys.append(self.keys.idempotency(idempotency[0]))
-            value = idempotency[1]
-        items = [x for pair in record.items() for x in pair]
-        args: list[Any] = [len(PRIORITIES), self.limits.class_depth, self.limits.overall]
-        args += [self.settings.job_ttl_s, value, ttl, len(items)]
-        args += ["" if callback_at is None else repr(callback_at), job_id, *items]
-        args += [x for pair in intake.items() for x in pair]
         try:
-            outcome, detail = await self._admit(keys=keys, args=args)
-            outcome = _text(outcome)
+            outcome, detail = await self.store.admit(
+                record,
+                intake=intake,
+                class_depth=self.limits.class_depth,
+                overall=self.limits.overall,
+                ttl_s=self.settings.job_ttl_s,
+                idempotency=None if idempotency is None else (*idempotency, ttl),
+                callback_at=callback_at,
+            )
             if outcome == "ok":
                 if self.fsync is not None:
                     await wait_on_disk(self.redis, self.fsync, self.settings.submit_fsync_timeout_ms)
@@ -345,7 +312,7 @@ class Admission:
             if outcome == "held":
                 if ticket.probe:
                     await self.breaker.release_probe(ticket.model)
-                return Written(held=_text(detail))
+                return Written(held=detail)
             if outcome == "overloaded":
                 overload(int(detail), limits=self.limits, rate=ticket.rate)
             queue_full(int(detail), ticket.priority, limits=self.limits, rate=ticket.rate)
@@ -355,7 +322,3 @@ class Admission:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.breaker.release_probe(ticket.model))
             raise
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

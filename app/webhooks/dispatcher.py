@@ -26,7 +26,7 @@ from typing import Any
 
 from app.api.schemas import JobPublic
 from app.core.config import Settings
-from app.core.jobs import decode_record
+from app.core.jobs import FINAL_EVENTS, decode_record
 from app.core.keys import Keys
 from app.webhooks import events as ev
 from app.webhooks.retries import RetryQueue
@@ -218,7 +218,7 @@ class Dispatcher:
             if self.batches.holding(job_id) is None:
                 follow.handled = entry_id
             return False
-        if event not in ev.FINAL_EVENTS:
+        if event not in FINAL_EVENTS:
             follow.handled = entry_id
             return False
         batch = self.batches.take(job_id)

@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, JobStatus
+
 EVENT_TYPES = ("started", "token", "completed", "failed")
 DEFAULT_EVENTS = ("started", "completed", "failed")  # `token` is opt-in: it is many requests
-FAILED_EVENTS = frozenset({"error", "expired", "cancelled"})
-FINAL_EVENTS = FAILED_EVENTS | {"done"}
+FAILED_EVENTS = FINAL_EVENTS - {FINAL_EVENT[JobStatus.SUCCEEDED]}
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def token_event(job_id: str, batch: Batch) -> Outgoing:
 
 
 def kind_of_final(event: str) -> str:
-    return "completed" if event == "done" else "failed"
+    return "completed" if event == FINAL_EVENT[JobStatus.SUCCEEDED] else "failed"
 
 
 def parse_events(value: str | None) -> frozenset[str]:

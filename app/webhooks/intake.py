@@ -1,13 +1,12 @@
 """The API's side of webhooks: vet a submit's callback before anything is written.
 
-Called by `JobService.submit`; the job record then carries the fields of `Callback.record_fields`,
+Called by `JobService.submit`; the job record then carries its url and events (`JobRecord.callback_*`),
 and the admission script registers the job with the dispatcher in the same atomic write.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +25,6 @@ DNS_TIMEOUT_S = 5.0  # a name that takes longer to resolve is refused as unresol
 class Callback:
     url: str
     events: tuple[str, ...]
-
-    def record_fields(self) -> dict[str, str]:
-        return {"callback_url": self.url, "callback_events": json.dumps(list(self.events))}
 
 
 class CallbackIntake:

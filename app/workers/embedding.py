@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from app.core.config import EMBEDDING_MODEL
-from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.jobs import JobStatus, Transition
+from app.core.jobstore import JobStore
 from app.core.protocol import EMBED_TASK
 from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
@@ -104,7 +105,7 @@ class EmbeddingStage:
             return None
         texts = json.loads(self.jobs.get_many([job_id], "input")[0]["input"])
         input_ids, attention_mask = tokenize(self.tokenizer, texts)  # [B, S] each
-        self.jobs.redis.hset(self.jobs.keys.job(job_id), "prompt_tokens", int(attention_mask.sum()))
+        self.jobs.set_prompt_tokens(job_id, int(attention_mask.sum()))
         return {"input_ids": input_ids, MASK: attention_mask}
 
     def _finish(self, job_id: str, values: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from app.core.broker import create_celery_app, send_step
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
-from app.core.jobs import JobStore
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
 from app.core.protocol import StepMessage

@@ -21,7 +21,8 @@ import torch
 
 from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
-from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.jobs import JobStatus, Transition
+from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
@@ -215,7 +216,7 @@ class StageRuntime:
             msg = msg.forward(seq_ids=seq_ids, routes=routes)
             if not seq_ids:
                 return msg, BatchState(self.partition.config, [], torch.zeros(0, 0)), torch.zeros(0)
-            self.redis.zadd(self.keys.progress(), dict.fromkeys(seq_ids, time.time()))
+            self.jobs.progressed(seq_ids, time.time())
             records = self.jobs.get_many(seq_ids, "prompt_ids", "attempts")
             x, mask = left_pad(
                 [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)], self.pad_id

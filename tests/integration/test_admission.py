@@ -37,6 +37,8 @@ from app.core.errors import (
     Refused,
     StageUnavailable,
 )
+from app.core.jobs import JobStatus
+from app.core.jobstore import JobRecord
 from app.core.keys import PRIORITIES, Keys
 
 # --- the gates, on the real Redis, clock passed in -----------------------------------------------
@@ -87,6 +89,13 @@ def check(
     )
 
 
+def bare(job_id: str, priority: str) -> JobRecord:
+    """The least record the admit script writes."""
+    return JobRecord(
+        id=job_id, status=JobStatus.QUEUED, model="m", tenant="", priority=priority, created_at=0.0
+    )
+
+
 def queue(redis_url: str, settings: Settings, priority: str, n: int) -> list[str]:
     """Write n jobs through the admit script; the outcome of each ('ok' or the refusal's code)."""
 
@@ -96,9 +105,8 @@ def queue(redis_url: str, settings: Settings, priority: str, n: int) -> list[str
             job_id = uuid.uuid4().hex
             ticket = Ticket(model="m", priority=priority, probe=False, rate=None)
             try:
-                await a.write(
-                    ticket, job_id=job_id, record={"id": job_id}, intake={"job_id": job_id}, idempotency=None
-                )
+                record = bare(job_id, priority)
+                await a.write(ticket, record=record, intake={"job_id": job_id}, idempotency=None)
                 out.append("ok")
             except Refused as exc:
                 out.append(exc.code)
@@ -182,8 +190,7 @@ def test_one_idempotency_key_writes_one_job_however_many_race(redis, redis_url, 
             ticket = Ticket(model="m", priority="normal", probe=False, rate=None)
             written = await a.write(
                 ticket,
-                job_id=job_id,
-                record={"id": job_id},
+                record=bare(job_id, "normal"),
                 intake={"job_id": job_id},
                 idempotency=("digest", f"{job_id} body-hash"),
             )

@@ -13,7 +13,7 @@ import torch
 from conftest import start_stack
 from transformers import AutoTokenizer
 
-from app.core.jobs import JobStore
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel, load_piece, plan_encoder, plan_on_meta

@@ -5,7 +5,8 @@ import uuid
 import pytest
 
 from app.core.errors import IllegalTransition
-from app.core.jobs import JobStatus, JobStore, Transition
+from app.core.jobs import JobStatus, Transition
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 
 

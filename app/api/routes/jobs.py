@@ -14,7 +14,7 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobPublic, JobUrls
-from app.api.service import FINAL_EVENTS, MAX_IDEMPOTENCY_KEY, JobService, Submitted
+from app.api.service import MAX_IDEMPOTENCY_KEY, JobService, Submitted
 from app.api.streams import Slot
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
@@ -189,10 +189,9 @@ def event_stream(
 
     async def generate() -> AsyncIterator[dict[str, str]]:
         async for event in jobs.events(job_id, after, slot=slot):
-            if event.event in FINAL_EVENTS:
-                record = await jobs.get(job_id, tenant=None)
-                audit.note_job(notes, record)
-                data = JobPublic.from_record(record).model_dump_json()
+            if event.record is not None:  # the final event: the job as it ended
+                audit.note_job(notes, event.record)
+                data = JobPublic.from_record(event.record).model_dump_json()
             else:
                 data = json.dumps(event.data, separators=(",", ":"), ensure_ascii=False)
             yield {"id": event.id, "event": event.event, "data": sse_data(data)}

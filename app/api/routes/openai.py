@@ -370,10 +370,13 @@ def _stream(
     async def generate() -> AsyncIterator[dict[str, str]]:
         if (first := reply.first(so_far(0))) is not None:
             yield data(first)
+        record = None
         async for event in jobs.events(job_id, slot=slot):
             if event.event == "token" and event.data.get("text"):
                 yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1)))
-        record = await jobs.get(job_id, tenant=None)  # the stream has ended: so has the job
+            record = event.record  # the final event's: the job as it ended
+        if record is None:  # the stream ended without its final event (its stream was gone): read the job
+            record = await jobs.get(job_id, tenant=None)
         audit.note_job(notes, record)
         if record["status"] == JobStatus.SUCCEEDED:
             usage = usage_of(record)

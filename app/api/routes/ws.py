@@ -31,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from app.api import audit
 from app.api.routes.jobs import EVENT_ID
 from app.api.schemas import JobPublic
-from app.api.service import FINAL_EVENTS, JobService
+from app.api.service import JobService
 from app.api.streams import Slot
 from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
 
@@ -90,10 +90,9 @@ async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: st
     async def send() -> None:
         async for event in jobs.events(job_id, after, slot=slot):
             data = event.data
-            if event.event in FINAL_EVENTS:
-                record = await jobs.get(job_id, tenant=None)  # checked before following
-                audit.note_job(websocket, record)
-                data = JobPublic.from_record(record).model_dump(mode="json")
+            if event.record is not None:  # the final event: the job as it ended
+                audit.note_job(websocket, event.record)
+                data = JobPublic.from_record(event.record).model_dump(mode="json")
             message = {"id": event.id, "event": event.event, "data": data}
             await websocket.send_text(json.dumps(message, separators=(",", ":"), ensure_ascii=False))
 

@@ -1,0 +1,627 @@
+"""The job record's one writer: every write to a job's hash, its event stream and the `progress` set.
+
+Who calls what:
+- the API (`AsyncJobStore`): `admit` (the record with its intake entry, at submit), `cancel`,
+  `create` and `forget_embedding` (an embeddings job, which skips the intake);
+- the batcher (`JobStore`): `enqueue` / `apply` (scheduled, back to queued), `progressed`, `recover`
+  (the monitor), `end` (a queued job expires, through `Publisher`);
+- the stage and embeddings workers (`JobStore`): `apply` (running), `step` (one decode step's
+  tokens, and the end of the sequences it finishes), `end` (succeeded with a result, failed).
+
+Every move is one Lua script that checks the job's current status and writes the new one with its
+timestamp atomically. The states a script may move a job from are generated from `TRANSITIONS`
+(app/core/jobs.py), never written by hand, and a final move appends its final event
+(`FINAL_EVENT`) in the same script, so a client that reads the event finds the final record.
+`tests/unit/test_job_writes.py` fails if any other module of `app/` writes these keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from string import Template
+from typing import Any
+
+from app.core.jobs import (
+    FINAL_EVENT,
+    TIMESTAMP_FIELD,
+    JobStatus,
+    Transition,
+    check_result,
+    decode_record,
+    encode_field,
+    predecessors,
+    text_of,
+)
+from app.core.keys import PRIORITIES, Keys
+
+S = JobStatus
+
+# --- the record ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a generation job asked for: its sampling and stopping rules (the record's `request`)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "seed": self.seed,
+                "stop": list(self.stop),
+                "ignore_eos": self.ignore_eos,
+                "min_tokens": self.min_tokens,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> JobRequest:
+        """A stored request; fields added after it was written take their defaults."""
+        value = json.loads(text)
+        return cls(
+            max_tokens=int(value["max_tokens"]),
+            temperature=value["temperature"],
+            top_p=value["top_p"],
+            top_k=value["top_k"],
+            seed=value.get("seed"),
+            stop=tuple(value.get("stop") or ()),
+            ignore_eos=bool(value.get("ignore_eos")),
+            min_tokens=int(value.get("min_tokens") or 0),
+        )
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _json_list(text: str) -> tuple[Any, ...]:
+    return tuple(json.loads(text))
+
+
+def _dumps_list(value: Iterable[Any]) -> str:
+    return json.dumps(list(value))
+
+
+# field -> (text -> value, value -> text), for the fields that are not plain text. The encodings
+# are the ones the record has always had: a rolling upgrade reads and writes the same hash.
+_CODECS: dict[str, tuple[Any, Any]] = {
+    "status": (JobStatus, str),
+    "created_at": (_float, repr),
+    "deadline": (_float, repr),
+    "request": (JobRequest.from_json, JobRequest.to_json),
+    "prompt_ids": (_json_list, _dumps_list),
+    "prompt_tokens": (int, str),
+    "completion_tokens": (int, str),
+    "attempts": (int, str),
+    "callback_events": (_json_list, _dumps_list),
+    "input": (_json_list, _dumps_list),
+    "batch_size": (int, str),
+    "error": (json.loads, encode_field),
+    **{name: (_float, encode_field) for name in set(TIMESTAMP_FIELD.values()) | {"first_token_at"}},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    """The job hash (`job:{id}`), typed. A field that is None is absent from the hash. Fields are
+    in the order they are written at submit; those after `input` are written as the job moves."""
+
+    id: str
+    status: JobStatus
+    model: str
+    tenant: str
+    kind: str | None = None  # "embedding"; absent for a generation job
+    priority: str
+    created_at: float
+    request: JobRequest | None = None
+    prompt_ids: tuple[int, ...] | None = None  # dropped once the job has ended
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    text: str | None = None
+    attempts: int | None = None
+    route: str | None = None  # the route that chose `model`, and why
+    route_reason: str | None = None
+    deadline: float | None = None  # unix time by which it must have started
+    callback_url: str | None = None
+    callback_events: tuple[str, ...] | None = None
+    input: tuple[str, ...] | None = None  # an embeddings job's texts, dropped once it has ended
+    queued_at: float | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
+    scheduled_at: float | None = None
+    started_at: float | None = None
+    recovered_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    embedding: str | None = None  # JSON vectors, until the API hands them over
+    # Fields this version does not know (written by a newer one): kept as they are.
+    other: Mapping[str, str] = field(default_factory=dict)
+
+    def to_hash(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = _CODECS[name][1](value) if name in _CODECS else value
+        return {**out, **self.other}
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> JobRecord:
+        record = decode_record(raw)
+        known: dict[str, Any] = {
+            k: (_CODECS[k][0](v) if k in _CODECS else v) for k, v in record.items() if k in _FIELDS
+        }
+        other = {k: v for k, v in record.items() if k not in _FIELDS}
+        return cls(**known, other=other)
+
+
+_FIELDS = tuple(name for name in JobRecord.__dataclass_fields__ if name != "other")
+
+
+# --- the scripts -----------------------------------------------------------------------------------
+
+
+def _lua_set(statuses: Iterable[str]) -> str:
+    """A Lua table used as a set of statuses: `{['running'] = true}`."""
+    return "{" + ", ".join(f"['{s}'] = true" for s in sorted(statuses)) + "}"
+
+
+def _lua(text: str) -> str:
+    """Script text with the lifecycle's names filled in from the table (`$RUNNING`, `$LIVE`, ...)."""
+    names: dict[str, str] = {s.name: f"'{s}'" for s in JobStatus}
+    names |= {f"{s.name}_AT": f"'{f}'" for s, f in TIMESTAMP_FIELD.items()}
+    names |= {f"{s.name}_EVENT": f"'{e}'" for s, e in FINAL_EVENT.items()}
+    names["LIVE"] = _lua_set(str(s) for s in JobStatus if not s.is_finished)
+    # A token is written only in a state the job may succeed from (running).
+    names["STREAMING"] = _lua_set(predecessors(S.SUCCEEDED))
+    # The monitor moves a stalled job to recovering, or to failed once out of attempts: only from
+    # a state both moves may leave.
+    names["RECOVERABLE"] = _lua_set(set(predecessors(S.RECOVERING)) & set(predecessors(S.FAILED)))
+    return Template(text).substitute(names)
+
+
+# transition(key, o): ARGV[o+1..] = target, n, n allowed predecessors, g, g guard field/value
+# pairs (the record must hold these values), then field/value pairs to write.
+# Returns {1, previous} when applied, {0, current-or-empty} when refused.
+TRANSITION_FUNCTION = """
+local function transition(key, o)
+  local cur = redis.call('HGET', key, 'status')
+  if not cur then return {0, ''} end
+  local n = tonumber(ARGV[o + 2])
+  local g = tonumber(ARGV[o + 3 + n])
+  local first = o + 4 + n + 2 * g
+  for i = o + 4 + n, first - 1, 2 do
+    if redis.call('HGET', key, ARGV[i]) ~= ARGV[i + 1] then return {0, cur} end
+  end
+  for i = o + 3, o + 2 + n do
+    if cur == ARGV[i] then
+      redis.call('HSET', key, 'status', ARGV[o + 1])
+      for j = first, #ARGV, 2 do redis.call('HSET', key, ARGV[j], ARGV[j + 1]) end
+      return {1, cur}
+    end
+  end
+  return {0, cur}
+end
+"""
+TRANSITION_LUA = TRANSITION_FUNCTION + "return transition(KEYS[1], 0)"
+
+# What a job keeps once it has ended. Its inputs (the prompt's token ids, tens of KB for a long
+# prompt; an embeddings request's texts, up to a MB) go: nothing runs it again. Its record and
+# event stream then live `ended_job_ttl_s` (an hour by default) instead of the `job_ttl_s` a live
+# job keeps, so that Redis holds what clients still read (status, text, timings, the replayable
+# events) and not a day of every prompt ever submitted.
+#
+# ended(job, events, ttl, was): `was` is the status the job left. A job that ended while `running`
+# keeps its prompt here: stage 0 reads it right after it moved the job to running, and may be about
+# to; the last stage drops it at the batch's next step (STEP_LUA), when the prefill has certainly
+# read it. Every caller writes the record's final status first.
+ENDED_FUNCTION = _lua(
+    """
+local function ended(job, events, ttl, was)
+  if was ~= $RUNNING then redis.call('HDEL', job, 'prompt_ids') end
+  redis.call('HDEL', job, 'input')
+  redis.call('EXPIRE', job, ttl)
+  redis.call('EXPIRE', events, ttl)
+end
+"""
+)
+
+# A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
+# progress set. ARGV[1..7] = event, data, stream maxlen, ended ttl (record and stream), announce
+# channel, job id, read ('1': the caller is the worker that has read the job's inputs, so they go
+# whatever state it left); then the transition's arguments (above). Returns the transition's result.
+END_LUA = (
+    TRANSITION_FUNCTION
+    + ENDED_FUNCTION
+    + """
+local moved = transition(KEYS[1], 7)
+if moved[1] == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
+  ended(KEYS[1], KEYS[2], ARGV[4], ARGV[7] == '1' and '' or moved[2])
+  redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('PUBLISH', ARGV[5], ARGV[1])
+end
+return moved
+"""
+)
+
+# One decode step. KEYS[1] = the progress sorted set; then, per row, the job hash and its event
+# stream. ARGV[1..5] = now, stream maxlen, stream ttl, announce channel prefix, ended ttl; then 8
+# values per row: job id, batch id, emit (0/1), index, token event data, completion text, completion
+# tokens, finish reason ('' while it goes on). Returns the ids of the rows whose job is no longer
+# theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here: this
+# batch's prefill has read it (ENDED_FUNCTION).
+STEP_LUA = ENDED_FUNCTION + _lua(
+    """
+local now, maxlen, ttl, announce, ended_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local live, streaming = $LIVE, $STREAMING
+local gone = {}
+for r = 0, (#KEYS - 1) / 2 - 1 do
+  local job, events = KEYS[2 + 2 * r], KEYS[3 + 2 * r]
+  local a = 6 + 8 * r
+  local id, batch, emit, index = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local rec = redis.call('HMGET', job, 'status', 'batch_id')
+  if not streaming[rec[1]] or rec[2] ~= batch then
+    table.insert(gone, id)
+    if rec[1] and rec[2] == batch and not live[rec[1]] then  -- it ended in this batch
+      redis.call('HDEL', job, 'prompt_ids')
+    end
+  else
+    if emit == '1' then
+      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'token', 'data', ARGV[a + 4])
+      if index == '0' then
+        redis.call('EXPIRE', events, ttl)
+        redis.call('HSET', job, 'first_token_at', now)
+      end
+      redis.call('PUBLISH', announce .. id, 'token')
+    end
+    redis.call('HSET', job, 'text', ARGV[a + 5], 'completion_tokens', ARGV[a + 6])
+    if ARGV[a + 7] ~= '' then
+      -- streaming -> succeeded (the move TRANSITIONS allows), then the final event
+      redis.call('HSET', job, 'status', $SUCCEEDED, $SUCCEEDED_AT, now, 'finish_reason', ARGV[a + 7])
+      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', $SUCCEEDED_EVENT, 'data', '{}')
+      ended(job, events, ended_ttl, '')
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('PUBLISH', announce .. id, $SUCCEEDED_EVENT)
+    else
+      redis.call('ZADD', KEYS[1], now, id)
+    end
+  end
+end
+return gone
+"""
+)
+
+# The monitor's move of one stalled job.
+# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model.
+# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, ended ttl, announce
+# channel, error JSON, then the intake entry's field/value pairs.
+# Moves a recoverable job to recovering (re-queued) or to failed (its inputs dropped: a stalled
+# batch read them long ago); returns the new status or ''.
+RECOVER_LUA = ENDED_FUNCTION + _lua(
+    """
+local job = ARGV[1]
+local score = redis.call('ZSCORE', KEYS[1], job)
+if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
+redis.call('ZREM', KEYS[1], job)
+local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id', 'completion_tokens')
+local recoverable = $RECOVERABLE
+if not recoverable[rec[1]] then return '' end
+if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
+local attempts = tonumber(rec[2] or '0') + 1
+if attempts >= tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[2], 'status', $FAILED, $FAILED_AT, ARGV[4], 'attempts', attempts,
+             'error', ARGV[8])
+  redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', $FAILED_EVENT, 'data', ARGV[8])
+  ended(KEYS[2], KEYS[3], ARGV[6], '')
+  redis.call('PUBLISH', ARGV[7], $FAILED_EVENT)
+  return $FAILED
+end
+redis.call('HSET', KEYS[2], 'status', $RECOVERING, $RECOVERING_AT, ARGV[4], 'attempts', attempts)
+-- Where the stream picks up: the next token's index. A client that saw tokens up to index-1 knows
+-- what follows is a continuation, not a replay (a seeded job draws exactly what it would have).
+local resumed = '{"index":' .. tonumber(rec[4] or '0') .. ',"attempt":' .. attempts .. '}'
+redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'recovered', 'data', resumed)
+redis.call('PUBLISH', ARGV[7], 'recovered')
+local entry = {}
+for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
+table.insert(entry, 'attempts')
+table.insert(entry, tostring(attempts))
+redis.call('XADD', KEYS[4], '*', unpack(entry))
+return $RECOVERING
+"""
+)
+
+# A new job: its record, its intake entry and (with one) its Idempotency-Key, if the depth limits
+# (admission's gates 3 and 4, app/core/admission.py) still hold.
+# KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
+# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback,
+# KEYS[4+c] = the Idempotency-Key's key (absent without one).
+# ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
+# [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
+# then r record field/value items, then the intake entry's items.
+# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} | {'ok', depth}.
+ADMIT_LUA = """
+local c = tonumber(ARGV[1])
+local idem = KEYS[4 + c]
+if idem then
+  local held = redis.call('GET', idem)
+  if held then return {'held', held} end
+end
+local total = 0
+for i = 3, 2 + c do total = total + redis.call('XLEN', KEYS[i]) end
+if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
+local depth = redis.call('XLEN', KEYS[2])
+if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
+local r = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + r))
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10 + r, #ARGV))
+if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
+if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
+return {'ok', depth}
+"""
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _items(mapping: Mapping[str, Any]) -> list[Any]:
+    return [x for pair in mapping.items() for x in pair]
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """How long a job's record and stream live, and how long its stream may grow."""
+
+    ttl_s: int  # while the job is live
+    ended_ttl_s: int  # once it has ended
+    stream_maxlen: int
+
+
+def _end_call(
+    keys: Keys,
+    job_id: str,
+    status: JobStatus,
+    *,
+    fields: Mapping[str, Any],
+    data: str,
+    now: float,
+    life: Lifetimes,
+    read: bool,
+    when: Mapping[str, str] | None = None,
+) -> tuple[list[str], list[Any]]:
+    """END_LUA's keys and arguments for one job's final move to `status`; `data`: its final event's
+    data, JSON."""
+    transition = Transition(job_id, status, fields, when or {})
+    args: list[Any] = [FINAL_EVENT[status], data, life.stream_maxlen, life.ended_ttl_s]
+    args += [keys.announce(job_id), job_id, "1" if read else "0", *transition.script_args(now)]
+    return [keys.job(job_id), keys.events(job_id), keys.progress()], args
+
+
+# --- the writers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    job_id: str
+    batch_id: str  # the batch the job was scheduled in (its record's batch_id while it is ours)
+    index: int  # 0-based position in the completion
+    token_id: int
+    text: str  # text that became final with this token (may be empty)
+    completion_text: str  # everything released so far, for pollers
+    finish_reason: str | None = None  # set on the last token of a sequence
+    emit: bool = True  # False for an end-of-sequence token that only finishes the job
+
+
+class JobStore:
+    """Synchronous job-record operations for the batcher and the stage and embeddings workers."""
+
+    def __init__(self, redis: Any, keys: Keys, *, ttl_s: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._transition = redis.register_script(TRANSITION_LUA)
+        self._end = redis.register_script(END_LUA)
+        self._step = redis.register_script(STEP_LUA)
+        self._recover = redis.register_script(RECOVER_LUA)
+
+    def apply(self, transitions: Iterable[Transition], *, strict: bool = True) -> list[str]:
+        """Apply moves in one round trip; returns the ids whose move applied.
+
+        With strict=True an illegal move raises (a bug); with strict=False it is skipped, which is
+        what at-least-once consumers want for a move that a duplicate delivery already made.
+        """
+        transitions = list(transitions)
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        for t in transitions:
+            self.enqueue(pipe, t, now)
+        results = pipe.execute()
+        return [
+            t.job_id for t, r in zip(transitions, results, strict=True) if check_result(t, r, strict=strict)
+        ]
+
+    def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
+        """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""
+        keys = [self.keys.job(transition.job_id)]
+        self._transition(keys=keys, args=transition.script_args(now), client=pipe)
+
+    def progressed(self, job_ids: Sequence[str], now: float, *, pipe: Any = None) -> None:
+        """Score jobs in `progress` (dispatched, prefill started): the monitor's stall clock restarts.
+        With `pipe`, added to the caller's pipeline (the batcher's dispatch transaction)."""
+        (pipe or self.redis).zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
+
+    def unprogressed(self, job_ids: Sequence[str]) -> None:
+        """Take jobs out of `progress` (their dispatch was undone, or their record has expired)."""
+        if job_ids:
+            self.redis.zrem(self.keys.progress(), *job_ids)
+
+    def set_prompt_tokens(self, job_id: str, count: int) -> None:
+        """An embeddings job's input length in tokens, once its first stage has tokenized it."""
+        self.redis.hset(self.keys.job(job_id), "prompt_tokens", count)
+
+    def step(self, outs: Sequence[TokenOut], life: Lifetimes) -> set[str]:
+        """Append one step's tokens, finish the sequences whose last token this is; return the ids
+        of the jobs that are no longer this batch's (cancelled, failed, recovered elsewhere)."""
+        keys, args = [self.keys.progress()], [repr(time.time()), life.stream_maxlen, life.ttl_s]
+        args += [self.keys.announce(""), life.ended_ttl_s]
+        for out in outs:
+            keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
+            data = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            count = out.index + int(out.emit) if out.finish_reason else out.index + 1
+            args += [out.job_id, out.batch_id, int(out.emit), out.index, _json(data)]
+            args += [out.completion_text, count, out.finish_reason or ""]
+        return {text_of(g) for g in self._step(keys=keys, args=args)}
+
+    def end(
+        self,
+        pipe: Any,
+        job_id: str,
+        status: JobStatus,
+        *,
+        fields: Mapping[str, Any],
+        data: Mapping[str, Any],
+        now: float,
+        life: Lifetimes,
+        when: Mapping[str, str] | None = None,
+    ) -> None:
+        """Add a final move and its final event to a caller's pipeline; applied atomically and only
+        if the move applies, so a job that had already ended (or was recovered into another batch
+        meanwhile) gets no second final event. The callers (the stage workers, the batcher expiring a
+        queued job) have read the job's inputs or never will: they go whatever state it left."""
+        keys, args = _end_call(
+            self.keys,
+            job_id,
+            status,
+            fields=fields,
+            data=_json(data),
+            now=now,
+            life=life,
+            read=True,
+            when=when,
+        )
+        self._end(keys=keys, args=args, client=pipe)
+
+    def recover(
+        self,
+        job_id: str,
+        *,
+        priority: str,
+        model: str,
+        stalled_before: float,
+        now: float,
+        max_attempts: int,
+        life: Lifetimes,
+        error: Mapping[str, str],
+        entry: Mapping[str, str],
+    ) -> str:
+        """Move a stalled job to recovering and back onto its class's intake stream (`entry`), or to
+        failed once it has had `max_attempts`; returns its new status, '' when it was left alone."""
+        keys = [self.keys.progress(), self.keys.job(job_id), self.keys.events(job_id)]
+        keys += [self.keys.intake(priority), self.keys.inflight(model)]
+        args: list[Any] = [job_id, stalled_before, max_attempts, repr(now), life.stream_maxlen]
+        args += [life.ended_ttl_s, self.keys.announce(job_id), json.dumps(error), *_items(entry)]
+        return text_of(self._recover(keys=keys, args=args))
+
+    def get(self, job_id: str) -> dict[str, str] | None:
+        raw = self.redis.hgetall(self.keys.job(job_id))
+        return decode_record(raw) if raw else None
+
+    def get_many(self, job_ids: list[str], *fields: str) -> list[dict[str, str]]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.keys.job(job_id), list(fields))
+        return [
+            {name: text_of(v) for name, v in zip(fields, values, strict=True) if v is not None}
+            for values in pipe.execute()
+        ]
+
+
+class AsyncJobStore:
+    """The API's job-record operations, over redis.asyncio."""
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._admit = redis.register_script(ADMIT_LUA)
+        self._end = redis.register_script(END_LUA)
+
+    async def admit(
+        self,
+        record: JobRecord,
+        *,
+        intake: Mapping[str, str],
+        class_depth: int,
+        overall: int,
+        ttl_s: int,
+        idempotency: tuple[str, str, int] | None = None,
+        callback_at: float | None = None,
+    ) -> tuple[str, str]:
+        """Write a new job's record (living `ttl_s`) and its intake entry if fewer than `class_depth`
+        jobs wait in its class and fewer than `overall` in all; with `idempotency` (the key's digest,
+        its value, its ttl) the key too, unless it is already held. With `callback_at` the job is
+        registered with the webhook dispatcher, scored by that time. Returns the script's outcome and
+        its detail: ('ok', depth), ('held', value), ('overloaded', total) or ('queue_full', depth)."""
+        keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
+        keys += [self.keys.intake(p) for p in PRIORITIES]
+        keys.append(self.keys.webhook_jobs())
+        value, key_ttl = "", 0
+        if idempotency is not None:
+            keys.append(self.keys.idempotency(idempotency[0]))
+            value, key_ttl = idempotency[1], idempotency[2]
+        items = _items(record.to_hash())
+        args: list[Any] = [len(PRIORITIES), class_depth, overall, ttl_s, value, key_ttl, len(items)]
+        args += ["" if callback_at is None else repr(callback_at), record.id, *items, *_items(intake)]
+        outcome, detail = await self._admit(keys=keys, args=args)
+        return text_of(outcome), text_of(detail)
+
+    async def create(self, record: JobRecord, *, ttl_s: int) -> None:
+        """Write a job that skips the intake (an embeddings job goes straight to its first stage)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.job(record.id), mapping=record.to_hash())
+        pipe.expire(self.keys.job(record.id), ttl_s)
+        await pipe.execute()
+
+    async def forget_embedding(self, job_id: str) -> None:
+        """Drop an embeddings job's vectors (up to a MB of JSON) once its one caller has them."""
+        await self.redis.hdel(self.keys.job(job_id), "embedding")
+
+    async def cancel(self, job_id: str, *, reason: str, life: Lifetimes) -> tuple[bool, str]:
+        """Move the job to `cancelled` and append its final event; (applied, the status it had, ''
+        when there is no such job). Its inputs stay while it was running: stage 0 may read them."""
+        error = {"code": "cancelled", "message": reason}
+        keys, args = _end_call(
+            self.keys,
+            job_id,
+            S.CANCELLED,
+            fields={"error": error},
+            data=json.dumps(error),
+            now=time.time(),
+            life=life,
+            read=False,
+        )
+        applied, current = await self._end(keys=keys, args=args)
+        return bool(int(applied)), text_of(current)
+
+    async def get(self, job_id: str) -> dict[str, str] | None:
+        raw = await self.redis.hgetall(self.keys.job(job_id))
+        return decode_record(raw) if raw else None
