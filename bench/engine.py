@@ -1,4 +1,4 @@
-"""What one stage does per decode step: its milliseconds, by precision and attention path.
+"""What one stage does per decode step: its milliseconds, by precision, attention path and weights.
 
 SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill, then
 decode steps. Each batch size runs twice: "padded" (prompts of 100-160 tokens left-padded to the
@@ -6,15 +6,18 @@ longest, as rows of different lengths or a join leave them: a mask is passed) an
 of 128 tokens: no mask, as for one stream). Three engines take turns, a step each, so a slow spell
 of the shared machine hits all of them alike:
 
-    fp32 sdpa       float32, transformers' SDPA attention (what fp32 serves with)
-    bf16 sdpa       bfloat16, transformers' SDPA attention (what bf16 served with before)
-    bf16 grouped    bfloat16, `app.partitions.attention.grouped_attention` (what bf16 serves with)
+    fp32            float32, transformers' SDPA attention (what fp32 serves with)
+    bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights (what bf16
+                    served with before)
+    bf16            bfloat16, `app.partitions.attention.grouped_attention` and linear weights
+                    packed for oneDNN (`app.partitions.packing`): what bf16 serves with
 
-For each batch size: the median step, tokens/s (B / step), and the ratio to fp32 sdpa. Then a
+For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others. Then a
 profile of one engine at the largest batch: where a step's milliseconds go (linear layers,
 attention, the other kernels, and the host time no kernel accounts for). Last, greedy agreement
-of bf16 grouped with bf16 sdpa over the decode steps taken (bf16 results differ in the last bit
-between kernels, so an argmax may flip where two logits tie at bf16 precision).
+of bf16 with bf16 before over the decode steps taken (packing changes no number; the attention
+path changes the last bit of unpadded steps, so an argmax may flip where two logits tie at bf16
+precision).
 
     .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--threads 1]
 
@@ -39,8 +42,11 @@ from bench.report import git_commit
 from bench.slice import MODEL_DIR
 
 RESULTS = ROOT / "bench" / "results" / "engine.md"
-ENGINES = (("fp32 sdpa", torch.float32, "sdpa"), ("bf16 sdpa", torch.bfloat16, "sdpa"))
-GROUPED = ("bf16 grouped", torch.bfloat16, attention.IMPLEMENTATION)
+ENGINES = (  # name, dtype, attention, linear weights packed
+    ("fp32", torch.float32, "sdpa", False),
+    ("bf16 before", torch.bfloat16, "sdpa", False),
+    ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True),
+)
 
 
 @dataclass
@@ -108,7 +114,7 @@ def profile(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     kinds: dict[str, float] = {"linear layers (mm)": 0.0, "attention": 0.0, "other kernels": 0.0}
     for event in prof.key_averages():
         name, self_ms = event.key, event.self_cpu_time_total / 1000
-        if name in ("aten::mm", "aten::addmm"):
+        if name in ("aten::mm", "aten::addmm") or "linear_pointwise" in name:
             kinds["linear layers (mm)"] += self_ms
         elif "scaled_dot_product" in name or name in ("aten::bmm", "aten::_softmax", "aten::masked_fill_"):
             kinds["attention"] += self_ms
@@ -135,7 +141,7 @@ def median_ms(engine: Engine) -> float:
 def markdown(
     rows: list[tuple[int, str, dict[str, float]]], prof: dict[str, float], meta: dict[str, str]
 ) -> str:
-    names = [name for name, _, _ in (*ENGINES, GROUPED)]
+    names = [name for name, *_ in ENGINES]
     lines = [
         "# Engine: one decode step, by precision and attention path",
         "",
@@ -147,15 +153,12 @@ def markdown(
         + " | ".join(f"{n} ms" for n in names)
         + " | "
         + " | ".join(f"{n} tok/s" for n in names)
-        + " | bf16 grouped / fp32 sdpa | bf16 grouped / bf16 sdpa |",
+        + " | bf16 vs fp32 | bf16 vs bf16 before |",
         "|---:|---|" + "---:|" * (2 * len(names) + 2),
     ]
     for batch, rows_kind, ms in rows:
         cells = [f"{ms[n]:.1f}" for n in names] + [f"{batch / ms[n] * 1000:.0f}" for n in names]
-        speedup = [
-            f"{ms['fp32 sdpa'] / ms['bf16 grouped']:.2f}×",
-            f"{ms['bf16 sdpa'] / ms['bf16 grouped']:.2f}×",
-        ]
+        speedup = [f"{ms['fp32'] / ms['bf16']:.2f}×", f"{ms['bf16 before'] / ms['bf16']:.2f}×"]
         lines.append(f"| {batch} | {rows_kind} | " + " | ".join(cells + speedup) + " |")
     lines += [
         "",
@@ -171,7 +174,7 @@ def markdown(
         lines.append(f"| {kind} | {ms:.1f} | {share} |")
     lines += [
         "",
-        f"Greedy agreement, bf16 grouped vs bf16 sdpa over every decode step: {meta['agreement']}.",
+        f"Greedy agreement, bf16 vs bf16 before over every decode step: {meta['agreement']}.",
         "",
     ]
     return "\n".join(lines)
@@ -191,16 +194,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     load = f"{os.getloadavg()[0]:.1f}"
-    loaded: dict[torch.dtype, StagePartition] = {}
 
-    def partition(dtype: torch.dtype) -> StagePartition:
-        if dtype not in loaded:
-            loaded[dtype] = StagePartition.load(MODEL_DIR, dtype=dtype)
-            loaded[dtype].warmup()
-        return loaded[dtype]
+    def partition(dtype: torch.dtype, pack: bool) -> StagePartition:
+        stage = StagePartition.load(MODEL_DIR, dtype=dtype, pack=pack)
+        stage.warmup()
+        return stage
 
-    # The two bf16 engines share one partition (and its config): `use` switches the path per step.
-    engines = [Engine(name, partition(dtype), impl) for name, dtype, impl in (*ENGINES, GROUPED)]
+    engines = [Engine(name, partition(dtype, pack), impl) for name, dtype, impl, pack in ENGINES]
     rows = []
     same = total = 0
     for batch in batches:
@@ -225,7 +225,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": str(args.threads),
         "load": f"{load} before, {os.getloadavg()[0]:.1f} after",
-        "profiled": f"bf16 grouped, batch {profiled}",
+        "profiled": f"bf16, batch {profiled}",
         "agreement": f"{same}/{total} tokens ({same / max(total, 1):.1%})",
     }
     text = markdown(rows, prof, meta)
