@@ -168,7 +168,9 @@ class Settings(BaseSettings):
     # ones) and on CPUs with native bf16 where it measures faster, else fp32. A model added with
     # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    torch_threads: int | None = None  # None: torch's default (all cores); resource isolation per worker
+    # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
+    # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
+    torch_threads: int | None = None
     heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 
