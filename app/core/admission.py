@@ -8,12 +8,18 @@ The gates, in order; the first that refuses answers, with a Retry-After:
 2. the model's circuit breaker is open, or half-open with its probe out -> 503 circuit_open;
 3. jobs waiting over every class >= `overload_limit`                   -> 503 overloaded;
 4. jobs waiting in the job's class >= `queue_depth_limit`              -> 429 queue_full;
-5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable.
+5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable;
+6. the tenant's jobs waiting in the job's class >= its share of `queue_depth_limit`
+   (`Settings.tenant_queue_limit`)                                     -> 429 tenant_queue_full.
 
 "Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
 dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`,
 app/core/jobstore.py),
-so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements, read once.
+so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements, read once. Gate 6 is
+checked by that script only, so one tenant's share holds however many API processes submit for it.
+A tenant's waiting jobs are counted from the job store's `tenant_waiting` set, which holds a job
+exactly while it is queued or recovering (the store adds and removes it with each move), so a job
+cancelled, expired or scheduled stops counting at once, before the batcher deletes its intake entry.
 
 Predicted wait (gate 5):  W = A / R, where
   A = jobs waiting in the job's class and every higher one (they start before it), and
@@ -40,6 +46,7 @@ from app.core.errors import (
     Overloaded,
     QueueFull,
     StageUnavailable,
+    TenantQueueFull,
 )
 from app.core.jobstore import AsyncJobStore, JobRecord
 from app.core.keys import PRIORITIES, Keys
@@ -143,6 +150,19 @@ def queue_full(depth: int, priority: str, *, limits: Limits, rate: float | None)
             priority=priority,
             waiting=depth,
             limit=limits.class_depth,
+        )
+
+
+def tenant_queue_full(waiting: int, priority: str, *, limit: int, limits: Limits, rate: float | None) -> None:
+    """Gate 6 (the write script's answer). Retry-After as for the class at the measured rate: the
+    tenant's jobs leave no faster than all of them."""
+    if waiting >= limit:
+        raise TenantQueueFull(
+            f"{waiting} of your {priority} jobs are waiting, your share of this class's queue; retry later",
+            retry_after_s=drain_s(waiting - limit + 1, rate, limits.retry_after_s),
+            priority=priority,
+            waiting=waiting,
+            limit=limit,
         )
 
 
@@ -295,12 +315,14 @@ class Admission:
         With `callback_at` (a job with a callback_url) the job is registered with the webhook
         dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
         ttl = min(self.settings.idempotency_ttl_s, self.settings.job_ttl_s)  # the job outlives its key
+        tenant_depth = self.settings.tenant_queue_limit(record.tenant)
         try:
             outcome, detail = await self.store.admit(
                 record,
                 intake=intake,
                 class_depth=self.limits.class_depth,
                 overall=self.limits.overall,
+                tenant_depth=tenant_depth,
                 ttl_s=self.settings.job_ttl_s,
                 idempotency=None if idempotency is None else (*idempotency, ttl),
                 callback_at=callback_at,
@@ -315,6 +337,10 @@ class Admission:
                 return Written(held=detail)
             if outcome == "overloaded":
                 overload(int(detail), limits=self.limits, rate=ticket.rate)
+            if outcome == "tenant_queue_full":
+                tenant_queue_full(
+                    int(detail), ticket.priority, limit=tenant_depth, limits=self.limits, rate=ticket.rate
+                )
             queue_full(int(detail), ticket.priority, limits=self.limits, rate=ticket.rate)
             raise AssertionError(f"admit script answered {outcome!r}")  # pragma: no cover
         except BaseException:

@@ -237,6 +237,12 @@ class Settings(BaseSettings):
     queue_depth_limit: int = Field(default=1000, ge=1)
     # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
     overload_limit: int = Field(default=2000, ge=1)
+    # The part of a class's queue_depth_limit one tenant's waiting jobs may fill (at least one job);
+    # past it 429 tenant_queue_full while other tenants are still admitted. Half: a tenant that floods
+    # a class leaves the other half to everyone else; 1: one tenant may fill the class alone.
+    tenant_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    # Per-tenant overrides of tenant_queue_share (JSON, tenant -> share): {"batch-import": 0.1}.
+    tenant_queue_shares: dict[str, float] = Field(default_factory=dict)
     # Retry-After when nothing better is known (Redis away, no measured completion rate): seconds.
     retry_after_s: float = Field(default=2.0, gt=0)
     # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
@@ -370,6 +376,8 @@ class Settings(BaseSettings):
                 raise ValueError(f"tenant_priorities[{tenant!r}] names unknown classes {unknown}")
         if any(w <= 0 for w in self.tenant_weights.values()):
             raise ValueError("tenant_weights must be positive")
+        if any(not 0 < share <= 1 for share in self.tenant_queue_shares.values()):
+            raise ValueError("tenant_queue_shares must be over 0 and at most 1")
         return self
 
     @model_validator(mode="after")
@@ -380,6 +388,12 @@ class Settings(BaseSettings):
             if name in self.models:
                 raise ValueError(f"routes: {name!r} is already the name of a model (CONVEYOR_MODELS)")
         return self
+
+    def tenant_queue_limit(self, tenant: str) -> int:
+        """Jobs of `tenant` that may wait in one priority class: its share of queue_depth_limit,
+        rounded down, at least one."""
+        share = self.tenant_queue_shares.get(tenant, self.tenant_queue_share)
+        return max(1, int(share * self.queue_depth_limit + 1e-9))  # 0.29 x 100 is 28.999... in floats
 
     def allowed_priorities(self, tenant: str) -> set[str] | None:
         """The classes `tenant` may submit to (aliases resolved); None: every class."""

@@ -119,6 +119,14 @@ class QueueFull(Refused):
     status = 429
 
 
+class TenantQueueFull(Refused):
+    """The tenant already has its share of the job's priority class waiting
+    (`Settings.tenant_queue_share`); other tenants are still admitted while the class has room."""
+
+    code = "tenant_queue_full"
+    status = 429
+
+
 class DeadlineUnmeetable(Refused):
     """The predicted queue wait is already longer than the job's timeout_s."""
 

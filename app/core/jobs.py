@@ -32,6 +32,9 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})
+# The states of a job that waits in its class's intake stream to be scheduled: submitted, put back
+# after a dispatch the broker refused, or recovered. Admission's tenant share counts these.
+WAITING = frozenset({JobStatus.QUEUED, JobStatus.RECOVERING})
 
 S = JobStatus
 TRANSITIONS: Mapping[JobStatus, frozenset[JobStatus]] = {

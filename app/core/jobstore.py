@@ -1,4 +1,5 @@
-"""The job record's one writer: every write to a job's hash, its event stream and the `progress` set.
+"""The job record's one writer: every write to a job's hash, its event stream, the `progress` set
+and the tenants' waiting sets (`tenant_waiting`, kept in step with the status: WAITING_FUNCTION).
 
 Who calls what:
 - the API (`AsyncJobStore`): `admit` (the record with its intake entry, at submit), `cancel`,
@@ -27,6 +28,7 @@ from typing import Any
 from app.core.jobs import (
     FINAL_EVENT,
     TIMESTAMP_FIELD,
+    WAITING,
     JobStatus,
     Transition,
     check_result,
@@ -194,14 +196,63 @@ def _lua(text: str) -> str:
     # The monitor moves a stalled job to recovering, or to failed once out of attempts: only from
     # a state both moves may leave.
     names["RECOVERABLE"] = _lua_set(set(predecessors(S.RECOVERING)) & set(predecessors(S.FAILED)))
+    names["WAITING"] = _lua_set(str(s) for s in WAITING)
     return Template(text).substitute(names)
 
 
-# transition(key, o): ARGV[o+1..] = target, n, n allowed predecessors, g, g guard field/value
-# pairs (the record must hold these values), then field/value pairs to write.
-# Returns {1, previous} when applied, {0, current-or-empty} when refused.
+# The tenants' waiting jobs (admission's tenant share, app/core/admission.py): a job is a member of
+# `tenant_waiting` (and of `tenant_waiting_expiry`, scored by when its record expires) exactly while
+# its status is one of `WAITING` (it has an entry in its class's intake stream), because every
+# script that writes a status here adds or removes the member in the same script: the admit script
+# (queued), `transition` (any move: into queued after a dispatch is undone; out of queued or
+# recovering when scheduled, cancelled, expired or failed) and the recovery script (recovering).
+# Nothing else is counted: a job that never had an intake entry (embeddings) is never added, so its
+# moves remove nothing. Adding and removing are idempotent, so the count is the number of members.
+# A member outlives its job only if the record expires while the job waits (no move took it out):
+# the admit script drops those first. A member names its tenant with its length, so that no tenant's
+# name can be a prefix of another's range.
+#
+# waiting_name(priority, tenant, id): the member; with id '' the prefix of the tenant's range.
+# waits(job, waiting, expiry, on): the job (its record's id, priority, tenant) enters or leaves.
+# moved(job, waiting, expiry, from, to): after a move applied, the same when it crosses WAITING.
+WAITING_FUNCTION = _lua(
+    """
+local function waiting_name(priority, tenant, id)
+  return priority .. ' ' .. #tenant .. ':' .. tenant .. ' ' .. id
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function waits(job, waiting, expiry, on)
+  local rec = redis.call('HMGET', job, 'id', 'priority', 'tenant')
+  if not rec[1] or not rec[2] then return end
+  local name = waiting_name(rec[2], rec[3] or '', rec[1])
+  if on then
+    local ttl = redis.call('PTTL', job)
+    redis.call('ZADD', waiting, 0, name)
+    redis.call('ZADD', expiry, ttl >= 0 and now_ms() + ttl or '+inf', name)
+  else
+    redis.call('ZREM', waiting, name)
+    redis.call('ZREM', expiry, name)
+  end
+end
+local function moved(job, waiting, expiry, from, to)
+  local waiting_states = $WAITING
+  if (waiting_states[from] or false) ~= (waiting_states[to] or false) then
+    waits(job, waiting, expiry, waiting_states[to] or false)
+  end
+end
+"""
+)
+
+
+# transition(key, o, waiting, expiry): ARGV[o+1..] = target, n, n allowed predecessors, g, g guard
+# field/value pairs (the record must hold these values), then field/value pairs to write; `waiting`
+# and `expiry`: the tenants' waiting sets, kept in step with the move (WAITING_FUNCTION, which a
+# script includes before this). Returns {1, previous} when applied, {0, current-or-empty} when refused.
 TRANSITION_FUNCTION = """
-local function transition(key, o)
+local function transition(key, o, waiting, expiry)
   local cur = redis.call('HGET', key, 'status')
   if not cur then return {0, ''} end
   local n = tonumber(ARGV[o + 2])
@@ -214,13 +265,14 @@ local function transition(key, o)
     if cur == ARGV[i] then
       redis.call('HSET', key, 'status', ARGV[o + 1])
       for j = first, #ARGV, 2 do redis.call('HSET', key, ARGV[j], ARGV[j + 1]) end
+      moved(key, waiting, expiry, cur, ARGV[o + 1])
       return {1, cur}
     end
   end
   return {0, cur}
 end
 """
-TRANSITION_LUA = TRANSITION_FUNCTION + "return transition(KEYS[1], 0)"
+TRANSITION_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + "return transition(KEYS[1], 0, KEYS[2], KEYS[3])"
 
 # What a job keeps once it has ended. Its inputs (the prompt's token ids, tens of KB for a long
 # prompt; an embeddings request's texts, up to a MB) go: nothing runs it again. Its record and
@@ -244,21 +296,23 @@ end
 )
 
 # A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
-# progress set. ARGV[1..7] = event, data, stream maxlen, ended ttl (record and stream), announce
-# channel, job id, read ('1': the caller is the worker that has read the job's inputs, so they go
-# whatever state it left); then the transition's arguments (above). Returns the transition's result.
+# progress set, the tenants' waiting sets (2). ARGV[1..7] = event, data, stream maxlen, ended ttl
+# (record and stream), announce channel, job id, read ('1': the caller is the worker that has read
+# the job's inputs, so they go whatever state it left); then the transition's arguments (above).
+# Returns the transition's result.
 END_LUA = (
-    TRANSITION_FUNCTION
+    WAITING_FUNCTION
+    + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + """
-local moved = transition(KEYS[1], 7)
-if moved[1] == 1 then
+local done = transition(KEYS[1], 7, KEYS[4], KEYS[5])
+if done[1] == 1 then
   redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
-  ended(KEYS[1], KEYS[2], ARGV[4], ARGV[7] == '1' and '' or moved[2])
+  ended(KEYS[1], KEYS[2], ARGV[4], ARGV[7] == '1' and '' or done[2])
   redis.call('ZREM', KEYS[3], ARGV[6])
   redis.call('PUBLISH', ARGV[5], ARGV[1])
 end
-return moved
+return done
 """
 )
 
@@ -310,13 +364,17 @@ return gone
 )
 
 # The monitor's move of one stalled job.
-# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model.
+# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model,
+# the tenants' waiting sets (2).
 # ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, ended ttl, announce
 # channel, error JSON, then the intake entry's field/value pairs.
 # Moves a recoverable job to recovering (re-queued) or to failed (its inputs dropped: a stalled
 # batch read them long ago); returns the new status or ''.
-RECOVER_LUA = ENDED_FUNCTION + _lua(
-    """
+RECOVER_LUA = (
+    WAITING_FUNCTION
+    + ENDED_FUNCTION
+    + _lua(
+        """
 local job = ARGV[1]
 local score = redis.call('ZSCORE', KEYS[1], job)
 if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
@@ -345,22 +403,29 @@ for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
 table.insert(entry, 'attempts')
 table.insert(entry, tostring(attempts))
 redis.call('XADD', KEYS[4], '*', unpack(entry))
+waits(KEYS[2], KEYS[6], KEYS[7], true)
 return $RECOVERING
 """
+    )
 )
 
 # A new job: its record, its intake entry and (with one) its Idempotency-Key, if the depth limits
-# (admission's gates 3 and 4, app/core/admission.py) still hold.
+# (admission's gates 3 and 4, app/core/admission.py) and the tenant's share of its class still hold.
 # KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
-# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback,
-# KEYS[4+c] = the Idempotency-Key's key (absent without one).
+# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback, KEYS[4+c], KEYS[5+c] = the
+# tenants' waiting sets (WAITING_FUNCTION), KEYS[6+c] = the Idempotency-Key's key (absent without one).
 # ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
 # [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
+# [10] = the tenant's share of the class (jobs), [11] = the job's class, [12] = its tenant,
 # then r record field/value items, then the intake entry's items.
-# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} | {'ok', depth}.
-ADMIT_LUA = """
+# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} |
+# {'tenant_queue_full', the tenant's waiting jobs of the class} | {'ok', depth}.
+ADMIT_LUA = (
+    WAITING_FUNCTION
+    + """
 local c = tonumber(ARGV[1])
-local idem = KEYS[4 + c]
+local waiting, expiry = KEYS[4 + c], KEYS[5 + c]
+local idem = KEYS[6 + c]
 if idem then
   local held = redis.call('GET', idem)
   if held then return {'held', held} end
@@ -370,14 +435,25 @@ for i = 3, 2 + c do total = total + redis.call('XLEN', KEYS[i]) end
 if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
 local depth = redis.call('XLEN', KEYS[2])
 if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
+-- Members whose record expired while their job waited (a few per submit: the work stays bounded).
+local stale = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. now_ms(), 'LIMIT', 0, 16)
+if #stale > 0 then
+  redis.call('ZREM', waiting, unpack(stale))
+  redis.call('ZREM', expiry, unpack(stale))
+end
+local prefix = waiting_name(ARGV[11], ARGV[12], '')
+local mine = redis.call('ZLEXCOUNT', waiting, '[' .. prefix, '(' .. prefix .. '\\255')
+if mine >= tonumber(ARGV[10]) then return {'tenant_queue_full', mine} end
 local r = tonumber(ARGV[7])
-redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + r))
+redis.call('HSET', KEYS[1], unpack(ARGV, 13, 12 + r))
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 10 + r, #ARGV))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 13 + r, #ARGV))
+waits(KEYS[1], waiting, expiry, true)
 if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
 if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
 return {'ok', depth}
 """
+)
 
 
 def _json(value: Any) -> str:
@@ -414,7 +490,12 @@ def _end_call(
     transition = Transition(job_id, status, fields, when or {})
     args: list[Any] = [FINAL_EVENT[status], data, life.stream_maxlen, life.ended_ttl_s]
     args += [keys.announce(job_id), job_id, "1" if read else "0", *transition.script_args(now)]
-    return [keys.job(job_id), keys.events(job_id), keys.progress()], args
+    return [keys.job(job_id), keys.events(job_id), keys.progress(), *_waiting_keys(keys)], args
+
+
+def _waiting_keys(keys: Keys) -> list[str]:
+    """The tenants' waiting sets, which every script that moves a job keeps in step (WAITING_FUNCTION)."""
+    return [keys.tenant_waiting(), keys.tenant_waiting_expiry()]
 
 
 # --- the writers -----------------------------------------------------------------------------------
@@ -462,7 +543,7 @@ class JobStore:
 
     def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
         """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""
-        keys = [self.keys.job(transition.job_id)]
+        keys = [self.keys.job(transition.job_id), *_waiting_keys(self.keys)]
         self._transition(keys=keys, args=transition.script_args(now), client=pipe)
 
     def progressed(self, job_ids: Sequence[str], now: float, *, pipe: Any = None) -> None:
@@ -537,7 +618,7 @@ class JobStore:
         """Move a stalled job to recovering and back onto its class's intake stream (`entry`), or to
         failed once it has had `max_attempts`; returns its new status, '' when it was left alone."""
         keys = [self.keys.progress(), self.keys.job(job_id), self.keys.events(job_id)]
-        keys += [self.keys.intake(priority), self.keys.inflight(model)]
+        keys += [self.keys.intake(priority), self.keys.inflight(model), *_waiting_keys(self.keys)]
         args: list[Any] = [job_id, stalled_before, max_attempts, repr(now), life.stream_maxlen]
         args += [life.ended_ttl_s, self.keys.announce(job_id), json.dumps(error), *_items(entry)]
         return text_of(self._recover(keys=keys, args=args))
@@ -572,25 +653,29 @@ class AsyncJobStore:
         intake: Mapping[str, str],
         class_depth: int,
         overall: int,
+        tenant_depth: int,
         ttl_s: int,
         idempotency: tuple[str, str, int] | None = None,
         callback_at: float | None = None,
     ) -> tuple[str, str]:
         """Write a new job's record (living `ttl_s`) and its intake entry if fewer than `class_depth`
-        jobs wait in its class and fewer than `overall` in all; with `idempotency` (the key's digest,
-        its value, its ttl) the key too, unless it is already held. With `callback_at` the job is
-        registered with the webhook dispatcher, scored by that time. Returns the script's outcome and
-        its detail: ('ok', depth), ('held', value), ('overloaded', total) or ('queue_full', depth)."""
+        jobs wait in its class, fewer than `overall` in all and fewer than `tenant_depth` of its
+        tenant's in its class; with `idempotency` (the key's digest, its value, its ttl) the key too,
+        unless it is already held. With `callback_at` the job is registered with the webhook
+        dispatcher, scored by that time. Returns the script's outcome and its detail: ('ok', depth),
+        ('held', value), ('overloaded', total), ('queue_full', depth) or ('tenant_queue_full', the
+        tenant's waiting jobs of the class)."""
         keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
         keys += [self.keys.intake(p) for p in PRIORITIES]
-        keys.append(self.keys.webhook_jobs())
+        keys += [self.keys.webhook_jobs(), *_waiting_keys(self.keys)]
         value, key_ttl = "", 0
         if idempotency is not None:
             keys.append(self.keys.idempotency(idempotency[0]))
             value, key_ttl = idempotency[1], idempotency[2]
         items = _items(record.to_hash())
         args: list[Any] = [len(PRIORITIES), class_depth, overall, ttl_s, value, key_ttl, len(items)]
-        args += ["" if callback_at is None else repr(callback_at), record.id, *items, *_items(intake)]
+        args += ["" if callback_at is None else repr(callback_at), record.id]
+        args += [tenant_depth, record.priority, record.tenant, *items, *_items(intake)]
         outcome, detail = await self._admit(keys=keys, args=args)
         return text_of(outcome), text_of(detail)
 

@@ -107,6 +107,18 @@ class Keys:
         """String: since when a stage with no heartbeat at all has been seen without a worker."""
         return f"{self.namespace}:stage-down:{model}:{stage}"
 
+    def tenant_waiting(self) -> str:
+        """Sorted set, every score 0 (so ordered by member): one member per job waiting in an intake
+        stream (`jobs.WAITING`), `{priority} {len(tenant)}:{tenant} {job id}`; a tenant's waiting jobs
+        of a class are one range of it (ZLEXCOUNT, admission's tenant share). Written only by
+        app/core/jobstore.py, beside the job's status; bounded by the jobs waiting."""
+        return f"{self.namespace}:tenant-waiting"
+
+    def tenant_waiting_expiry(self) -> str:
+        """Sorted set: the members of `tenant_waiting`, scored by when their job's record expires (unix
+        ms), so that a record that expired while its job waited (no move took it out) is dropped too."""
+        return f"{self.namespace}:tenant-waiting:expiry"
+
     def idempotency(self, digest: str) -> str:
         """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256)."""
         return f"{self.namespace}:idempotency:{digest}"

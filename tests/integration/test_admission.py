@@ -55,6 +55,7 @@ def settings() -> Settings:
         queue_depth_limit=3,
         overload_limit=5,
         breaker_min_requests=10,
+        tenant_queue_share=1.0,  # one tenant here: the class's limits are the point (tests/security)
     )
 
 
@@ -247,6 +248,7 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
             "CONVEYOR_MAX_TOKENS_LIMIT": "4000",
             "CONVEYOR_QUEUE_DEPTH_LIMIT": str(DEPTH),
             "CONVEYOR_OVERLOAD_LIMIT": str(OVERALL),
+            "CONVEYOR_TENANT_QUEUE_SHARE": "1",  # one tenant fills a class here
         },
     )
     yield stack

@@ -8,7 +8,7 @@ import json
 import re
 
 from app.core import jobstore
-from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, TERMINAL, TRANSITIONS, JobStatus
+from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, TERMINAL, TRANSITIONS, WAITING, JobStatus
 from app.core.jobstore import JobRecord, JobRequest
 from app.webhooks.events import FAILED_EVENTS
 
@@ -130,9 +130,14 @@ def test_the_scripts_move_jobs_only_from_states_the_table_allows() -> None:
     recoverable = lua_set(jobstore.RECOVER_LUA, "recoverable")
     both = sources(JobStatus.RECOVERING) & sources(JobStatus.FAILED)
     assert recoverable == both == {"scheduled", "running"}
+    # A job counts in its tenant's waiting set exactly while it waits in an intake stream.
+    assert lua_set(jobstore.WAITING_FUNCTION, "waiting_states") == {str(s) for s in WAITING}
+    assert {str(s) for s in WAITING} == {"queued", "recovering"}
     # Every lifecycle name in the scripts' templates was filled in.
     for script in (jobstore.STEP_LUA, jobstore.RECOVER_LUA, jobstore.END_LUA, jobstore.ADMIT_LUA):
         assert "$" not in script
+    for script in (jobstore.TRANSITION_LUA, jobstore.END_LUA, jobstore.RECOVER_LUA, jobstore.ADMIT_LUA):
+        assert jobstore.WAITING_FUNCTION in script  # each may move a job into or out of WAITING
 
 
 def test_one_final_event_per_final_status() -> None:

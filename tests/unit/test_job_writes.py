@@ -1,9 +1,11 @@
 """One owner for the job: `app/core/jobstore.py` is the only module of `app/` that writes a job's
-record (`job:{id}`), its event stream (`job:{id}:events`) or the `progress` set. Every other module
-calls its methods. This reads the source of every other module and fails on:
+record (`job:{id}`), its event stream (`job:{id}:events`), the `progress` set or the tenants' waiting
+sets (kept in step with the status). Every other module calls its methods. This reads the source of
+every other module and fails on:
 
-- a Redis write command (hset, xadd, expire, delete, zadd, ...) on a job, event or progress key,
-  built by `keys.job()` / `keys.events()` / `keys.progress()`, spelt as a `...:job:...` string, or
+- a Redis write command (hset, xadd, expire, delete, zadd, ...) on a job, event, progress or
+  tenant-waiting key, built by `keys.job()` / `keys.events()` / `keys.progress()` /
+  `keys.tenant_waiting()` / `keys.tenant_waiting_expiry()`, spelt as a `...:job:...` string, or
   held in a variable assigned from either;
 - a script called with such a key (`script(keys=[keys.job(j)], ...)`);
 - Lua text that writes a job's record or stream (a write command beside a record field name);
@@ -22,7 +24,7 @@ from app.core.jobstore import JobRecord
 
 APP = Path(__file__).resolve().parents[2] / "app"
 OWNER = "core/jobstore.py"
-BUILDERS = {"job", "events", "progress"}
+BUILDERS = {"job", "events", "progress", "tenant_waiting", "tenant_waiting_expiry"}
 WRITES = {
     "hset", "hsetnx", "hmset", "hincrby", "hincrbyfloat", "hdel",
     "xadd", "xtrim", "xdel",
@@ -124,6 +126,8 @@ def test_the_store_itself_is_what_the_scan_would_flag() -> None:
         "pipe.xadd(self.keys.events(j), {'event': 'done'})",
         "self.jobs.redis.hset(self.jobs.keys.job(j), 'text', '')",
         "self.redis.zadd(self.keys.progress(), {j: 1.0})",
+        "pipe.zrem(self.keys.tenant_waiting(), member)",
+        "redis.delete(keys.tenant_waiting_expiry())",
         "key = self.keys.job(j)\nself.redis.expire(key, 5)",
         "names = [self.keys.job(j)]\nredis.delete(*names)",
         "redis.delete(f'{ns}:job:{j}')",

@@ -26,8 +26,9 @@ EVENT_ID = re.compile(r"^\d+-\d+$")
 ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (401, 404, 413, 422)}
 # Routes that read a JSON body: 400 bad_request when it cannot be parsed at all (not UTF-8).
 BODY_ERRORS: dict[int | str, dict[str, Any]] = {**ERRORS, 400: {"model": ErrorBody}}
-# Refusals at submit: 409 idempotency_conflict; 429 rate_limited, queue_full, deadline_unmeetable;
-# 503 overloaded, circuit_open, stage_unavailable, unavailable (each with Retry-After).
+# Refusals at submit: 409 idempotency_conflict; 429 rate_limited, queue_full, tenant_queue_full,
+# deadline_unmeetable; 503 overloaded, circuit_open, stage_unavailable, unavailable (each with
+# Retry-After).
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     **BODY_ERRORS,
     **{status: {"model": ErrorBody} for status in (409, 429, 503)},
