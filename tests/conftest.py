@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_lib
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -194,6 +195,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: 
     )
     yield s
     s.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread for the models run in this process, as the stacks' workers get
+    (CONVEYOR_TORCH_THREADS=1). The tiny models gain nothing from more, and on a busy machine OpenMP's
+    threads wait at every op for a sibling the scheduler has parked: the unit tests of the families
+    ran 30 times slower on two shared cores with torch's default of one thread per core."""
+    torch.set_num_threads(1)
 
 
 def _starts_a_stack(func: object) -> bool:
