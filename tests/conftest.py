@@ -204,7 +204,7 @@ def start_stack(
                 return stack
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     stack.stop()
     raise RuntimeError(f"the stack did not become ready:\n{log.read_text()[-4000:]}")
 
