@@ -61,7 +61,7 @@ def replica_main(settings: Settings, name: str, metrics_port: int) -> None:
         stage=STAGE,
         worker=name,
         queue=queue,
-        thresholds=Thresholds(cooldown_s=1.0, fresh_s=settings.heartbeat_ttl_s),
+        thresholds=Thresholds(cooldown_s=0.3, fresh_s=settings.heartbeat_ttl_s),
     )
 
     def run(wire: dict[str, Any]) -> None:
@@ -190,7 +190,7 @@ def test_an_unhealthy_replica_takes_no_new_batches_until_its_probe_passes(settin
         until(lambda: sorted(b.ran()) == sorted(ids), what="b runs every new batch")
         assert a.ran() == []
 
-        # Cooled down: after the cool-down (1 s here) a fresh report passes, and it takes batches again.
+        # Cooled down: after the cool-down (0.3 s here) a fresh report passes, and it takes batches again.
         a.report(COOL)
         until(lambda: a.state() == State.HEALTHY, what="a's probe, then healthy")
         assert "conveyor_stage_unhealthy{" not in a.metric()
