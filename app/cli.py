@@ -295,13 +295,13 @@ def _embedding_model(settings: Settings) -> list[str]:
 @cli.command()
 def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> None:
     """Run the HTTP API (one process); HTTPS with --ssl-certfile and --ssl-keyfile."""
+    _logging()
+    settings = _settings()
+    _refuse_known_secrets(settings)  # before importing the app (torch, transformers: seconds)
     import uvicorn
 
     from app.api.app import create_app
 
-    _logging()
-    settings = _settings()
-    _refuse_known_secrets(settings)
     uvicorn.run(create_app(settings), **uvicorn_options(settings, ssl_certfile, ssl_keyfile))
 
 

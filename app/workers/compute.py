@@ -95,6 +95,16 @@ class ComputeThread(threading.Thread):
             self._run(work)
         return time.perf_counter() - started
 
+    def waiting(self) -> int:
+        """Items handed to `call` that have not started (what a test waits on to order arrivals)."""
+        with self._ready:
+            return len(self._waiting)
+
+    @property
+    def stopping(self) -> bool:
+        """`stop` has been called: nothing more is accepted."""
+        return self._stopping
+
     def _pop(self) -> _Work:
         work = heapq.heappop(self._waiting)
         self._urgent -= work.rank == 0

@@ -43,8 +43,12 @@ class LaneConsumer(threading.Thread):
     be decoded is logged and dropped; Redis going away is retried with backoff.
     """
 
-    def __init__(self, redis: Any, lane: str, handle: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, redis: Any, lane: str, handle: Callable[[dict[str, Any]], None], *, poll_s: float = POLL_S
+    ) -> None:
+        """`poll_s`: the BRPOP timeout, how long `stop` may wait (tests that stop often shorten it)."""
         super().__init__(name="lane", daemon=True)
+        self.poll_s = poll_s
         self.redis = redis
         self.lane = lane
         self.handle = handle
@@ -54,7 +58,7 @@ class LaneConsumer(threading.Thread):
         backoff = 0.1
         while not self._stopping.is_set():
             try:
-                popped = self.redis.brpop([self.lane], timeout=POLL_S)
+                popped = self.redis.brpop([self.lane], timeout=self.poll_s)
             except Exception:
                 log.warning(
                     "lane %s: Redis unreachable, retrying in %.1f s", self.lane, backoff, exc_info=True
@@ -75,11 +79,12 @@ class LaneConsumer(threading.Thread):
             except Exception:  # the handler has its own error boundary; this keeps the thread alive
                 log.exception("lane %s: handler failed", self.lane)
 
-    def stop(self, timeout_s: float = POLL_S + 1.0) -> None:
-        """Stop popping, wait for the message in hand, and delete the lane (nobody will read it)."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop popping, wait for the message in hand (by default up to a poll and a second), and
+        delete the lane (nobody will read it)."""
         self._stopping.set()
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout_s)
+            self.join(self.poll_s + 1.0 if timeout_s is None else timeout_s)
         try:
             self.redis.delete(self.lane)
         except Exception:

@@ -1,29 +1,37 @@
 """`conveyor plan --rebalance` as the docs show it beside `make run`: no REDIS_URL in the shell, the
-workers' latency reports read from the embedded Redis the running stack uses."""
+workers' latency reports read from the embedded Redis the running stack uses.
+
+The command runs in process (Click's runner) with the shell's environment replaced for the call:
+the CLI builds its `Settings` from the environment at each command, as a fresh process would."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
+from dataclasses import dataclass
 
 import redis as redis_lib
-from conftest import ROOT
+from typer.testing import CliRunner
 
+from app.cli import cli
 from app.core.keys import Keys
 from app.workers.latency import StepLatency
 
 
-def conveyor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def conveyor(*args: str, env: dict[str, str]) -> Ran:
+    """`conveyor ARGS` with exactly `env`'s CONVEYOR_* settings and REDIS_URL (the rest are unset)."""
+    unset: dict[str, str | None] = {
+        k: None for k in os.environ if k.startswith("CONVEYOR_") or k == "REDIS_URL"
+    }
+    result = CliRunner().invoke(cli, list(args), env={**unset, **env})
+    return Ran(result.exit_code, result.stdout, result.stderr)
 
 
 def test_rebalance_reads_the_embedded_redis_without_redis_url(tiny_model, tmp_path):  # type: ignore[no-untyped-def]
@@ -36,16 +44,13 @@ def test_rebalance_reads_the_embedded_redis_without_redis_url(tiny_model, tmp_pa
     process, url = start_embedded(home / "redis", port, password=ensure_password(password_file(home)))
     redis = redis_lib.Redis.from_url(url)
     namespace = f"test-{uuid.uuid4().hex[:8]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
-    env.update(
-        {
-            "CONVEYOR_HOME": str(home),
-            "CONVEYOR_NAMESPACE": namespace,
-            "CONVEYOR_EMBEDDED_REDIS_PORT": str(port),  # where `make run` started it
-            "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
-            "CONVEYOR_DEFAULT_MODEL": "tiny",
-        }
-    )
+    env = {
+        "CONVEYOR_HOME": str(home),
+        "CONVEYOR_NAMESPACE": namespace,
+        "CONVEYOR_EMBEDDED_REDIS_PORT": str(port),  # where `make run` started it
+        "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
+        "CONVEYOR_DEFAULT_MODEL": "tiny",
+    }
     try:
         plan = tmp_path / "plan.json"
         made = conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env)
@@ -69,15 +74,12 @@ def test_rebalance_says_so_when_no_redis_answers(tiny_model, tmp_path):  # type:
 
     home = tmp_path / "home"
     ensure_password(password_file(home))  # a stack's home, its Redis stopped
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
-    env.update(
-        {
-            "CONVEYOR_HOME": str(home),
-            "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),  # nothing listens there
-            "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
-            "CONVEYOR_DEFAULT_MODEL": "tiny",
-        }
-    )
+    env = {
+        "CONVEYOR_HOME": str(home),
+        "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),  # nothing listens there
+        "CONVEYOR_MODELS": f'{{"tiny": "{tiny_model}"}}',
+        "CONVEYOR_DEFAULT_MODEL": "tiny",
+    }
     plan = tmp_path / "plan.json"
     assert (
         conveyor("plan", "--stages", "2", "--dtype", "float32", "--out", str(plan), env=env).returncode == 0

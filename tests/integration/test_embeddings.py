@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.publisher import Publisher
-from app.partitions.embedding import EmbeddingModel, load_piece, plan_encoder, plan_on_meta
+from app.partitions.embedding import EmbeddingModel, plan_encoder
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
 
@@ -103,12 +103,10 @@ def test_embeddings_off_is_503(stack):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def worker_plans() -> list[GraphPlan]:
-    """Two stage workers' plans, each with its own piece loaded (as `run_embedding_worker` does)."""
-    plans = [plan_on_meta(MODEL, 2) for _ in range(2)]
-    for k, plan in enumerate(plans):
-        load_piece(plan.partitions[k], MODEL)
-    return plans
+def worker_plans(minilm_worker_plans: dict[int, list[GraphPlan]]) -> list[GraphPlan]:
+    """Two stage workers' plans, each with its own piece loaded (as `run_embedding_worker` does;
+    conftest.py's `minilm_worker_plans`)."""
+    return minilm_worker_plans[2]
 
 
 class Stages:

@@ -10,6 +10,8 @@ from app.core.protocol import StepMessage
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.workers import lane
 
+POLL_S = 0.05  # each test stops its consumer: not a whole second's BRPOP to wait out
+
 
 @pytest.fixture()
 def key(redis):
@@ -27,7 +29,7 @@ def step(i: int, hidden: torch.Tensor) -> StepMessage:
 
 def test_messages_arrive_in_order_with_their_tensors(redis, key):
     got: queue.Queue[dict] = queue.Queue()
-    consumer = lane.LaneConsumer(redis, key, got.put)
+    consumer = lane.LaneConsumer(redis, key, got.put, poll_s=POLL_S)
     consumer.start()
     try:
         hidden = [torch.randn(8, 1, 576) for _ in range(5)]
@@ -49,7 +51,7 @@ def test_a_bad_message_or_a_failing_handler_does_not_stop_the_lane(redis, key):
             raise RuntimeError("handler failed")
         got.put(wire)
 
-    consumer = lane.LaneConsumer(redis, key, handle)
+    consumer = lane.LaneConsumer(redis, key, handle, poll_s=POLL_S)
     consumer.start()
     try:
         redis.lpush(key, b"\xc1 not msgpack")
@@ -64,7 +66,7 @@ def test_a_bad_message_or_a_failing_handler_does_not_stop_the_lane(redis, key):
 def test_the_lane_expires_and_is_deleted_when_its_consumer_stops(redis, key):
     lane.send(redis, key, {"x": 1}, ttl_s=60)
     assert 0 < redis.ttl(key) <= 60
-    consumer = lane.LaneConsumer(redis, key, lambda wire: None)
+    consumer = lane.LaneConsumer(redis, key, lambda wire: None, poll_s=POLL_S)
     consumer.start()
     consumer.stop()
     assert not consumer.is_alive()

@@ -51,7 +51,13 @@ def batcher(redis, redis_url, keys):  # type: ignore[no-untyped-def]
     )
     sent: list[StepMessage] = []
     clock = Clock()
-    batcher = Batcher(settings, redis=redis, send=lambda message, _queue: sent.append(message), clock=clock)
+    batcher = Batcher(
+        settings,
+        redis=redis,
+        send=lambda message, _queue: sent.append(message),
+        clock=clock,
+        max_block_ms=10,  # `settle` ticks until nothing moves: no arrival is worth a second's wait
+    )
     intake.ensure_groups(redis, keys)
     batcher.sent, batcher.fake_clock = sent, clock  # type: ignore[attr-defined]
     return batcher

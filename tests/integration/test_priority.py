@@ -7,8 +7,10 @@ import time
 from clients import events, submit, wait
 from conftest import start_stack
 
+from app.core.keys import BATCHER_GROUP, Keys
 
-def test_classes_drain_in_priority_order(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+
+def test_classes_drain_in_priority_order(tmp_path, redis_url, redis, tiny_model):  # type: ignore[no-untyped-def]
     # One batch at a time, one job per batch, no joining: the order of dispatch is the order of service.
     stack = start_stack(
         tmp_path,
@@ -29,7 +31,14 @@ def test_classes_drain_in_priority_order(tmp_path, redis_url, tiny_model):  # ty
             body = {"prompt": "queued", "max_tokens": 2, "ignore_eos": True}
             low = [submit(client, priority="low", **body) for _ in range(2)]
             normal = submit(client, priority="normal", **body)
-            time.sleep(0.1)
+            # The batcher has read the three (they wait in its window, unacknowledged) before the
+            # urgent ones arrive.
+            keys, deadline = Keys(stack.namespace), time.monotonic() + 30
+            while (
+                sum(redis.xpending(keys.intake(p), BATCHER_GROUP)["pending"] for p in ("normal", "batch")) < 3
+            ):
+                assert time.monotonic() < deadline, "the batcher did not read the queued jobs"
+                time.sleep(0.01)
             # The first urgent job starts at once on the reserve; the next waits for it, still
             # ahead of the normal and batch jobs that were queued before either arrived.
             realtime = submit(client, priority="realtime", **body)

@@ -5,6 +5,10 @@ Two replicas of one stage, each a process running `serve` (app/workers/celery_ap
 worker does, with its heartbeat and health monitor, consume the stage's shared queue. The device
 reports are injected (no GPU: each replica reads the report the test wrote for it), the only fake;
 the handler records in Redis which replica ran each message, in place of the model.
+
+Each replica is a spawned interpreter that imports this module for `replica_main`: the module
+imports only what a stage worker imports at the top (conftest, with torch and transformers, and the
+API's test client are imported where they are used), so a replica starts in a second, not ten.
 """
 
 from __future__ import annotations
@@ -21,8 +25,6 @@ from typing import Any
 import httpx
 import pytest
 import redis as redis_lib
-from conftest import free_port
-from starlette.testclient import TestClient
 
 from app.core.broker import create_celery_app
 from app.core.config import Settings
@@ -59,7 +61,7 @@ def replica_main(settings: Settings, name: str, metrics_port: int) -> None:
         stage=STAGE,
         worker=name,
         queue=queue,
-        thresholds=Thresholds(cooldown_s=1.0, fresh_s=settings.heartbeat_ttl_s),
+        thresholds=Thresholds(cooldown_s=0.3, fresh_s=settings.heartbeat_ttl_s),
     )
 
     def run(wire: dict[str, Any]) -> None:
@@ -94,6 +96,8 @@ def replica_main(settings: Settings, name: str, metrics_port: int) -> None:
 
 class Replica:
     def __init__(self, settings: Settings, redis: redis_lib.Redis, name: str) -> None:
+        from conftest import free_port
+
         self.settings, self.redis, self.name = settings, redis, name
         self.metrics_port = free_port()
         self.report(COOL)
@@ -167,6 +171,8 @@ def send(settings: Settings, count: int) -> list[str]:
 
 
 def test_an_unhealthy_replica_takes_no_new_batches_until_its_probe_passes(settings: Settings) -> None:
+    from starlette.testclient import TestClient
+
     with replicas(settings, ["a", "b"]) as r:
         a, b = r["a"], r["b"]
         a.report(HOT)  # from its next beat on, a's device is at 92 C
@@ -184,7 +190,7 @@ def test_an_unhealthy_replica_takes_no_new_batches_until_its_probe_passes(settin
         until(lambda: sorted(b.ran()) == sorted(ids), what="b runs every new batch")
         assert a.ran() == []
 
-        # Cooled down: after the cool-down (1 s here) a fresh report passes, and it takes batches again.
+        # Cooled down: after the cool-down (0.3 s here) a fresh report passes, and it takes batches again.
         a.report(COOL)
         until(lambda: a.state() == State.HEALTHY, what="a's probe, then healthy")
         assert "conveyor_stage_unhealthy{" not in a.metric()

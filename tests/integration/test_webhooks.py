@@ -84,7 +84,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
     server = Receiver()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: `shutdown()` waits for the loop to look (0.5 s by default, per test).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server
     server.shutdown()
     server.server_close()
@@ -144,10 +145,13 @@ def test_deliveries_verify_with_the_reference_library(hooks_stack: Stack, receiv
         callback_url=receiver.base + path,
         callback_events=["started", "token", "completed", "failed"],
     )
-    wait_for(
-        lambda: any('"job.completed"' in r.body for r in receiver.at(path)), what="the completed webhook"
-    )
-    time.sleep(0.3)
+
+    def settled() -> bool:  # the completed event received, and every delivery received is in the log
+        received = receiver.at(path)
+        attempts: list[object] = deliveries(hooks_stack, str(job["id"]))["deliveries"]  # type: ignore[assignment]
+        return any('"job.completed"' in r.body for r in received) and len(attempts) == len(received)
+
+    wait_for(settled, what="the completed webhook, and the delivery log holding every request")
     got = receiver.at(path)
     verifier = Webhook(SECRET)
     payloads = [verifier.verify(r.body, r.headers) for r in got]  # raises if any does not verify

@@ -1,5 +1,5 @@
 """One tenant cannot block webhook delivery for the others: an attempt has one wall-clock deadline
-(a receiver that never answers, or trickles a byte a second, holds its thread no longer), a tenant
+(a receiver that never answers, or trickles a byte at a time, holds its thread no longer), a tenant
 has at most `webhook_tenant_concurrency` deliveries in progress (the rest wait in Redis, not in a
 thread), and retries wait in Redis, where a restarted worker finds them.
 
@@ -28,12 +28,13 @@ from app.webhooks.signing import SecretBook
 from app.webhooks.ssrf import Guard
 
 SECRET = "whsec_" + base64.b64encode(b"delivery-bounds-test-secret-32by").decode()
-DEADLINE_S = 1.5
+DEADLINE_S = 1.0
+TRICKLE_S = 0.25  # between two bytes of a trickling answer: well inside any per-read timeout
 
 
 class SlowServer:
     """A TCP server on loopback that accepts and then never answers (`mode="hang"`) or sends an HTTP
-    response one byte a second, never finishing its headers (`mode="trickle"`)."""
+    response one byte every TRICKLE_S, never finishing its headers (`mode="trickle"`)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -63,7 +64,7 @@ class SlowServer:
 
     def _trickle(self, conn: socket.socket) -> None:
         for byte in b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 120:
-            if self.stop.wait(1.0):
+            if self.stop.wait(TRICKLE_S):
                 return
             try:
                 conn.send(bytes([byte]))
@@ -115,7 +116,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def receiver() -> Iterator[Receiver]:
     server = Receiver()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: `shutdown()` waits for the loop to look (0.5 s by default, per test).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server
     server.shutdown()
     server.server_close()

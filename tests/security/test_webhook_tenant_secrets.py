@@ -11,23 +11,22 @@ import base64
 import http.server
 import json
 import os
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from click.testing import Result
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+from typer.testing import CliRunner
 
+from app.cli import cli
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.webhooks import signing
 from app.webhooks.delivery import Deliverer
 from app.webhooks.ssrf import Guard
 
-ROOT = Path(__file__).resolve().parents[2]
 SHARED = "whsec_" + base64.b64encode(b"shared-secret-of-untenanted-jobs").decode()
 MASTER = signing.generate()
 
@@ -61,7 +60,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def receiver() -> Iterator[Receiver]:
     server = Receiver()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: `shutdown()` waits for the loop to look (0.5 s by default, per test).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server
     server.shutdown()
     server.server_close()
@@ -160,7 +160,9 @@ def test_rotation_signs_with_the_new_generation_and_the_old_one_for_the_overlap(
 
 def test_keys_create_shows_the_tenants_webhook_secret_once(redis, setup, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
     settings, keys = setup
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    # The command in process (Click's runner), its environment replaced for the call: the CLI builds
+    # its settings from the environment at each command, as a fresh process would.
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("CONVEYOR_")}
     env.update(
         {
             "REDIS_URL": settings.redis_url or "",
@@ -170,18 +172,11 @@ def test_keys_create_shows_the_tenants_webhook_secret_once(redis, setup, receive
         }
     )
 
-    def conveyor(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "app.cli", *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def conveyor(*args: str) -> Result:
+        return CliRunner().invoke(cli, list(args), env=env)
 
     made = conveyor("keys", "create", "--tenant", "tenant-a")
-    assert made.returncode == 0, made.stderr
+    assert made.exit_code == 0, made.stderr
     assert made.stdout.strip().startswith("cvk_")  # stdout: the API key alone
     (shown,) = [w for w in made.stderr.split() if w.startswith("whsec_")]
     second = conveyor("keys", "create", "--tenant", "tenant-a")  # another key: the secret stays
@@ -191,7 +186,7 @@ def test_keys_create_shows_the_tenants_webhook_secret_once(redis, setup, receive
     Webhook(shown).verify(body, headers)
 
     rotated = conveyor("keys", "rotate-webhook-secret", "--tenant", "tenant-a")
-    assert rotated.returncode == 0, rotated.stderr
+    assert rotated.exit_code == 0, rotated.stderr
     new = rotated.stdout.strip()
     assert new.startswith("whsec_") and new != shown
     deliver(redis, settings, keys, receiver.url, "tenant-a")

@@ -329,22 +329,38 @@ def test_conveyor_job_sends_priority_counts_tokens_and_marks_refusals():
 
 
 def test_open_and_closed_loops_on_a_fake_job():
-    async def job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
-        await asyncio.sleep(0.05)
-        return JobResult(prompt.index, True, 0.05, 0.01, 1)
+    async def go() -> tuple[float, list[Timed], list[Timed], list[float], int]:
+        second_started = asyncio.Event()
 
-    async def go() -> tuple[float, list[Timed], list[Timed], list[float]]:
-        client = httpx.AsyncClient()  # never used by the fake job
+        async def open_job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
+            began = time.perf_counter()
+            if prompt.index == 0:  # still running when the second is submitted, or never ends: open loop
+                await asyncio.wait_for(second_started.wait(), 5.0)
+            if prompt.index == 1:
+                second_started.set()
+            return JobResult(prompt.index, True, time.perf_counter() - began, 0.0, 1)
+
+        in_flight, most = 0, 0
+
+        async def closed_job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
+            nonlocal in_flight, most
+            in_flight += 1
+            most = max(most, in_flight)
+            await asyncio.sleep(0.01)
+            in_flight -= 1
+            return JobResult(prompt.index, True, 0.01, 0.01, 1)
+
+        client = httpx.AsyncClient()  # never used by the fake jobs
         opened: list[Timed] = []
         start = time.perf_counter()
-        await open_loop(client, job, PROMPTS[:3], [0.0, 0.01, 0.2], cls="o", start=start, done=opened)
+        await open_loop(client, open_job, PROMPTS[:3], [0.0, 0.01, 0.2], cls="o", start=start, done=opened)
         closed: list[Timed] = []
         submits: list[float] = []
         stop = asyncio.Event()
         loops = asyncio.create_task(
             closed_loop_until(
                 client,
-                job,
+                closed_job,
                 PROMPTS[:4],
                 clients=2,
                 cls="n",
@@ -354,17 +370,22 @@ def test_open_and_closed_loops_on_a_fake_job():
                 submitted=submits,
             )
         )
-        await asyncio.sleep(0.22)
+        deadline = time.monotonic() + 5.0
+        while len(closed) < 4:  # four jobs ended, then stop
+            assert time.monotonic() < deadline, f"only {len(closed)} closed-loop jobs ended in 5 s"
+            await asyncio.sleep(0.005)
         stop.set()
         await asyncio.wait_for(loops, 1.0)  # the jobs in flight end, then the loops do
         await client.aclose()
-        return start, opened, closed, submits
+        return start, opened, closed, submits, most
 
-    start, opened, closed, submits = asyncio.run(go())
+    start, opened, closed, submits, most = asyncio.run(go())
     # open loop: the second job is submitted before the first ends, the third on schedule
-    assert [t.job.prompt for t in opened] == [0, 1, 2]
-    offsets = [t.submitted - start for t in opened]
-    assert opened[1].submitted < opened[0].ended and 0.19 < offsets[2] < 0.35
+    assert sorted(t.job.prompt for t in opened) == [0, 1, 2]
+    by_prompt = {t.job.prompt: t for t in opened}
+    assert by_prompt[1].submitted < by_prompt[0].ended
+    assert 0.19 < by_prompt[2].submitted - start < 0.35
     # closed loop: two clients, one job each at a time, every submitted job ended
+    assert most == 2
     assert len(closed) == len(submits) >= 4 and {t.cls for t in closed} == {"n"}
     assert sorted(t.job.prompt for t in closed[:4]) == [0, 1, 2, 3]

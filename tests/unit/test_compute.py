@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -16,6 +17,14 @@ def compute():  # type: ignore[no-untyped-def]
     thread.start()
     yield thread
     thread.stop()
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for `condition` to hold (checked every millisecond); fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def occupy(compute: ComputeThread) -> tuple[threading.Event, threading.Thread]:
@@ -35,15 +44,17 @@ def occupy(compute: ComputeThread) -> tuple[threading.Event, threading.Thread]:
 def queue_in_order(
     compute: ComputeThread, items: list[tuple[str, bool]], order: list[str]
 ) -> list[threading.Thread]:
-    """Hand `items` (name, urgent) to the compute thread from threads of their own, one after the other."""
+    """Hand `items` (name, urgent) to the compute thread from threads of their own, one after the other:
+    each is waiting in its queue before the next arrives (the thread is busy with other work)."""
     callers = []
     for name, urgent in items:
+        waiting = compute.waiting()
         caller = threading.Thread(
             target=compute.call, args=(lambda name=name: order.append(name),), kwargs={"urgent": urgent}
         )
         caller.start()
         callers.append(caller)
-        time.sleep(0.05)  # each is waiting before the next arrives
+        until(lambda waiting=waiting: compute.waiting() == waiting + 1)
     return callers
 
 
@@ -108,6 +119,7 @@ def test_a_stopped_compute_thread_finishes_what_was_queued_and_refuses_more():
     callers = queue_in_order(compute, [("queued", False)], order)
     stopper = threading.Thread(target=compute.stop)
     stopper.start()
+    until(lambda: compute.stopping)  # stopped while "queued" still waits
     release.set()
     for caller in (step, *callers, stopper):
         caller.join(5)
@@ -143,7 +155,7 @@ def test_urgent_work_runs_between_the_layers_of_ordinary_work_in_progress(comput
     callers = queue_in_order(compute, [("decode step", False)], order)
     urgent = threading.Thread(target=compute.call, args=(high_prefill,), kwargs={"urgent": True})
     urgent.start()
-    time.sleep(0.05)
+    until(lambda: compute.waiting() == 2)  # the decode step and the urgent prefill both wait
     proceed.set()
     for caller in (step, urgent, *callers):
         caller.join(5)

@@ -175,7 +175,8 @@ class _Echo(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def echo() -> Iterator[int]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: `shutdown()` waits for the loop to look (0.5 s by default, per test).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server.server_address[1]
     server.shutdown()
     server.server_close()
