@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.api.schemas import JobPublic
 from app.core.config import Settings
 from app.core.jobs import FINAL_EVENTS, decode_record
+from app.core.jobview import JobPublic
 from app.core.keys import Keys
 from app.webhooks import events as ev
 from app.webhooks.retries import RetryQueue

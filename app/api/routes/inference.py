@@ -12,11 +12,12 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.deps import get_jobs, get_settings
 from app.api.routes.jobs import IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, event_stream, mark_submitted
-from app.api.schemas import InferenceRequest, JobCreate, JobPublic
+from app.api.schemas import InferenceRequest, JobCreate
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.errors import SyncTimeout
 from app.core.jobs import JobStatus
+from app.core.jobview import JobPublic
 
 router = APIRouter(tags=["inference"])
 

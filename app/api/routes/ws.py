@@ -30,10 +30,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.api import audit
 from app.api.routes.jobs import EVENT_ID
-from app.api.schemas import JobPublic
 from app.api.service import JobService
 from app.api.streams import Slot
 from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
+from app.core.jobview import JobPublic
 
 log = logging.getLogger(__name__)
 
