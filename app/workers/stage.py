@@ -6,6 +6,9 @@ not know about either: messages go out through the injected `send(message, queue
 replica of the next stage) and `hand_off(message, lane)` (the replica holding the batch). The
 last stage samples, publishes tokens and sends the next decode step back to stage 0 until the
 batch is done.
+
+It is the I/O around pure state: the batches it holds are `app.workers.batches.Batches` (one
+record per batch), and the last stage's per-token rules are `app.workers.decode`.
 """
 
 from __future__ import annotations
@@ -29,51 +32,15 @@ from app.core.publisher import Publisher, TokenOut
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
+from app.workers.batches import Batches, BatchGone, Join
+from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.latency import StepLatency
-from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample, token_seed
+from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[StepMessage, str], None]
-
-
-@dataclass
-class Sequence:
-    """What the last stage tracks for one job while it generates."""
-
-    job_id: str
-    batch_id: str  # the batch it was scheduled in: its tokens count only while the job is still there
-    params: SamplingParams
-    generator: torch.Generator
-    max_tokens: int
-    text: TextStream
-    ignore_eos: bool = False
-    min_tokens: int = 0  # end-of-sequence is banned until this many tokens are generated
-    generated: int = 0
-    finish_reason: str | None = None
-    created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
-    priority: str = "normal"
-    last_token_at: float | None = None  # unix time of its previous token: inter-token latency
-
-    def reseed(self) -> None:
-        """A seeded job's generator, set for its next token from its seed and that token's index
-        (`token_seed`): the same draws whether or not the job was recovered partway."""
-        if self.params.seed is not None:
-            self.generator.manual_seed(token_seed(self.params.seed, self.generated))
-
-
-class BatchGone(LookupError):
-    """A step for a batch this stage no longer holds (dropped as stale, or held by a replica that
-    restarted): its jobs were, or will be, recovered by the monitor; nothing here fails them."""
-
-
-@dataclass(frozen=True)
-class Join:
-    """A batch prefilled while another was running, waiting at the last stage to join it."""
-
-    msg: StepMessage
-    alive: list[tuple[str, int]]  # (job id, first sampled token) of its unfinished sequences
 
 
 @dataclass
@@ -109,30 +76,22 @@ class StageRuntime:
     # A join pads every row to the longest: rows x positions of the merged batch stays under this,
     # so one long-context job cannot make a running batch's KV cache explode.
     max_kv_positions: int = 65536
-    batches: dict[str, BatchState] = field(default_factory=dict)
-    # Last stage only: per batch, its sequences, its routes, and the batches waiting to join it.
-    sequences: dict[str, dict[str, Sequence]] = field(default_factory=dict)
-    routes: dict[str, list[str | None]] = field(default_factory=dict)
-    joins: dict[str, list[Join]] = field(default_factory=dict)
+    batches: Batches = field(default_factory=Batches)
     # Runs the urgent work waiting now, between two layers of an ordinary step; the seconds it took
     # (the worker's compute thread, `ComputeThread.yield_to_urgent`). None: steps run uninterrupted.
     preempt: Callable[[], float] | None = None
-    # Batches whose prefill is running (an urgent prefill may run inside it): not yet join hosts.
-    prefilling: set[str] = field(default_factory=set)
     # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
     stale_after_s: float = 120.0
-    touched: dict[str, float] = field(default_factory=dict)
 
     def handle(self, msg: StepMessage) -> None:
         """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
         now = time.monotonic()
-        for batch_id in [b for b, t in self.touched.items() if now - t > self.stale_after_s]:
-            log.warning(
-                "batch %s: no step for %.0f s, dropping its state", batch_id, now - self.touched[batch_id]
-            )
-            self._forget(batch_id)
+        for batch_id, idle in self.batches.stale(now, self.stale_after_s):
+            if batch_id in self.batches:  # not forgotten already, as a joiner of another
+                log.warning("batch %s: no step for %.0f s, dropping its state", batch_id, idle)
+                self._forget(batch_id)
         if msg.kind != "release":
-            self.touched[msg.batch_id] = now
+            self.batches.touch(msg.batch_id, now)
         if msg.kind == "release":
             for batch_id in (msg.batch_id, *msg.merge):
                 self._drop(batch_id)
@@ -154,9 +113,9 @@ class StageRuntime:
             if not msg.seq_ids:
                 self._finish_batch(msg)
                 return
-            self.prefilling.add(msg.batch_id)
+            self.batches[msg.batch_id].prefilling = True
         else:
-            state = self._resume(msg)
+            state = self.batches.resume(msg.batch_id, msg.merge, msg.seq_ids)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
         try:
             out, took = self._run_layers(state, x)
@@ -168,7 +127,9 @@ class StageRuntime:
             else:
                 self._forward(msg, state, out)
         finally:
-            self.prefilling.discard(msg.batch_id)
+            running = self.batches.get(msg.batch_id)
+            if running is not None:
+                running.prefilling = False
 
     def _run_layers(self, state: BatchState, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """This stage's layers over one step, and the seconds they took (urgent work run between
@@ -183,25 +144,6 @@ class StageRuntime:
         started = time.perf_counter()
         out = self.partition(state, x, between_layers if preempt is not None else None)
         return out, time.perf_counter() - started - lent
-
-    def _resume(self, msg: StepMessage) -> BatchState:
-        """Decode: drop finished rows, append the rows of joining batches, make room for one token."""
-        missing = [b for b in (msg.batch_id, *msg.merge) if b not in self.batches]
-        if missing:
-            raise BatchGone(f"this stage holds no state for batch {', '.join(missing)}")
-        state = self.batches[msg.batch_id]
-        joining = [self.batches.pop(batch_id) for batch_id in msg.merge]
-        for batch_id in msg.merge:
-            self.touched.pop(batch_id, None)
-        for part in (state, *joining):
-            mine = set(part.seq_ids)
-            part.keep([s for s in msg.seq_ids if s in mine])
-        for other in joining:
-            state.absorb(other)
-        if state.seq_ids != msg.seq_ids:
-            raise RuntimeError(f"batch {msg.batch_id}: rows out of step with the message")
-        state.extend(1)
-        return state
 
     def _begin(self, msg: StepMessage) -> tuple[StepMessage, BatchState, torch.Tensor]:
         """Prefill: build this stage's state for a new batch."""
@@ -226,11 +168,10 @@ class StageRuntime:
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
             mask = decode_tensor(msg.tensors["attention_mask"]).long()
         state = BatchState(self.partition.config, msg.seq_ids, mask)
-        state.batch_ids = {msg.batch_id}
-        self.batches[msg.batch_id] = state
+        running = self.batches.begin(msg.batch_id, state, time.monotonic())
         if self.partition.is_last:
-            self.sequences[msg.batch_id] = self._load_sequences(msg.batch_id, msg.seq_ids)
-            self.routes[msg.batch_id] = msg.routes
+            running.sequences = self._load_sequences(msg.batch_id, msg.seq_ids)
+            running.routes = msg.routes
         return msg, state, x
 
     def _input_ids(self, job_id: str, record: dict[str, str]) -> list[int]:
@@ -295,12 +236,12 @@ class StageRuntime:
             self.send(nxt, self.identity.next_queue or "")
 
     def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
-        sequences = self.sequences[msg.batch_id]
+        sequences = self.batches[msg.batch_id].sequences
         # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
         index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
         logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
         candidates = [sequences[msg.seq_ids[i]] for i in index]
-        held = [self.eos_ids if s.generated < s.min_tokens else frozenset() for s in candidates]
+        held = held_tokens(candidates, self.eos_ids)
         for seq in candidates:
             seq.reseed()
         logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
@@ -310,17 +251,10 @@ class StageRuntime:
                 del sequences[seq.job_id]
         rows = [seq for seq, token in sampled if token is not None]
         tokens = [token for _, token in sampled if token is not None]
-        outs = [self._advance(seq, token) for seq, token in zip(rows, tokens, strict=True)]
+        outs = [advance(seq, token, self.eos_ids) for seq, token in zip(rows, tokens, strict=True)]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
-        alive = [
-            (s.job_id, t)
-            for s, t in zip(rows, tokens, strict=True)
-            if s.finish_reason is None and s.job_id not in gone
-        ]
-        for seq in rows:
-            if seq.finish_reason is not None or seq.job_id in gone:
-                del sequences[seq.job_id]
+        alive = settle(sequences, rows, tokens, gone)
         if msg.kind == "prefill" and alive and self._join_running(msg, alive):
             return
         if msg.kind == "prefill" and self.continuous:
@@ -380,10 +314,19 @@ class StageRuntime:
 
     def _join_running(self, msg: StepMessage, alive: list[tuple[str, int]]) -> bool:
         """Park a just-prefilled batch on a running one (Orca's iteration-level batching)."""
-        host = self._host_for(msg, len(alive))
+        if not self.continuous:
+            return False
+        host = self.batches.host_for(
+            msg.batch_id,
+            msg.routes,
+            msg.num_stages,
+            len(alive),
+            max_running=self.max_running,
+            max_kv_positions=self.max_kv_positions,
+        )
         if host is None:
             return False
-        self.joins.setdefault(host, []).append(Join(msg, alive))
+        self.batches.park(host, Join(msg, alive))
         self._notify_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
         self.redis.xadd(
             self.keys.batch_log(),
@@ -393,45 +336,10 @@ class StageRuntime:
         )
         return True
 
-    def _host_for(self, msg: StepMessage, size: int) -> str | None:
-        """The smallest running batch on the same replicas with room, if the pipeline stays full.
-
-        A pipeline of N stages needs N batches circulating to keep every stage busy, so a new batch
-        joins another only when at least N others run on its replicas (they hold its KV cache).
-        """
-        if not self.continuous:
-            return None
-        waiting = {join.msg.batch_id for joins in self.joins.values() for join in joins}
-        sizes = {
-            batch_id: len(self.sequences[batch_id]) + sum(len(j.alive) for j in self.joins.get(batch_id, []))
-            for batch_id, routes in self.routes.items()
-            if batch_id != msg.batch_id
-            and batch_id not in waiting
-            and batch_id not in self.prefilling  # it may itself join another, leaving us behind
-            and routes == msg.routes
-        }
-        if len(sizes) < msg.num_stages:
-            return None
-        host = min(sizes, key=lambda batch_id: sizes[batch_id])
-        if sizes[host] + size > self.max_running:
-            return None
-        fits = self.merged_positions(host, msg.batch_id, sizes[host] + size) <= self.max_kv_positions
-        return host if fits else None
-
-    def merged_positions(self, host: str, joiner: str, rows: int) -> int:
-        """KV positions of `host` once `joiner` (and the batches already waiting to join it) are in:
-        every row padded to the longest of them, plus the step about to be taken."""
-        parts = [host, joiner, *(j.msg.batch_id for j in self.joins.get(host, []))]
-        longest = max(self.batches[b].attention_mask.shape[-1] for b in parts if b in self.batches)
-        return rows * (longest + 1)
-
     def _continue(self, msg: StepMessage, alive: list[tuple[str, int]]) -> None:
         """Send the next decode step of this batch, with any batches that join it now."""
-        joins = self.joins.pop(msg.batch_id, [])
-        sequences = self.sequences[msg.batch_id]
+        joins = self.batches.take_joins(msg.batch_id)
         for join in joins:
-            sequences.update(self.sequences.pop(join.msg.batch_id))
-            self.routes.pop(join.msg.batch_id, None)
             alive = alive + join.alive
         if not alive:
             self._finish_batch(msg)
@@ -449,24 +357,6 @@ class StageRuntime:
             self.hand_off(nxt, nxt.routes[0])
         else:
             self.send(nxt, self.identity.first_queue)
-
-    def _advance(self, seq: Sequence, token: int) -> TokenOut:
-        """Account one sampled token to its sequence and decide whether the sequence ends."""
-        index = seq.generated
-        if token in self.eos_ids and not seq.ignore_eos:
-            seq.finish_reason = "stop"
-            tail = seq.text.finish()
-            return TokenOut(
-                seq.job_id, seq.batch_id, index, token, tail, seq.text.released, "stop", emit=bool(tail)
-            )
-        seq.generated += 1
-        text = seq.text.push(token)
-        if seq.text.stopped:
-            seq.finish_reason = "stop"
-        elif seq.generated >= seq.max_tokens:
-            seq.finish_reason = "length"
-            text += seq.text.finish()
-        return TokenOut(seq.job_id, seq.batch_id, index, token, text, seq.text.released, seq.finish_reason)
 
     def _finish_batch(self, msg: StepMessage) -> None:
         """The batch is over here: free its state on every other stage and tell the batcher."""
@@ -492,7 +382,8 @@ class StageRuntime:
         """Fail the jobs this batch still holds. A job recovered meanwhile (re-queued, or scheduled
         into another batch) has left it: its record names another batch, or no longer a running
         one, and it is not failed here."""
-        state = self.batches.get(msg.batch_id)
+        running = self.batches.get(msg.batch_id)
+        state = running.state if running is not None else None
         owned = {msg.batch_id, *msg.merge} | (state.batch_ids if state is not None else set())
         job_ids = list(dict.fromkeys([*msg.seq_ids, *(state.seq_ids if state is not None else [])]))
         records = self.jobs.get_many(job_ids, "status", "batch_id") if job_ids else []
@@ -521,17 +412,9 @@ class StageRuntime:
         self._notify_done(msg.model, msg.batch_id)
 
     def _forget(self, batch_id: str) -> None:
-        self.batches.pop(batch_id, None)
-        self.sequences.pop(batch_id, None)
-        self.routes.pop(batch_id, None)
-        self.touched.pop(batch_id, None)
-        for join in self.joins.pop(batch_id, []):
+        for join in self.batches.drop(batch_id):
             self._forget(join.msg.batch_id)
 
     def _drop(self, batch_id: str) -> None:
-        self.batches.pop(batch_id, None)
-        self.sequences.pop(batch_id, None)
-        self.routes.pop(batch_id, None)
-        self.touched.pop(batch_id, None)
-        for join in self.joins.pop(batch_id, []):  # the host is gone: the joiner goes on alone
+        for join in self.batches.drop(batch_id):  # the host is gone: the joiner goes on alone
             self._continue(join.msg, join.alive)

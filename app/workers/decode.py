@@ -1,0 +1,81 @@
+"""The last stage's step over its sequences, once tokens are sampled: no Redis, no metrics.
+
+`advance` accounts one sampled token to its sequence and decides whether it ends (end of sequence,
+a stop string, `max_tokens`); `settle` says which rows go on to the next step. `StageRuntime`
+(`app.workers.stage`) samples, publishes the `TokenOut`s and sends the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.core.publisher import TokenOut
+from app.workers.sampling import SamplingParams, token_seed
+from app.workers.textstream import TextStream
+
+
+@dataclass
+class Sequence:
+    """What the last stage tracks for one job while it generates."""
+
+    job_id: str
+    batch_id: str  # the batch it was scheduled in: its tokens count only while the job is still there
+    params: SamplingParams
+    generator: torch.Generator
+    max_tokens: int
+    text: TextStream
+    ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence is banned until this many tokens are generated
+    generated: int = 0
+    finish_reason: str | None = None
+    created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
+    priority: str = "normal"
+    last_token_at: float | None = None  # unix time of its previous token: inter-token latency
+
+    def reseed(self) -> None:
+        """A seeded job's generator, set for its next token from its seed and that token's index
+        (`token_seed`): the same draws whether or not the job was recovered partway."""
+        if self.params.seed is not None:
+            self.generator.manual_seed(token_seed(self.params.seed, self.generated))
+
+
+def held_tokens(rows: list[Sequence], eos_ids: frozenset[int]) -> list[frozenset[int]]:
+    """Per row, the tokens it may not sample now: end of sequence, until `min_tokens` are generated."""
+    return [eos_ids if s.generated < s.min_tokens else frozenset() for s in rows]
+
+
+def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
+    """Account one sampled token to its sequence and decide whether the sequence ends."""
+    index = seq.generated
+    if token in eos_ids and not seq.ignore_eos:
+        seq.finish_reason = "stop"
+        tail = seq.text.finish()
+        return TokenOut(
+            seq.job_id, seq.batch_id, index, token, tail, seq.text.released, "stop", emit=bool(tail)
+        )
+    seq.generated += 1
+    text = seq.text.push(token)
+    if seq.text.stopped:
+        seq.finish_reason = "stop"
+    elif seq.generated >= seq.max_tokens:
+        seq.finish_reason = "length"
+        text += seq.text.finish()
+    return TokenOut(seq.job_id, seq.batch_id, index, token, text, seq.text.released, seq.finish_reason)
+
+
+def settle(
+    sequences: dict[str, Sequence], rows: list[Sequence], tokens: list[int], gone: set[str]
+) -> list[tuple[str, int]]:
+    """The rows that go on, as (job id, the token just sampled); the rows that ended (finished, or
+    `gone`: cancelled or recovered elsewhere) leave `sequences`."""
+    alive = [
+        (s.job_id, t)
+        for s, t in zip(rows, tokens, strict=True)
+        if s.finish_reason is None and s.job_id not in gone
+    ]
+    for seq in rows:
+        if seq.finish_reason is not None or seq.job_id in gone:
+            del sequences[seq.job_id]
+    return alive
