@@ -102,7 +102,7 @@ def torch_threads(cores: int, stage_workers: int, embed_workers: int) -> tuple[i
     One core is left to the api, the batcher and Redis (vLLM's CPU server keeps one for its own
     processes too): a compute thread team that shares its cores with them waits on its slowest
     thread at every kernel, and on a small machine that costs more than the extra thread gives
-    (docs/benchmarks.md, "Conveyor against vLLM", has the measurement). The stage workers split
+    (docs/benchmarks.md, "Against vLLM", has the measurement). The stage workers split
     the rest; an embeddings worker (a small encoder, idle unless asked) gets a share of the rest
     over all of them.
     """
