@@ -106,9 +106,9 @@ def up(
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     me = [sys.executable, "-m", "app.cli"]
-    planned = processes(settings, models, me)
     try:
         selection = Only.parse(only or [])
+        planned = processes(settings, models, me, selection)
         if settings.redis_url and not selection.everything and selection.wants(Part("redis")):
             raise ValueError("redis names the embedded Redis, which REDIS_URL replaces: leave it out")
         services = [

@@ -113,21 +113,19 @@ def torch_threads(cores: int, stage_workers: int, embed_workers: int) -> tuple[i
 
 
 def processes(
-    settings: Settings, models: list[str], me: list[str], cores: int | None = None
+    settings: Settings,
+    models: list[str],
+    me: list[str],
+    only: Only | None = None,
+    cores: int | None = None,
 ) -> list[tuple[Part, Child]]:
     """Every child `up` supervises but the api, Flower and Redis, with what each one is: the
     batcher, the webhook processes, stages x replicas workers per model, the embeddings workers.
 
-    Without CONVEYOR_TORCH_THREADS, each worker is given its share of this host's cores
-    (`torch_threads`); `cores` defaults to the CPUs this process may run on.
+    Without CONVEYOR_TORCH_THREADS, each worker this host starts (`only`'s choice, every one
+    without it) is given its share of the host's cores (`torch_threads`); `cores` defaults to the
+    CPUs this process may run on.
     """
-    cores = cores or len(os.sched_getaffinity(0))
-    stage_workers = len(models) * settings.stages * settings.replicas
-    per_stage, per_embed = torch_threads(cores, stage_workers, settings.embedding_stages)
-
-    def threads(count: int) -> dict[str, str]:
-        return {} if settings.torch_threads else {"CONVEYOR_TORCH_THREADS": str(count)}
-
     planned = [
         (Part("batcher"), Child("batcher", [*me, "batcher"])),
         (Part("webhooks"), Child("webhooks", [*me, "webhooks", "dispatcher"])),
@@ -139,8 +137,7 @@ def processes(
             argv = [*me, "worker", "--model", name, "--stage", str(stage), "--stages", str(settings.stages)]
             for replica in range(settings.replicas):
                 suffix = f".{replica}" if settings.replicas > 1 else ""
-                child = Child(f"{prefix}stage{stage}{suffix}", argv, env=threads(per_stage))
-                planned.append((Part("stage", name, stage), child))
+                planned.append((Part("stage", name, stage), Child(f"{prefix}stage{stage}{suffix}", argv)))
     for stage in range(settings.embedding_stages):
         argv = [
             *me,
@@ -151,5 +148,17 @@ def processes(
             "--stages",
             str(settings.embedding_stages),
         ]
-        planned.append((Part("embed", None, stage), Child(f"embed{stage}", argv, env=threads(per_embed))))
+        planned.append((Part("embed", None, stage), Child(f"embed{stage}", argv)))
+    if not settings.torch_threads:
+        _share_cores(planned, only or Only(()), cores or len(os.sched_getaffinity(0)))
     return planned
+
+
+def _share_cores(planned: list[tuple[Part, Child]], only: Only, cores: int) -> None:
+    """Give each stage and embeddings worker this host starts its torch threads (`torch_threads`)."""
+    here = [(part, child) for part, child in planned if only.wants(part)]
+    stages = sum(part.kind == "stage" for part, _ in here)
+    per_stage, per_embed = torch_threads(cores, stages, sum(part.kind == "embed" for part, _ in here))
+    for part, child in here:
+        if part.kind in ("stage", "embed"):
+            child.env["CONVEYOR_TORCH_THREADS"] = str(per_stage if part.kind == "stage" else per_embed)

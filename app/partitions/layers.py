@@ -142,7 +142,7 @@ class StagePartition(nn.Module):
         self.kinds = kinds[layers.start : layers.stop]  # this stage's layers' attention kinds
         self.window = getattr(self.config, "sliding_window", None)
         self.eager = self.config._attn_implementation == "eager"  # additive float masks, else boolean
-        attention.use_for(self.config)  # half-precision decode steps on a CPU: grouped products
+        attention.use_for(self.config)  # half-precision decode steps on a CPU: a query block per KV head
         family = self.family
         body = getattr(model, family.body)
         self.embed_tokens = getattr(body, family.embed) if self.is_first else None

@@ -87,3 +87,11 @@ def test_each_worker_is_given_its_share_unless_the_operator_chose():
     assert env["batcher"] == {}
     chosen = Settings(stages=2, replicas=1, embedding_stages=1, torch_threads=3)
     assert all(not child.env for _, child in processes(chosen, ["tiny"], ME, cores=9))
+
+
+def test_a_host_running_part_of_the_stack_shares_its_cores_among_its_own_workers():
+    settings = Settings(stages=2, replicas=1, embedding_stages=1)
+    here = Only.parse(["stage:1"])
+    env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, here, cores=9)}
+    assert env["stage1"] == {"CONVEYOR_TORCH_THREADS": "8"}  # the one worker here: every core but one
+    assert env["stage0"] == {}  # another host's: not started here
