@@ -21,7 +21,7 @@ precision).
 
     .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--threads 1]
 
-Writes bench/results/engine.md.
+Writes bench/results/engine.md (and its data, engine.json).
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import torch
 
 from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.processes import ROOT, say
-from bench.report import git_commit
+from bench.processes import say
+from bench.report import git_commit, write_results
 from bench.slice import MODEL_DIR
 
-RESULTS = ROOT / "bench" / "results" / "engine.md"
 ENGINES = (  # name, dtype, attention, linear weights packed
     ("fp32", torch.float32, "sdpa", False),
     ("bf16 before", torch.bfloat16, "sdpa", False),
@@ -231,8 +230,15 @@ def main() -> None:
     text = markdown(rows, prof, meta)
     print(text)
     if not args.no_write:
-        RESULTS.write_text(text)
-        say(f"wrote {RESULTS}")
+        write_results(
+            "engine",
+            text,
+            {
+                "meta": meta,
+                "steps": [{"batch": b, "rows": k, "ms": ms} for b, k, ms in rows],
+                "profile": prof,
+            },
+        )
 
 
 if __name__ == "__main__":

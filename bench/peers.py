@@ -24,7 +24,7 @@ Install the peer first (minutes; ~1 GB):
     .conveyor/bench-venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
 
 (`vllm serve` fails to find its own package metadata; the server module is started instead.)
-Writes bench/results/peers.md.
+Writes bench/results/peers.md (and its data, peers.json).
 """
 
 from __future__ import annotations
@@ -47,13 +47,12 @@ import httpx
 from transformers import AutoTokenizer
 
 from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
-from bench.report import git_commit
+from bench.report import git_commit, write_results
 from bench.slice import MODEL_DIR, MODEL_NAME, conveyor_env
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
 VLLM_VENV = ROOT / ".conveyor" / "bench-venvs" / "vllm"
-RESULTS = ROOT / "bench" / "results" / "peers.md"
 READY_TIMEOUT_S = 600.0  # vLLM compiles its model at start-up
 
 
@@ -211,6 +210,21 @@ def vllm(workdir: Path) -> Iterator[str]:
         yield base
 
 
+def row_record(row: Row) -> dict[str, object]:
+    return {
+        "system": row.system,
+        "concurrency": row.concurrency,
+        "ok": len(row.ok),
+        "requests": len(row.requests),
+        "tokens_per_s": row.tokens_per_s,
+        "ttft_ms_p50": row.ttft_ms,
+        "itl_ms_p50": row.itl_ms,
+        "wall_s": row.wall_s,
+        "load": list(row.load),
+        "errors": [r.error for r in row.requests if not r.ok],
+    }
+
+
 def cell(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -293,8 +307,7 @@ def main() -> None:
     text = markdown(rows, meta)
     print(text)
     if not args.no_write:
-        RESULTS.write_text(text)
-        say(f"wrote {RESULTS}")
+        write_results("peers", text, {"meta": meta, "rows": [row_record(r) for r in rows]})
 
 
 if __name__ == "__main__":

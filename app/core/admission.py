@@ -14,8 +14,8 @@ The gates, in order; the first that refuses answers, with a Retry-After:
 
 "Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
 dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`,
-app/core/jobstore.py),
-so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements, read once. Gate 6 is
+app/core/jobstore.py), so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements,
+read once. Gate 6 is
 checked by that script only, so one tenant's share holds however many API processes submit for it.
 A tenant's waiting jobs are counted from the job store's `tenant_waiting` set, which holds a job
 exactly while it is queued or recovering (the store adds and removes it with each move), so a job

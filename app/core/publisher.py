@@ -63,7 +63,9 @@ class Publisher:
     def finish(self, job_id: str, fields: dict[str, Any]) -> None:
         """End a job that produces no token stream (an embedding) as succeeded, with its result."""
         pipe = self.redis.pipeline(transaction=False)
-        self._end(pipe, job_id, JobStatus.SUCCEEDED, fields, {}, time.time())
+        self.jobs.end(
+            pipe, job_id, JobStatus.SUCCEEDED, fields=fields, data={}, now=time.time(), life=self.life
+        )
         pipe.execute()
 
     def fail(
@@ -78,7 +80,16 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             guard = (when or {}).get(job_id, {})
-            self._end(pipe, job_id, JobStatus.FAILED, {"error": error}, error, now, guard)
+            self.jobs.end(
+                pipe,
+                job_id,
+                JobStatus.FAILED,
+                fields={"error": error},
+                data=error,
+                now=now,
+                life=self.life,
+                when=guard,
+            )
         failed = sum(int(applied) for applied, _ in pipe.execute())
         if failed and self.outcomes is not None:
             self.outcomes(0, failed)
@@ -90,22 +101,11 @@ class Publisher:
         error = {"code": "expired", "message": reason}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            self._end(pipe, job_id, JobStatus.EXPIRED, {"error": error}, error, now)
+            self.jobs.end(
+                pipe, job_id, JobStatus.EXPIRED, fields={"error": error}, data=error, now=now, life=self.life
+            )
         results = pipe.execute()
         return [job_id for job_id, (applied, _) in zip(job_ids, results, strict=True) if int(applied)]
-
-    def _end(
-        self,
-        pipe: Any,
-        job_id: str,
-        status: JobStatus,
-        fields: dict[str, Any],
-        data: dict[str, Any],
-        now: float,
-        when: dict[str, str] | None = None,
-    ) -> None:
-        """The final move and its final event (JobStore.end)."""
-        self.jobs.end(pipe, job_id, status, fields=fields, data=data, now=now, life=self.life, when=when)
 
     def emitted(self, job_id: str) -> list[int]:
         """The token ids already in a job's stream, in order: what a recovered job continues from."""
