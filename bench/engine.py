@@ -3,14 +3,15 @@
 SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill, then
 decode steps. Each batch size runs twice: "padded" (prompts of 100-160 tokens left-padded to the
 longest, as rows of different lengths or a join leave them: a mask is passed) and "unpadded" (all
-of 128 tokens: no mask, as for one stream). Three engines take turns, a step each, so a slow spell
+of 128 tokens: no mask, as for one stream). Four engines take turns, a step each, so a slow spell
 of the shared machine hits all of them alike:
 
     fp32            float32, transformers' SDPA attention (what fp32 serves with)
-    bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights (what bf16
-                    served with before)
-    bf16            bfloat16, `app.partitions.attention.grouped_attention` and linear weights
-                    packed for oneDNN (`app.partitions.packing`): what bf16 serves with
+    bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights
+    bf16 narrow     bfloat16, `app.partitions.attention.grouped_attention` over the cache's live
+                    columns and linear weights packed for oneDNN (`app.partitions.packing`)
+    bf16            the same, a step of 4 rows or more attending over the cache's whole buffers
+                    with two matrix products (`StagePartition._wide_slabs`): what bf16 serves with
 
 For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others. Then a
 profile of one engine at the largest batch: where a step's milliseconds go (linear layers,
@@ -41,10 +42,11 @@ from bench.processes import say
 from bench.report import git_commit, write_results
 from bench.slice import MODEL_DIR
 
-ENGINES = (  # name, dtype, attention, linear weights packed
-    ("fp32", torch.float32, "sdpa", False),
-    ("bf16 before", torch.bfloat16, "sdpa", False),
-    ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True),
+ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
+    ("fp32", torch.float32, "sdpa", False, False),
+    ("bf16 before", torch.bfloat16, "sdpa", False, False),
+    ("bf16 narrow", torch.bfloat16, attention.IMPLEMENTATION, True, False),
+    ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True, True),
 )
 
 
@@ -152,12 +154,14 @@ def markdown(
         + " | ".join(f"{n} ms" for n in names)
         + " | "
         + " | ".join(f"{n} tok/s" for n in names)
-        + " | bf16 vs fp32 | bf16 vs bf16 before |",
-        "|---:|---|" + "---:|" * (2 * len(names) + 2),
+        + " | bf16 vs fp32 | bf16 vs bf16 before | bf16 vs bf16 narrow |",
+        "|---:|---|" + "---:|" * (2 * len(names) + 3),
     ]
     for batch, rows_kind, ms in rows:
         cells = [f"{ms[n]:.1f}" for n in names] + [f"{batch / ms[n] * 1000:.0f}" for n in names]
-        speedup = [f"{ms['fp32'] / ms['bf16']:.2f}×", f"{ms['bf16 before'] / ms['bf16']:.2f}×"]
+        speedup = [
+            f"{ms[other] / ms['bf16']:.2f}×" for other in ("fp32", "bf16 before", "bf16 narrow")
+        ]
         lines.append(f"| {batch} | {rows_kind} | " + " | ".join(cells + speedup) + " |")
     lines += [
         "",
@@ -194,12 +198,15 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     load = f"{os.getloadavg()[0]:.1f}"
 
-    def partition(dtype: torch.dtype, pack: bool) -> StagePartition:
+    def partition(dtype: torch.dtype, pack: bool, wide: bool) -> StagePartition:
         stage = StagePartition.load(MODEL_DIR, dtype=dtype, pack=pack)
+        stage.wide_decode = wide
         stage.warmup()
         return stage
 
-    engines = [Engine(name, partition(dtype, pack), impl) for name, dtype, impl, pack in ENGINES]
+    engines = [
+        Engine(name, partition(dtype, pack, wide), impl) for name, dtype, impl, pack, wide in ENGINES
+    ]
     rows = []
     same = total = 0
     for batch in batches:
@@ -209,10 +216,10 @@ def main() -> None:
             kind = "padded" if padded else "unpadded"
             say(f"batch {batch} {kind}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
             rows.append((batch, kind, ms))
-            s, t = agreement(engines[1], engines[2])
+            s, t = agreement(engines[1], engines[3])
             same, total = same + s, total + t
     profiled = max(batches)
-    prof = profile(engines[2], profiled, max(4, args.steps // 3))
+    prof = profile(engines[3], profiled, max(4, args.steps // 3))
     say("profile: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     meta = {
         "command": "python -m bench.engine "

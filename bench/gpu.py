@@ -7,7 +7,9 @@
    two-stage hand-off between devices.
 2. Decode throughput of one stage holding the whole model (SmolLM2 where present, else the tiny
    Llama the tests use), in-process: a left-padded batch of B prompts prefilled, then 32 decode steps;
-   tokens/s = B x steps / time, for B in 1, 32, 64 and each dtype the GPU has.
+   tokens/s = B x steps / time, for B in 1, 32, 64 and each dtype the GPU has, with decode steps
+   eager (`CONVEYOR_COMPILE=off`) and replayed as CUDA graphs (`auto` on a GPU).
+3. A stage's start (load and warm-up, bf16), eager and with its first CUDA graph captured.
 
 Prints one Markdown table with the GPU's name (and writes bench/results/gpu.md). Without CUDA it
 says so and exits 2: no figure is ever made up.
@@ -16,6 +18,7 @@ says so and exits 2: no figure is ever made up.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import time
@@ -31,10 +34,13 @@ STEPS = 32
 PROMPT_TOKENS = 64
 
 
-def decode_tokens_per_s(path: Path, dtype: torch.dtype, batch: int, device: str) -> float:
+def decode_tokens_per_s(
+    path: Path, dtype: torch.dtype, batch: int, device: str, compile_setting: str
+) -> float:
     from app.partitions.layers import BatchState, StagePartition, left_pad
 
     part = StagePartition.load(path, dtype=dtype, device=device)
+    part.use_static(compile_setting)
     part.warmup()
     ids, mask = left_pad([[5 + (i % 7)] * PROMPT_TOKENS for i in range(batch)], pad_id=0)
     state = BatchState(part.config, [str(i) for i in range(batch)], mask)
@@ -46,6 +52,26 @@ def decode_tokens_per_s(path: Path, dtype: torch.dtype, batch: int, device: str)
         tokens = part(state, tokens[:, None]).argmax(-1)
     torch.cuda.synchronize()
     return batch * STEPS / (time.perf_counter() - started)
+
+
+def start_s(path: Path, dtype: torch.dtype, compile_setting: str) -> float:
+    """Seconds a stage worker spends making its stage ready, as `app.workers.main.load_partition`
+    does it: load, then the warm-up, whose decode step is the first capture where steps are captured."""
+    from transformers import AutoConfig
+
+    from app.partitions.layers import LayerRange, StagePartition
+
+    layers = LayerRange(0, int(AutoConfig.from_pretrained(path).num_hidden_layers))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    part = StagePartition.load(path, layers, dtype=dtype, device="cuda:0")
+    part.use_static(compile_setting)
+    part.warmup()
+    torch.cuda.synchronize()
+    took = time.perf_counter() - started
+    del part
+    torch.cuda.empty_cache()
+    return took
 
 
 def tiny_model(workdir: Path) -> Path:
@@ -84,13 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model if (args.model / "config.json").exists() else tiny_model(Path(tempfile.mkdtemp()))
     rows += ["", f"Decode throughput, one stage, in process: {path.name}, {PROMPT_TOKENS}-token prompts.", ""]
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    rows.append("| dtype | " + " | ".join(f"batch {b} tokens/s" for b in BATCHES) + " |")
-    rows.append("|---|" + "---:|" * len(BATCHES))
+    rows.append("| dtype | decode steps | " + " | ".join(f"batch {b} tokens/s" for b in BATCHES) + " |")
+    rows.append("|---|---|" + "---:|" * len(BATCHES))
     for dtype in dtypes:
-        rates = [decode_tokens_per_s(path, dtype, b, "cuda:0") for b in BATCHES]
-        rows.append(
-            f"| {str(dtype).removeprefix('torch.')} | " + " | ".join(f"{r:.0f}" for r in rates) + " |"
-        )
+        for setting, label in (("off", "eager"), ("graphs", "CUDA graphs")):
+            rates = [decode_tokens_per_s(path, dtype, b, "cuda:0", setting) for b in BATCHES]
+            rows.append(
+                f"| {str(dtype).removeprefix('torch.')} | {label} | "
+                + " | ".join(f"{r:.0f}" for r in rates)
+                + " |"
+            )
+    starts: dict[str, list[float]] = {"off": [], "auto": []}
+    for _ in range(3):  # alternating, so a slow spell hits both
+        for setting in starts:
+            starts[setting].append(start_s(path, torch.bfloat16, setting))
+    eager, graphs = (statistics.median(starts[k]) for k in ("off", "auto"))
+    rows += [
+        "",
+        f"Stage start (load and warm-up, bf16, median of 3): eager {eager:.2f} s, with the first CUDA graph "
+        f"captured {graphs:.2f} s ({graphs / eager:.2f}x).",
+    ]
     text = "\n".join(rows) + "\n"
     print(text)
     write_results("gpu", text, {"gpu": name, "table": text})

@@ -168,6 +168,10 @@ class Settings(BaseSettings):
     # ones) and on CPUs with native bf16 where it measures faster, else fp32. A model added with
     # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Decode steps captured as CUDA graphs (docs/models.md, "Captured decode steps"): auto does it
+    # on a GPU and runs a CPU's eagerly (there the fixed layout measured slower); graphs (refused
+    # without a GPU) and off (or 0) choose. Prefill always runs eagerly.
+    compile: Literal["auto", "graphs", "off", "0", "1"] = "auto"
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
     torch_threads: int | None = None

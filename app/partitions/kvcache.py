@@ -37,6 +37,7 @@ class SlabLayer(DynamicLayer):
         self.rows = 0
         self.start = 0
         self.end = 0
+        self.wide = False  # `update` hands back `wide_views()` (set around a step by its stage)
 
     @property
     def length(self) -> int:
@@ -64,7 +65,30 @@ class SlabLayer(DynamicLayer):
         self._k[:rows, :, self.end : self.end + new] = key_states
         self._v[:rows, :, self.end : self.end + new] = value_states
         self.end += new
-        return self._views()
+        views = self._views()
+        return self.wide_views() if self.wide else views
+
+    def wide_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the live rows over every column of the buffer, [rows, heads, column
+        capacity, dim]: contiguous, which a CPU's batched matrix product needs to be fast (a view of
+        the live columns is 2x slower to attend over than all of them). The columns outside
+        [start, end) are zeros or a moved row's old history: the step's mask must exclude them."""
+        assert self._k is not None and self._v is not None
+        return self._k[: self.rows], self._v[: self.rows]
+
+    def reserve(self, columns: int) -> None:
+        """Room for `columns` more time steps after `end`, reallocating if the buffer is full (a
+        step that writes into the buffer itself, `app.partitions.static`, asks first)."""
+        if self._k is None or self._v is None:
+            raise RuntimeError("cannot reserve columns in an empty cache layer")
+        if self.end + columns > self._k.shape[2]:
+            self._reallocate(self._k, self._v, rows=self.rows, length=self.length, extra=columns)
+
+    def advance(self, columns: int) -> None:
+        """The next `columns` columns after `end` were written in place: they are live now."""
+        assert self._k is not None and self.end + columns <= self._k.shape[2]
+        self.end += columns
+        self._views()
 
     @torch.inference_mode()  # the buffers were made in inference mode (the forward's)
     def select(self, rows: list[int]) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from app.core.errors import UnsupportedModel
-from app.partitions import attention, packing
+from app.partitions import attention, packing, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
 from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
@@ -157,6 +157,9 @@ class StagePartition(nn.Module):
         self.norm = getattr(body, family.norm) if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.static: static.StaticDecode | None = None  # decode steps captured as CUDA graphs: `use_static`
+        attention.prefer_plan_free_kernels(next(model.parameters()).device)  # built on a GPU (tests)
+        self.wide_decode = True  # decode steps may attend over whole cache buffers (`_wide_slabs`)
 
     @classmethod
     def load(
@@ -185,6 +188,7 @@ class StagePartition(nn.Module):
         check_materialized(stage)
         if pack and packing.supported(dtype, target):
             packing.pack_linears(stage)
+        attention.prefer_plan_free_kernels(target)
         return stage.eval()
 
     def _fill(self, checkpoint: Checkpoint) -> None:
@@ -221,6 +225,13 @@ class StagePartition(nn.Module):
         finally:
             checkpoint.close()
 
+    def use_static(self, setting: str) -> str:
+        """Run decode steps over fixed shapes (`app.partitions.static`) in the mode `setting`
+        (`CONVEYOR_COMPILE`) resolves to on this stage's device; returns that mode."""
+        mode = static.mode_for(setting, self.device)
+        self.static = None if mode == "off" else static.StaticDecode(self, mode)
+        return mode
+
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
@@ -254,35 +265,76 @@ class StagePartition(nn.Module):
         x: token ids [B, S] on the first stage, hidden states [B, S, D] on the others; the caller
         has already extended `state.attention_mask` to cover these S new positions.
         `between_layers` is called after every layer but the last: the step can be interrupted
-        there for other batches' work (it touches nothing of this step's).
+        there for other batches' work (it touches nothing of this step's). A decode step that
+        `self.static` takes runs whole.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
         """
+        if self.static is not None and self.static.handles(state, x):
+            return self.static(state, x)
         x = x.to(self.device)
         mask = state.attention_mask.to(self.device)
         new = x.shape[1]
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]  # [B, S]
         hidden = self._embed(x, position_ids) if self.embed_tokens is not None else x  # [B, S, D]
-        unpadded = bool(mask.bool().all())
-        masks = {kind: self._mask(mask, new, kind, hidden.dtype, unpadded) for kind in set(self.kinds)}
+        slabs = self._wide_slabs(state, new)
+        if slabs:
+            masks: dict[str, torch.Tensor | None] = dict.fromkeys(set(self.kinds), _wide_mask(slabs[0], mask))
+        else:
+            unpadded = bool(mask.bool().all())
+            masks = {kind: self._mask(mask, new, kind, hidden.dtype, unpadded) for kind in set(self.kinds)}
         rotary = self._rotary(hidden, position_ids)
-        for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
-            if index and between_layers is not None:
-                between_layers()
-            extra = {} if rotary is None else {"position_embeddings": rotary[kind]}
-            out = layer(
-                hidden,
-                attention_mask=masks[kind],
-                position_ids=position_ids,
-                cache=state.cache,
-                use_cache=True,
-                **extra,
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
+        for slab in slabs:
+            slab.wide = True
+        try:
+            for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
+                if index and between_layers is not None:
+                    between_layers()
+                extra = {} if rotary is None else {"position_embeddings": rotary[kind]}
+                out = layer(
+                    hidden,
+                    attention_mask=masks[kind],
+                    position_ids=position_ids,
+                    cache=state.cache,
+                    use_cache=True,
+                    **extra,
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+        finally:
+            for slab in slabs:
+                slab.wide = False
         self._check_windows(state)
         if self.lm_head is None or self.norm is None:
             return hidden
         logits = self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
         return self.family.logits(self.config, logits).float()
+
+    def _wide_slabs(self, state: BatchState, new: int) -> list[SlabLayer]:
+        """This stage's cache layers, room made for the step's column, where a decode step attends
+        over their whole buffers (`attention.WIDE_MIN_ROWS`): a half-precision step on a CPU through
+        `attention.grouped_attention`, of enough rows, without sliding layers, every layer's buffer
+        laid out alike. Else [] (the step attends over the live columns, as always)."""
+        rows = state.attention_mask.shape[0]
+        if (
+            not self.wide_decode
+            or new != 1
+            or rows < attention.WIDE_MIN_ROWS
+            or self.device.type != "cpu"
+            or self.dtype not in attention.HALF
+            or self.config._attn_implementation != attention.IMPLEMENTATION
+            or SLIDING in self.kinds
+        ):
+            return []
+        slabs = state.slabs[self.range.start : self.range.stop]
+        if any(s._k is None or s.rows != rows or s.length != state.length - 1 for s in slabs):
+            return []  # a first step, or a cache that does not match the mask: the usual path
+        for slab in slabs:
+            slab.reserve(1)
+        first = slabs[0]
+        assert first._k is not None
+        layout = (first.start, first.end, first._k.shape)
+        if any(s._k is None or (s.start, s.end, s._k.shape) != layout for s in slabs):
+            return []
+        return slabs
 
     def _embed(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None
@@ -347,6 +399,16 @@ class StagePartition(nn.Module):
                     f"sliding cache of layer {self.range.start + index} holds {slab.length} columns, "
                     f"expected {min(state.length, self.window - 1)}"
                 )
+
+
+def _wide_mask(slab: SlabLayer, mask: torch.Tensor) -> torch.Tensor:
+    """A decode step's mask over every column of the cache's buffers, [B, 1, 1, C]: the batch's
+    history (mask [B, T], already extended by the step's column) sits in columns [start, end] of
+    the buffer, the step's own key at `end`; every other column is excluded."""
+    assert slab._k is not None
+    allowed = torch.zeros(mask.shape[0], slab._k.shape[2], dtype=torch.bool, device=mask.device)
+    allowed[:, slab.start : slab.end + 1] = mask.bool()
+    return allowed[:, None, None, :]
 
 
 def _tied(config: Any) -> bool:

@@ -85,7 +85,7 @@ def run_worker(
             torch.set_num_threads(settings.torch_threads)
         chosen = registered_dtype(path)  # `model add --dtype`; else the setting
         dtype = resolve_dtype(chosen if chosen not in (None, "auto") else settings.dtype, device)
-        return load_partition(path, layers, device, dtype), dtype
+        return load_partition(path, layers, device, dtype, settings.compile), dtype
 
     partition, dtype = compute.call(load)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
@@ -96,10 +96,12 @@ def run_worker(
         "family": partition.family.name,
         "dtype": dtype_name(dtype),
         "device": device,
+        "decode_steps": partition.static.mode if partition.static is not None else "eager",
         "param_bytes": partition.param_bytes(),
     }
     log.info(
-        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads",
+        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads, "
+        "decode steps %s",
         stage,
         num_stages,
         model,
@@ -110,6 +112,7 @@ def run_worker(
         dtype_name(dtype),
         partition.param_bytes() / 2**20,
         torch.get_num_threads(),
+        info["decode_steps"],
     )
 
     redis_url = settings.redis_url or ""
@@ -195,9 +198,14 @@ def run_worker(
     compute.stop()
 
 
-def load_partition(path: Path, layers: LayerRange, device: str, dtype: torch.dtype) -> StagePartition:
-    """Load and warm up one stage's layers (on the compute thread, which runs them from then on)."""
+def load_partition(
+    path: Path, layers: LayerRange, device: str, dtype: torch.dtype, compile_setting: str = "off"
+) -> StagePartition:
+    """Load and warm up one stage's layers (on the compute thread, which runs them from then on).
+    The warm-up's decode step is the first captured one where `compile_setting` asks for CUDA
+    graphs: a stage whose steps cannot be captured turns to eager steps here, with a warning."""
     partition = StagePartition.load(path, layers, dtype=dtype, device=device)
+    partition.use_static(compile_setting)
     partition.warmup()
     return partition
 

@@ -63,14 +63,17 @@ def reference(path: Path, prompt: list[int], steps: int, dtype: torch.dtype) -> 
     return [int(t) for t in out[0, len(prompt) :].tolist()]
 
 
-def load(path: Path, stages: int, dtype: torch.dtype) -> list[StagePartition]:
+def load(path: Path, stages: int, dtype: torch.dtype, compile_setting: str = "off") -> list[StagePartition]:
     from transformers import AutoConfig
 
     count = int(AutoConfig.from_pretrained(path).num_hidden_layers)
-    return [
+    parts = [
         StagePartition.load(path, LayerRange.even_split(count, stages, s), dtype=dtype, device=device)
         for s, device in enumerate(devices(stages))
     ]
+    for part in parts:
+        part.use_static(compile_setting)
+    return parts
 
 
 def real_model(name: str) -> Path:
@@ -85,16 +88,16 @@ def test_auto_picks_bf16_or_fp16_on_a_gpu() -> None:
     assert resolve_dtype("auto", "cuda:0") == expected
 
 
+@pytest.mark.parametrize("compile_setting", ["off", "auto"])  # auto: decode steps as CUDA graphs
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_family_on_cuda_matches_generate_in_fp32(
-    family_models: dict[str, tuple[Path, Any]], name: str, stages: int
+    family_models: dict[str, tuple[Path, Any]], name: str, stages: int, compile_setting: str
 ) -> None:
     path, _ = family_models[name]
     prompt = [8, 9, 10, 11, 12, 13, 14, 15]
-    assert greedy(load(path, stages, torch.float32), prompt, STEPS) == reference(
-        path, prompt, STEPS, torch.float32
-    )
+    parts = load(path, stages, torch.float32, compile_setting)
+    assert greedy(parts, prompt, STEPS) == reference(path, prompt, STEPS, torch.float32)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -108,7 +111,7 @@ def test_real_models_on_cuda_match_generate(name: str, stages: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = tokenizer("The capital of France is").input_ids
     dtype = resolve_dtype("auto", "cuda:0")
-    parts = load(path, stages, dtype)
+    parts = load(path, stages, dtype, "auto")
     assert all(p.device.type == "cuda" for p in parts)
     assert greedy(parts, prompt, STEPS) == reference(path, prompt, STEPS, dtype)
 

@@ -133,3 +133,80 @@ def test_a_stage_decodes_the_same_through_either_path(tiny: Path, prompts: list[
         atol=5e-2,
         rtol=5e-2,
     )
+
+
+def test_contiguous_keys_of_enough_rows_go_through_two_matrix_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a wide decode step hands the attention: every column of the cache's buffers (contiguous),
+    the ones outside the history masked. Same attention, the masked columns play no part."""
+    q, k, v = qkv(attention.WIDE_MIN_ROWS, 1, 24, torch.bfloat16)
+    mask = torch.zeros(attention.WIDE_MIN_ROWS, 1, 1, 24, dtype=torch.bool)
+    mask[..., 3:17] = True  # the history sits in columns 3..16 of the buffer
+    mask[0, ..., 3:9] = False  # a shorter row
+    calls = []
+    matmul = attention._matmul_attention
+    monkeypatch.setattr(attention, "_matmul_attention", lambda *a: calls.append(1) or matmul(*a))
+    out, _ = attention.grouped_attention(MODULE, q, k, v, mask, scaling=16**-0.5)
+    assert calls == [1]
+    torch.testing.assert_close(out.float(), reference(q, k, v, mask), atol=2e-2, rtol=2e-2)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :3], v2[:, :, :3], k2[:, :, 17:], v2[:, :, 17:] = 100.0, -100.0, -100.0, 100.0
+    again, _ = attention.grouped_attention(MODULE, q, k2, v2, mask, scaling=16**-0.5)
+    assert torch.equal(again, out)
+    attention.grouped_attention(MODULE, q[:1], k[:1], v[:1], mask[:1], scaling=16**-0.5)
+    assert calls == [1, 1]  # one row: SDPA, faster there
+
+
+def test_a_wide_decode_step_is_as_close_to_transformers_eager_attention_as_sdpa(tiny: Path) -> None:
+    """bf16 decode steps over the cache's whole buffers, past a reallocation, a finished row and a
+    joining batch. bf16 attention has no one right answer; the model's own reference is
+    transformers' eager attention over the live columns (bf16 scores, fp32 softmax, as the two
+    matrix products compute). At every step the wide path is at least as close to it as SDPA over
+    the live columns is (what served before; within one bf16 step at these logits, 1/16)."""
+    wide = StagePartition.load(tiny, dtype=torch.bfloat16)
+    live = StagePartition.load(tiny, dtype=torch.bfloat16)
+    live.wide_decode = False
+    eager = StagePartition.load(tiny, dtype=torch.bfloat16)
+    eager.config._attn_implementation, eager.eager = "eager", True
+    stages = (wide, live, eager)
+    prompts = [[5, 6, 7, 8, 9], [9, 10], [11, 12, 13], [14], [15, 16, 17, 18, 19, 20]]
+
+    def start(seed: int, rows: list[list[int]]) -> tuple[list[BatchState], torch.Tensor]:
+        ids, mask = left_pad(rows, 0)
+        states = [BatchState(s.config, [f"{seed}-{i}" for i in range(len(rows))], mask) for s in stages]
+        logits = [s(state, ids) for s, state in zip(stages, states, strict=True)]
+        return states, logits[2].argmax(-1)
+
+    states, tokens = start(0, prompts)
+    widened = 0
+    closer = []
+
+    def step() -> None:
+        nonlocal tokens, widened
+        for state in states:
+            state.extend(1)
+        widened += bool(wide._wide_slabs(states[0], 1))
+        got = wide(states[0], tokens[:, None])
+        before = live(states[1], tokens[:, None])
+        reference = eager(states[2], tokens[:, None])
+        off, off_before = float((got - reference).abs().max()), float((before - reference).abs().max())
+        assert off <= off_before + 1 / 16
+        closer.append(off < off_before)
+        tokens = reference.argmax(-1)
+
+    for _ in range(70):  # past the first buffer's 64 spare columns
+        step()
+    keep = [states[0].seq_ids[r] for r in (0, 2, 3, 4)]
+    for state in states:
+        state.keep(keep)
+    tokens = tokens[[0, 2, 3, 4]]
+    step()
+    joining, more = start(1, [[21, 22], [23, 24, 25]])
+    for state, other in zip(states, joining, strict=True):
+        state.absorb(other)
+    tokens = torch.cat([tokens, more])
+    for _ in range(3):
+        step()
+    assert widened == 74
+    assert sum(closer) > len(closer) // 2  # mostly strictly closer
