@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from app.core.protocol import StepMessage
 from tests.stageharness import Pipeline, build, reference
 
 SHORT = [[5, 17, 42, 99], [7, 8, 9]]
@@ -131,3 +132,96 @@ def test_a_failing_batch_fails_only_the_jobs_it_still_holds(redis, tiny_model, p
     new.pump()
     assert new.record(moved)["status"] == "succeeded"
     assert new.tokens(moved) == reference(tiny_model, SHORT[0], 6)
+
+
+def test_a_finished_row_leaves_the_batch_and_the_others_go_on(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """Rows of one batch with different lengths: the short job ends, its row leaves every stage's
+    state at the next step (the KV cache shrinks), and the long one finishes as if alone."""
+    pipeline = build(redis, tiny_model, stages=2)
+    pipelines.append(pipeline)
+    short, long = pipeline.submit(SHORT[0], max_tokens=3), pipeline.submit(SHORT[1], max_tokens=9)
+    batch = pipeline.dispatch([short, long])
+    pipeline.pump(until=lambda: pipeline.record(short)["status"] == "succeeded")
+    pipeline.pump(steps=2)  # the next step reaches both stages
+
+    for stage in pipeline.stages:
+        running = stage.batches.get(batch)
+        assert running is not None and running.state.seq_ids == [long]
+        assert all(slab.rows == 1 for slab in running.state.slabs if slab._k is not None)
+    pipeline.pump()
+    assert pipeline.tokens(short) == reference(tiny_model, SHORT[0], 3)
+    assert pipeline.tokens(long) == reference(tiny_model, SHORT[1], 9)
+    assert pipeline.record(long)["status"] == "succeeded"
+    assert all(not stage.batches.get(batch) for stage in pipeline.stages)  # the batch is gone
+
+
+def test_a_cancelled_job_leaves_its_batch_and_its_neighbour_finishes(redis, redis_url, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """A job cancelled (as `DELETE /v1/jobs/{id}` does it) while its batch runs: no token after the
+    cancel, its final event says cancelled, its row leaves, and the other job's tokens are unchanged."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from app.core.jobstore import AsyncJobStore, Lifetimes
+
+    pipeline = build(redis, tiny_model, stages=2)
+    pipelines.append(pipeline)
+    victim, neighbour = (pipeline.submit(prompt, max_tokens=10) for prompt in SHORT)
+    batch = pipeline.dispatch([victim, neighbour])
+    pipeline.pump(until=lambda: len(pipeline.tokens(victim)) >= 3)
+
+    async def cancel() -> tuple[bool, str]:
+        client = aredis.Redis.from_url(redis_url)
+        try:
+            store = AsyncJobStore(client, pipeline.keys)
+            return await store.cancel(victim, reason="the user cancelled", life=Lifetimes(600, 600, 1000))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(cancel()) == (True, "running")
+    streamed = len(pipeline.tokens(victim))
+    pipeline.pump()
+
+    assert pipeline.record(victim)["status"] == "cancelled"
+    assert len(pipeline.tokens(victim)) == streamed  # nothing after the cancel
+    names = [name for name, _ in pipeline.events(victim)]
+    assert names[-1] == "cancelled" and names.count("cancelled") == 1  # its one final event, last
+    assert pipeline.record(neighbour)["status"] == "succeeded"
+    assert pipeline.tokens(neighbour) == reference(tiny_model, SHORT[1], 10)
+    assert all(not stage.batches.get(batch) for stage in pipeline.stages)
+
+
+def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """Urgent work waiting when a step reaches a layer boundary runs there (the worker's compute
+    thread does it through `preempt`): the urgent job streams its first token inside the running
+    batch's step, which then goes on; both jobs' tokens are what each would be alone."""
+    urgent: list[StepMessage] = []
+    seen: list[tuple[int, int, int]] = []
+    made: list[Pipeline] = []
+
+    def preempt() -> float:
+        if not urgent:
+            return 0.0
+        pipeline = made[0]
+        before = len(pipeline.tokens(running))
+        pipeline.stages[0].handle(urgent.pop())  # inside the running batch's step
+        seen.append((before, len(pipeline.tokens(running)), len(pipeline.tokens(newcomer))))
+        return 0.0
+
+    pipeline = build(redis, tiny_model, stages=1, preempt=preempt)
+    made.append(pipeline)
+    pipelines.append(pipeline)
+    running = pipeline.submit(SHORT[0], max_tokens=8)
+    pipeline.dispatch([running])
+    pipeline.pump(steps=3)
+    newcomer = pipeline.submit(SHORT[1], max_tokens=4)
+    pipeline.dispatch([newcomer])
+    urgent.append(pipeline.outbox.pop())  # its prefill waits as urgent work, not in the queue
+    streamed = len(pipeline.tokens(running))
+    pipeline.pump(steps=1)  # the running batch's next step
+
+    assert seen == [(streamed, streamed, 1)]  # the newcomer's first token came mid-step
+    assert len(pipeline.tokens(running)) == streamed + 1  # and the step went on to its token
+    pipeline.pump()
+    assert pipeline.tokens(running) == reference(tiny_model, SHORT[0], 8)
+    assert pipeline.tokens(newcomer) == reference(tiny_model, SHORT[1], 4)

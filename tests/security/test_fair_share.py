@@ -4,11 +4,12 @@ The pipeline holds 4 sequences at once (MAX_INFLIGHT_SEQUENCES), so whatever is 
 waits and the batcher chooses, at every free seat, whose job goes next.
 
 - a lone tenant gets the whole pipeline: every token;
-- two tenants both backlogged, one of which queued 10x the other's jobs (and queued them first):
-  each gets 50% +- 10% of the tokens generated over the window. The window opens once both have
-  queued (400 and 40 jobs of 8 tokens) and lasts until 400 tokens (50 jobs) have been generated,
-  about 15 s on the tiny model; the light tenant still has jobs waiting at its end, so both were
-  backlogged throughout. In arrival order the light tenant would get nothing in it;
+- two tenants both backlogged, one of which queued nearly 7x the other's jobs (and queued them
+  first): each gets 50% +- 10% of the tokens generated over the window. The window opens once both
+  have queued (400 and 60 jobs of 8 tokens) and lasts until 400 tokens (50 jobs) have been
+  generated, about 15 s on the tiny model; the light tenant still has jobs waiting at its end, so
+  both were backlogged throughout (its jobs run while it is still queuing the rest: 60 leaves room
+  for that). In arrival order the light tenant would get nothing in it;
 - priority entitlements: a tenant may submit only to the classes `CONVEYOR_TENANT_PRIORITIES` lists
   for it (403 priority_not_allowed otherwise); others keep every class.
 """
@@ -103,8 +104,8 @@ def test_two_backlogged_tenants_each_get_half_whatever_their_backlogs(
     shared: Stack, redis: redis_lib.Redis
 ) -> None:
     keys = Keys(shared.namespace)
-    heavy = submit_many(shared, HEAVY, 400)  # first, and ten times as many
-    light = submit_many(shared, LIGHT, 40)
+    heavy = submit_many(shared, HEAVY, 400)  # first, and nearly seven times as many
+    light = submit_many(shared, LIGHT, 60)
     jobs = {"heavy": heavy, "light": light}
     try:
         start = tokens(redis, keys, jobs)  # the window opens once both are queued
