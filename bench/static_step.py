@@ -176,14 +176,15 @@ def main() -> None:
 
 def markdown(rows: list[dict], meta: dict[str, str], mode: str) -> str:
     lines = [
-        f"# One decode step: eager against static ({mode}) on {meta['device']}",
+        f"# One decode step: eager against the fixed layout ({mode}) on {meta['device']}",
         "",
         f"`{meta['command']}` — torch {meta['torch']}, {meta['when']}"
         + (f", commit {meta['commit']}" if meta["commit"] else "")
         + ". SmolLM2-135M-Instruct shapes as one stage; prompts of 100-160 tokens left-padded; "
         "the engines take turns step by step over the same history; medians.",
         "",
-        f"| batch | eager ms | {mode} ms | speedup | eager tok/s | {mode} tok/s | first {mode} step s "
+        f"| batch | eager ms | fixed ({mode}) ms | speedup | eager tok/s | fixed ({mode}) tok/s "
+        f"| first fixed ({mode}) step s "
         "| greedy agreement | max logit difference |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]

@@ -179,6 +179,10 @@ class StaticDecode:
     def _run(self, inputs: _Inputs, buffers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if self.mode != "graphs":
             return self._step(inputs, buffers)
+        with torch.cuda.device(self.stage.device):  # stage k may sit on GPU k: capture and replay there
+            return self._replay(inputs, buffers)
+
+    def _replay(self, inputs: _Inputs, buffers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         key = (inputs.x.dim(), *(t.data_ptr() for pair in buffers.values() for t in pair), *inputs.mask.shape)
         graph = self.graphs.get(key)
         if graph is None:
