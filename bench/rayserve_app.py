@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import sys
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+BATCH_LINE = "ray serve batch:"
 MAX_BATCH_SIZE = 32
 BATCH_WAIT_S = 0.05
 NUM_CPUS = 2  # the replica's: torch in it uses both cores, as the other systems' workers do
@@ -53,7 +57,10 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
             self.engine = Engine(model_path)
 
         def generate(self, rows: list[tuple[list[int], int, bool]]) -> list[list[int]]:
-            """One `generate` call for the batch; row i's answer cut to its own `max_tokens`."""
+            """One `generate` call for the batch; row i's answer cut to its own `max_tokens`. Each
+            call prints a `BATCH_LINE` (the replica's output reaches the server's log), so a run can
+            say which batch sizes Ray Serve actually formed (`batch_sizes`)."""
+            started = time.perf_counter()
             ids, mask = left_pad([r[0] for r in rows], int(self.engine.tokenizer.pad_token_id))
             longest = max(r[1] for r in rows)
             with torch.inference_mode():
@@ -66,6 +73,8 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
                     pad_token_id=self.engine.tokenizer.pad_token_id,
                 )
             new = output[:, ids.shape[1] :]  # [B, longest]
+            took = time.perf_counter() - started
+            print(f"{BATCH_LINE} rows={len(rows)} longest={longest} seconds={took:.3f}", flush=True)
             return [new[i, : r[1]].tolist() for i, r in enumerate(rows)]
 
         @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_s)
@@ -92,6 +101,20 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
             )
 
     return Generator.bind()
+
+
+def batch_sizes(log: str) -> list[int]:
+    """The size of every batch a replica ran, in order, from the server's log."""
+    return [int(m.group(1)) for m in re.finditer(re.escape(BATCH_LINE) + r" rows=(\d+)", log)]
+
+
+def describe(sizes: list[int]) -> str:
+    """`n batches, mean m, max x; sizes: size x count, ...` (what a run says about its batching)."""
+    if not sizes:
+        return "no batches"
+    counts = Counter(sizes)
+    spread = ", ".join(f"{size}x{counts[size]}" for size in sorted(counts))
+    return f"{len(sizes)} batches, mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)}; sizes: {spread}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from bench.load import Job, conveyor_job, load_client, naive_job
 from bench.processes import free_port, say, server_process, wait_ready
 from bench.prompts import Prompt
 from bench.raw import generate_batch, load_model, run_raw
+from bench.rayserve_app import batch_sizes, describe
 from bench.report import SystemRun
 from bench.scheduling_stack import Model, stack, warm_up
 
@@ -105,7 +106,10 @@ def ray_serve(model: Model, workdir: Path) -> Iterator[System]:
             wait_ready(f"{base}/healthz", process, READY_TIMEOUT_S, log)
         except RuntimeError as exc:
             raise failed_start(RAY, exc, log) from exc
-        yield System(RAY, base, naive_job, streams=False)
+        try:
+            yield System(RAY, base, naive_job, streams=False)
+        finally:  # what `@serve.batch` formed, not what it may form (max 32)
+            say(f"{RAY}: {describe(batch_sizes(log.read_text(errors='replace')))}")
 
 
 @contextmanager

@@ -389,3 +389,20 @@ def test_open_and_closed_loops_on_a_fake_job():
     assert most == 2
     assert len(closed) == len(submits) >= 4 and {t.cls for t in closed} == {"n"}
     assert sorted(t.job.prompt for t in closed[:4]) == [0, 1, 2, 3]
+
+
+def test_the_ray_serve_batches_are_read_from_its_log() -> None:
+    """What `@serve.batch` formed, from the replica's lines in the server's log (Ray prefixes them)."""
+    from bench.rayserve_app import BATCH_LINE, batch_sizes, describe
+
+    log = "\n".join(
+        [
+            "ray serve: ready on port 8200",
+            f"(ServeReplica:generator:Generator pid=41) {BATCH_LINE} rows=1 longest=8 seconds=0.210",
+            f"(ServeReplica:generator:Generator pid=41) {BATCH_LINE} rows=32 longest=64 seconds=3.100",
+            f"{BATCH_LINE} rows=7 longest=8 seconds=0.400",
+        ]
+    )
+    assert batch_sizes(log) == [1, 32, 7]
+    assert describe(batch_sizes(log)) == "3 batches, mean 13.3, max 32; sizes: 1x1, 7x1, 32x1"
+    assert describe([]) == "no batches"
