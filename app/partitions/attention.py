@@ -116,9 +116,10 @@ def _matmul_attention(
     mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v as two batched matrix products, the scores and softmax in fp32 (as
-    transformers' eager attention computes them). Over contiguous keys and values this is about
-    twice as fast as the CPU's SDPA kernel for a decode step (a few queries a head)."""
+    """softmax(q k^T * scale) v as two batched matrix products: the scores come out of the product
+    in the model's dtype, then are scaled, masked and softmaxed in fp32 (transformers' eager
+    attention also multiplies in the model's dtype and takes the softmax in fp32). Over contiguous
+    keys and values this is about twice as fast as the CPU's SDPA kernel for a decode step."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, T]
     if mask is not None:

@@ -96,7 +96,9 @@ def run_worker(
         "family": partition.family.name,
         "dtype": dtype_name(dtype),
         "device": device,
-        "decode_steps": partition.static.mode if partition.static is not None else "eager",
+        "decode_steps": "graphs"
+        if partition.static is not None and partition.static.refused is None
+        else "eager",
         "param_bytes": partition.param_bytes(),
     }
     log.info(
