@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,7 +206,16 @@ def conveyor(stages: int, threads: str, workdir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def vllm(workdir: Path) -> Iterator[str]:
+def peer_server(name: str, argv: list[str], env: dict[str, str], port: int, workdir: Path) -> Iterator[str]:
+    """A peer's OpenAI server started with `argv`, its base URL once its /health answers."""
+    log = workdir / f"{name.split()[0]}.log"
+    with server_process(name, argv, env, log, 60.0) as server:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(f"{base}/health", server, READY_TIMEOUT_S, log)
+        yield base
+
+
+def vllm(workdir: Path) -> AbstractContextManager[str]:
     python = VLLM_VENV / "bin" / "python"
     if not python.exists():
         raise RuntimeError(f"vLLM is not installed in {VLLM_VENV}: see `python -m bench.peers --help`")
@@ -217,11 +226,7 @@ def vllm(workdir: Path) -> Iterator[str]:
         "--model", str(MODEL_DIR), "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    log = workdir / "vllm.log"
-    with server_process("vllm", argv, env, log, 60.0) as server:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(f"{base}/health", server, READY_TIMEOUT_S, log)
-        yield base
+    return peer_server("vllm", argv, env, port, workdir)
 
 
 # What `transformers serve` needs to generate exactly OUTPUT_TOKENS: it refuses `ignore_eos` (422).
@@ -232,20 +237,14 @@ TRANSFORMERS_EXTRA: dict[str, object] = {
 }
 
 
-@contextmanager
-def transformers_serve(workdir: Path) -> Iterator[str]:
+def transformers_serve(workdir: Path) -> AbstractContextManager[str]:
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     argv = [
         str(Path(sys.executable).parent / "transformers"), "serve", str(MODEL_DIR),
         "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    log = workdir / "transformers.log"
-    with server_process("transformers serve", argv, env, log, 60.0) as server:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(f"{base}/health", server, READY_TIMEOUT_S, log)
-        yield base
+    return peer_server("transformers serve", argv, {**os.environ, "HF_HUB_OFFLINE": "1"}, port, workdir)
 
 
 def row_record(row: Row) -> dict[str, object]:
