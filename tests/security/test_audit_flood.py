@@ -5,32 +5,26 @@ The real API app (its lifespan and audit middleware) over a real Redis, in proce
 
 from __future__ import annotations
 
-import uuid
-
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
-from app.core.config import Settings
 from app.core.keys import Keys
+from tests.tinyapi import tiny_settings
 
 
 def test_unauthenticated_requests_do_not_push_tenants_out_of_the_audit_stream(redis_url, tiny_model):  # type: ignore[no-untyped-def]
     redis = redis_lib.Redis.from_url(redis_url)
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
     key = new_api_key()
-    settings = Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
+    settings = tiny_settings(
+        redis_url,
+        tiny_model,
         api_keys={key_digest(key): "acme"},
         audit_maxlen=20,
         audit_unauthenticated_maxlen=20,
     )
-    keys = Keys(namespace)
+    keys = Keys(settings.namespace)
     try:
         with TestClient(create_app(settings)) as client:
             for _ in range(5):  # the tenant's own requests, to be kept

@@ -7,7 +7,6 @@ The real API app (its lifespan included) over a real Redis, in process."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,22 +20,15 @@ from app.api.app import create_app
 from app.api.auth import Authenticator, key_digest, new_api_key
 from app.core.config import Settings
 from app.core.keys import Keys
+from tests.tinyapi import tiny_settings
 
 PROTECTED = "/v1/jobs/0123456789abcdef"  # any protected route; 404 once past authentication
 
 
 @contextmanager
 def api(redis_url: str, tiny_model: Path, **settings: object) -> Iterator[tuple[TestClient, Keys]]:
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
-    config = Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
-        **settings,  # type: ignore[arg-type]
-    )
-    keys = Keys(namespace)
+    config = tiny_settings(redis_url, tiny_model, **settings)
+    keys = Keys(config.namespace)
     try:
         with TestClient(create_app(config)) as client:
             yield client, keys

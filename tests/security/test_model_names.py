@@ -8,7 +8,6 @@ request here is refused before admission.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from app.api.app import create_app
 from app.core.config import Settings
 from app.core.registry import add_model
 from app.partitions.families import family_for
+from tests.tinyapi import tiny_settings
 
 ALIASES = [
     "tiny/",
@@ -43,13 +43,10 @@ ALIASES = [
 def settings(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Settings:
     root = tmp_path_factory.mktemp("names")
     configured = make_tiny_model(root / "src" / "tiny")
-    settings = Settings(
-        redis_url=redis_url,
-        namespace=f"test-{uuid.uuid4().hex[:8]}",
+    settings = tiny_settings(
+        redis_url,
+        configured,
         home=root / "home",
-        models={"tiny": configured},
-        default_model="tiny",
-        embedding_stages=0,
         auth="none",  # an open API: these tests are about names, not credentials
     )
     add_model(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.app import create_app
-from app.core.config import Settings
+from tests.tinyapi import tiny_settings
 
 HUGE = "word " * 200_000  # 1 MB
 
@@ -59,15 +58,7 @@ def test_healthz_stays_fast_while_megabyte_prompts_arrive(stack):  # type: ignor
 
 @contextmanager
 def api(redis_url: str, tiny_model: Path, **settings: object) -> Iterator[TestClient]:
-    config = Settings(
-        redis_url=redis_url,
-        namespace=f"test-{uuid.uuid4().hex[:8]}",
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
-        auth="none",
-        **settings,  # type: ignore[arg-type]
-    )
+    config = tiny_settings(redis_url, tiny_model, auth="none", **settings)
     with TestClient(create_app(config)) as client:
         yield client
 

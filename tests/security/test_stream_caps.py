@@ -25,26 +25,20 @@ from websockets.sync.client import connect
 
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
-from app.core.config import Settings
 from app.core.keys import Keys
 from tests.conftest import free_port
+from tests.tinyapi import forget_namespace, tiny_settings
 
 CAP = 2
 
 
 @pytest.fixture()
 def api(redis_url: str, tiny_model) -> Iterator[tuple[str, Keys, dict[str, str]]]:  # type: ignore[no-untyped-def]
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
     keys = {"acme": new_api_key(), "other": new_api_key()}
-    settings = Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
-        api_keys={key_digest(k): t for t, k in keys.items()},
-        tenant_max_streams=CAP,
+    settings = tiny_settings(
+        redis_url, tiny_model, api_keys={key_digest(k): t for t, k in keys.items()}, tenant_max_streams=CAP
     )
+    namespace = settings.namespace
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
@@ -59,9 +53,7 @@ def api(redis_url: str, tiny_model) -> Iterator[tuple[str, Keys, dict[str, str]]
     finally:
         server.should_exit = True
         thread.join(10)
-        r = redis_lib.Redis.from_url(redis_url)
-        for key in r.scan_iter(match=f"{namespace}:*"):
-            r.delete(key)
+        forget_namespace(redis_url, namespace)
 
 
 def queued_job(redis_url: str, keys: Keys, tenant: str) -> str:

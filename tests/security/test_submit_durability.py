@@ -21,18 +21,11 @@ from app.core.durability import DurabilityUnavailable
 from app.core.keys import Keys
 from app.core.redis import start_embedded
 from tests.conftest import free_port
+from tests.tinyapi import tiny_settings
 
 
 def settings(url: str, tiny_model: Path, namespace: str) -> Settings:
-    return Settings(
-        redis_url=url,
-        namespace=namespace,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
-        auth="none",
-        submit_durability="fsync",
-    )
+    return tiny_settings(url, tiny_model, namespace=namespace, auth="none", submit_durability="fsync")
 
 
 def test_fsync_on_a_redis_that_cannot_give_it_stops_the_api(tmp_path, tiny_model):  # type: ignore[no-untyped-def]

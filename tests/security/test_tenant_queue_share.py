@@ -30,36 +30,28 @@ from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobRecord, JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
+from tests.tinyapi import forget_namespace, tiny_settings
 
 DEPTH = 10  # queue_depth_limit; the default share (0.5) lets one tenant hold 5
 
 
-def cleanup(redis_url: str, namespace: str) -> None:
-    r = redis_lib.Redis.from_url(redis_url)
-    for key in r.scan_iter(match=f"{namespace}:*"):
-        r.delete(key)
-
-
 @pytest.fixture()
 def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str, dict[str, str]]]]:
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
     keys = {"acme": new_api_key(), "other": new_api_key()}
-    settings = Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        embedding_stages=0,
+    settings = tiny_settings(
+        redis_url,
+        tiny_model,
         api_keys={key_digest(k): t for t, k in keys.items()},
         stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
         queue_depth_limit=DEPTH,
     )
+    namespace = settings.namespace
     assert settings.tenant_queue_share == 0.5 and settings.tenant_queue_limit("acme") == DEPTH // 2
     try:
         with TestClient(create_app(settings)) as client:
             yield client, {t: {"X-API-Key": k} for t, k in keys.items()}
     finally:
-        cleanup(redis_url, namespace)
+        forget_namespace(redis_url, namespace)
 
 
 def post(client: TestClient, headers: dict[str, str], priority: str = "normal") -> Any:
@@ -131,7 +123,7 @@ def test_concurrent_submits_from_many_api_processes_stop_exactly_at_the_share(re
         assert outcomes.count("ok") == share
         assert outcomes.count("tenant_queue_full") == 80 - share
     finally:
-        cleanup(redis_url, settings.namespace)
+        forget_namespace(redis_url, settings.namespace)
 
 
 @pytest.fixture()
@@ -145,7 +137,7 @@ def store(redis_url: str) -> Iterator[tuple[Settings, JobStore, Any]]:
     try:
         yield settings, JobStore(client, Keys(settings.namespace), ttl_s=settings.job_ttl_s), client
     finally:
-        cleanup(redis_url, settings.namespace)
+        forget_namespace(redis_url, settings.namespace)
 
 
 def admit(redis_url: str, settings: Settings, tenant: str, job_id: str | None = None) -> str:
