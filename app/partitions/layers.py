@@ -303,9 +303,14 @@ class StagePartition(nn.Module):
             for slab in slabs:
                 slab.wide = False
         self._check_windows(state)
+        return self.finish(hidden)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The step's output: hidden states [B, S, D] as they are, or on the last stage the
+        next-token logits [B, V] in float32 (the norm and head on the last position only)."""
         if self.lm_head is None or self.norm is None:
             return hidden
-        logits = self.lm_head(self.norm(hidden[:, -1, :]))  # [B, V]: only the last position is sampled
+        logits = self.lm_head(self.norm(hidden[:, -1, :]))
         return self.family.logits(self.config, logits).float()
 
     def _wide_slabs(self, state: BatchState, new: int) -> list[SlabLayer]:

@@ -242,7 +242,4 @@ class StaticDecode:
             extra = {} if rotary is None else {"position_embeddings": rotary[kind]}
             keys, values = buffers[stage.range.start + index]
             hidden = _layer_step(layer, hidden, inputs.mask, position_ids, keys, values, inputs.column, extra)
-        if stage.lm_head is None or stage.norm is None:
-            return hidden
-        logits = stage.lm_head(stage.norm(hidden[:, -1, :]))
-        return stage.family.logits(stage.config, logits).float()
+        return stage.finish(hidden)
