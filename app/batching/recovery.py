@@ -36,6 +36,7 @@ from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
 
+
 class Monitor:
     def __init__(
         self,

@@ -73,6 +73,7 @@ class Keys:
     def stage_info(self) -> str:
         """Hash: worker -> what it serves (model, stage, layers, dtype, device, parameter bytes; JSON)."""
         return f"{self.namespace}:stageinfo"
+
     def health(self) -> str:
         """Hash: stage worker -> its health record (JSON, app/core/health.py), from its heartbeat."""
         return f"{self.namespace}:health"
