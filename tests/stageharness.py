@@ -27,6 +27,7 @@ from app.core.keys import Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
 from app.partitions.layers import LayerRange
+from app.partitions.prefix import PrefixCache
 from app.workers.main import _pad_id, eos_token_ids, load_partition
 from app.workers.stage import StageIdentity, StageRuntime
 
@@ -136,9 +137,11 @@ def build(
     *,
     stages: int = 1,
     namespace: str | None = None,
+    prefix_cache_mb: int = 0,
     **runtime: Any,
 ) -> Pipeline:
-    """A pipeline of `stages` in-process stage runtimes over the model at `path` (fp32, CPU)."""
+    """A pipeline of `stages` in-process stage runtimes over the model at `path` (fp32, CPU); each
+    stage with a prefix cache of `prefix_cache_mb` (0: none)."""
     keys = Keys(namespace or f"test-{uuid.uuid4().hex[:8]}")
     jobs = JobStore(redis, keys, ttl_s=600)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -171,6 +174,7 @@ def build(
                 hand_off=lambda message, _lane: pipeline.outbox.append(message),
                 eos_ids=eos_token_ids(str(path), partition.config),
                 pad_id=_pad_id(partition.config),
+                prefixes=PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb else None,
                 **runtime,
             )
         )

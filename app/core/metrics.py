@@ -123,6 +123,14 @@ PARTITION_LATENCY = Histogram(
     ["model", "partition_id"],
     buckets=STEP_BUCKETS,
 )
+PREFIX_TOKENS = Counter(
+    "conveyor_prefix_cache_tokens",
+    "Prompt tokens a stage prefilled, by where their keys and values came from (cache or computed)",
+    ["model", "stage", "source"],
+)
+PREFIX_CACHE_BYTES = Gauge(
+    "conveyor_prefix_cache_bytes", "Memory a stage's prefix cache holds", ["model", "stage"]
+)
 HEARTBEAT = Gauge(
     "conveyor_worker_heartbeat_timestamp_seconds",
     "When this worker last wrote its heartbeat to Redis",

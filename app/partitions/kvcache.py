@@ -68,6 +68,21 @@ class SlabLayer(DynamicLayer):
         views = self._views()
         return self.wide_views() if self.wide else views
 
+    @torch.inference_mode()
+    def preload(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
+        """Start from keys/values [rows, heads, columns, dim] computed earlier (a cached prompt
+        prefix, `app.partitions.prefix`), with room for `extra` more columns; the layer must be empty."""
+        if self._k is not None:
+            raise RuntimeError("cannot preload a cache layer that already holds columns")
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self.rows = keys.shape[0]
+        self._reallocate(keys, values, rows=self.rows, length=keys.shape[2], extra=extra)
+        assert self._k is not None and self._v is not None
+        self._k[: self.rows, :, : self.end] = keys
+        self._v[: self.rows, :, : self.end] = values
+        self._views()
+
     def wide_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the live rows over every column of the buffer, [rows, heads, column
         capacity, dim]: contiguous, which a CPU's batched matrix product needs to be fast (a view of

@@ -370,13 +370,14 @@ class StagePartition(nn.Module):
         when k <= its column and k holds a real token, and for a sliding layer when it is within
         the window (k > q - window, transformers' rule). A sliding layer keeps only its last
         `window - 1` columns before the step, so its keys are the mask's last K columns.
+        A prefill after cached columns (`app.partitions.prefix`) has S < T queries, each at its column.
         A padding query sees only itself: its output is never used, and a row that sees nothing
         would be NaN, which even a zero attention weight would carry into real rows.
         """
         total = mask.shape[1]
         within_window = kind != SLIDING or (self.window is not None and total <= self.window)
-        if unpadded and within_window and not self.eager:
-            return None
+        if unpadded and within_window and not self.eager and new in (1, total):
+            return None  # (SDPA's causal rule puts query 0 at key 0: not a prefill after cached columns)
         q = torch.arange(total - new, total, device=mask.device)[:, None]  # [S, 1]
         k = torch.arange(total, device=mask.device)[None, :]  # [1, T]
         allowed = (k <= q) & mask.bool()[:, None, :]  # [B, S, T]

@@ -27,6 +27,7 @@ from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import load_config
 from app.partitions.precision import dtype_name, resolve_dtype
+from app.partitions.prefix import PrefixCache
 from app.workers import lane
 from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
@@ -100,10 +101,11 @@ def run_worker(
         if partition.static is not None and partition.static.refused is None
         else "eager",
         "param_bytes": partition.param_bytes(),
+        "prefix_cache_mb": settings.prefix_cache_mb,
     }
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads, "
-        "decode steps %s",
+        "decode steps %s, prefix cache %d MiB",
         stage,
         num_stages,
         model,
@@ -115,6 +117,7 @@ def run_worker(
         partition.param_bytes() / 2**20,
         torch.get_num_threads(),
         info["decode_steps"],
+        settings.prefix_cache_mb,
     )
 
     redis_url = settings.redis_url or ""
@@ -156,6 +159,7 @@ def run_worker(
             tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
         ),
         stale_after_s=4 * settings.stall_timeout_s,
+        prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
 

@@ -32,6 +32,7 @@ from app.core.publisher import Publisher, TokenOut
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
+from app.partitions.prefix import Prefill, PrefixCache
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.latency import StepLatency
@@ -82,6 +83,8 @@ class StageRuntime:
     preempt: Callable[[], float] | None = None
     # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
     stale_after_s: float = 120.0
+    # Prompt prefixes this stage computed, reused by later prompts that start with them; None: off.
+    prefixes: PrefixCache | None = None
 
     def handle(self, msg: StepMessage) -> None:
         """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
@@ -108,12 +111,16 @@ class StageRuntime:
     def _step(self, msg: StepMessage) -> None:
         if self.claims is not None:
             msg = msg.forward(tensors=self.claims.get_all(msg.tensors))
+        prefill: Prefill | None = None
         if msg.kind == "prefill":
-            msg, state, x = self._begin(msg)
+            msg, prefill, x = self._begin(msg)
             if not msg.seq_ids:
                 self._finish_batch(msg)
                 return
-            self.batches[msg.batch_id].prefilling = True
+            state, x = prefill.start(x)
+            self.batches.begin(msg.batch_id, state, time.monotonic()).prefilling = True
+            if self.partition.is_last:
+                self._take_sequences(msg)
         else:
             state = self.batches.resume(msg.batch_id, msg.merge, msg.seq_ids)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
@@ -122,10 +129,12 @@ class StageRuntime:
             metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
             if self.latency is not None:
                 self.latency.observe(took)
+            if prefill is not None:
+                out = self._prefilled(prefill, state, out)
             if self.partition.is_last:
                 self._sample(msg, out)
             else:
-                self._forward(msg, state, out)
+                self._forward(msg, prefill, out)
         finally:
             running = self.batches.get(msg.batch_id)
             if running is not None:
@@ -145,8 +154,9 @@ class StageRuntime:
         out = self.partition(state, x, between_layers if preempt is not None else None)
         return out, time.perf_counter() - started - lent
 
-    def _begin(self, msg: StepMessage) -> tuple[StepMessage, BatchState, torch.Tensor]:
-        """Prefill: build this stage's state for a new batch."""
+    def _begin(self, msg: StepMessage) -> tuple[StepMessage, Prefill, torch.Tensor]:
+        """Prefill: the batch's rows as this stage receives them (its whole prompts: token ids on
+        stage 0, hidden states on the others), and what its prefix cache has of them."""
         routes = list(msg.routes) or [None] * msg.num_stages
         routes[self.identity.stage] = self.identity.lane
         if self.partition.is_first:
@@ -157,22 +167,38 @@ class StageRuntime:
             seq_ids = [j for j in msg.seq_ids if j in started]
             msg = msg.forward(seq_ids=seq_ids, routes=routes)
             if not seq_ids:
-                return msg, BatchState(self.partition.config, [], torch.zeros(0, 0)), torch.zeros(0)
+                return msg, Prefill(None, self.partition, [], None, torch.zeros(0, 0)), torch.zeros(0)
             self.jobs.progressed(seq_ids, time.time())
             records = self.jobs.get_many(seq_ids, "prompt_ids", "attempts")
-            x, mask = left_pad(
-                [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)], self.pad_id
-            )
+            prompts = [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)]
+            x, mask = left_pad(prompts, self.pad_id)
         else:
             msg = msg.forward(routes=routes)
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
             mask = decode_tensor(msg.tensors["attention_mask"]).long()
-        state = BatchState(self.partition.config, msg.seq_ids, mask)
-        running = self.batches.begin(msg.batch_id, state, time.monotonic())
-        if self.partition.is_last:
-            running.sequences = self._load_sequences(msg.batch_id, msg.seq_ids)
-            running.routes = msg.routes
-        return msg, state, x
+            # The prompts' ids come with the hidden states (a stage 0 of an older release sends none:
+            # then nothing is looked up here).
+            ids = decode_tensor(msg.tensors["input_ids"]) if "input_ids" in msg.tensors else None
+            prompts = None
+            if ids is not None:
+                prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        return msg, Prefill(self.prefixes, self.partition, msg.seq_ids, prompts, mask), x
+
+    def _take_sequences(self, msg: StepMessage) -> None:
+        """Last stage: the prefilling batch's sequences and routes."""
+        running = self.batches[msg.batch_id]
+        running.sequences = self._load_sequences(msg.batch_id, msg.seq_ids)
+        running.routes = msg.routes
+
+    def _prefilled(self, prefill: Prefill, state: BatchState, out: torch.Tensor) -> torch.Tensor:
+        """The prefill's output over whole prompts; its new prefixes stored, its reuse counted."""
+        out = prefill.finish(state, out)
+        if prefill.cache is not None:
+            labels = (self.identity.model, str(self.identity.stage))
+            metrics.PREFIX_TOKENS.labels(*labels, "cache").inc(prefill.reused)
+            metrics.PREFIX_TOKENS.labels(*labels, "computed").inc(prefill.computed)
+            metrics.PREFIX_CACHE_BYTES.labels(*labels).set(prefill.cache.nbytes)
+        return out
 
     def _input_ids(self, job_id: str, record: dict[str, str]) -> list[int]:
         """The prompt; for a recovered job, the prompt and the tokens it had already streamed."""
@@ -222,10 +248,13 @@ class StageRuntime:
                 seq.generated += 1
         return seq
 
-    def _forward(self, msg: StepMessage, state: BatchState, hidden: torch.Tensor) -> None:
+    def _forward(self, msg: StepMessage, prefill: Prefill | None, hidden: torch.Tensor) -> None:
         tensors = {"hidden": self.codec.encode(hidden)}  # [B, S, D]
-        if msg.kind == "prefill":
-            tensors["attention_mask"] = encode_tensor(state.attention_mask.to(torch.int8))
+        if prefill is not None:
+            tensors["attention_mask"] = encode_tensor(prefill.mask.to(torch.int8))
+            if prefill.prompts:
+                ids, _ = left_pad(prefill.prompts, self.pad_id)
+                tensors["input_ids"] = encode_tensor(ids.to(torch.int32))
         if self.claims is not None:
             tensors = self.claims.put_all(tensors)
         nxt = msg.forward(stage=msg.stage + 1, tensors=tensors)

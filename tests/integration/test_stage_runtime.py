@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from app.core.protocol import StepMessage
+from app.partitions.prefix import PrefixCache
 from tests.stageharness import Pipeline, build, reference
 
 SHORT = [[5, 17, 42, 99], [7, 8, 9]]
@@ -225,3 +227,36 @@ def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny
     pipeline.pump()
     assert pipeline.tokens(running) == reference(tiny_model, SHORT[0], 8)
     assert pipeline.tokens(newcomer) == reference(tiny_model, SHORT[1], 4)
+
+
+def test_a_prompt_starting_like_an_earlier_one_reuses_its_prefix_on_every_stage(
+    redis, tiny_model, pipelines
+):  # type: ignore[no-untyped-def]
+    """Two stages with prefix caches: a second job sharing the first one's 32-token start computes
+    only its own tail on each stage (stage 1 learns the prompt's ids from stage 0's message) and
+    streams what `generate` gives for its whole prompt; so does a job run while stage 1 misses."""
+    pipeline = build(redis, tiny_model, stages=2, prefix_cache_mb=16)
+    pipelines.append(pipeline)
+    system = [(i * 13) % 150 + 3 for i in range(40)]
+    prompts = [system + [5, 6], system + [7, 8, 9, 10], system[:35] + [11]]
+    runs = []
+    for number, prompt in enumerate(prompts):
+        if number == 2:
+            pipeline.stages[1].prefixes = PrefixCache(2**24)  # stage 1 restarted: it misses
+        before = [_reused(pipeline, stage) for stage in (0, 1)]
+        job = pipeline.submit(prompt, max_tokens=5)
+        pipeline.dispatch([job])
+        pipeline.pump()
+        runs.append([_reused(pipeline, stage) - b for stage, b in zip((0, 1), before, strict=True)])
+        assert pipeline.record(job)["status"] == "succeeded"
+        assert pipeline.tokens(job) == reference(tiny_model, prompt, 5)
+    assert runs == [[0, 0], [32, 32], [32, 0]]
+
+
+def _reused(pipeline: Pipeline, stage: int) -> float:
+    return (
+        REGISTRY.get_sample_value(
+            "conveyor_prefix_cache_tokens_total", {"model": "tiny", "stage": str(stage), "source": "cache"}
+        )
+        or 0.0
+    )
