@@ -57,6 +57,8 @@ KNOWN_METRICS = {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_
     "conveyor_device_utilization_ratio",
     "conveyor_device_temperature_celsius",
     "conveyor_stage_unhealthy",
+    "conveyor_prefix_cache_tokens_total",
+    "conveyor_prefix_cache_bytes",
     "up",
     "process_resident_memory_bytes",
     "process_virtual_memory_bytes",
