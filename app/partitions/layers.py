@@ -11,7 +11,6 @@ KV cache and attention mask (`BatchState`); positions are derived from the mask,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from app.core.errors import UnsupportedModel
+from app.core.steps import Steps, complete
 from app.partitions import attention, packing, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
@@ -256,21 +256,23 @@ class StagePartition(nn.Module):
         state.extend(1)
         self(state, x[:, -1:])
 
+    def forward(self, state: BatchState, x: torch.Tensor) -> torch.Tensor:
+        """Run one step over this stage's layers, uninterrupted (`steps`, driven to its end)."""
+        return complete(self.steps(state, x))
+
     @torch.inference_mode()
-    def forward(
-        self, state: BatchState, x: torch.Tensor, between_layers: Callable[[], object] | None = None
-    ) -> torch.Tensor:
-        """Run one step over this stage's layers.
+    def steps(self, state: BatchState, x: torch.Tensor) -> Steps[torch.Tensor]:
+        """One step over this stage's layers, suspended after every layer but the last.
 
         x: token ids [B, S] on the first stage, hidden states [B, S, D] on the others; the caller
         has already extended `state.attention_mask` to cover these S new positions.
-        `between_layers` is called after every layer but the last: the step can be interrupted
-        there for other batches' work (it touches nothing of this step's). A decode step that
+        Whoever drives it may run other batches' work while it is suspended (the worker's compute
+        thread runs urgent prefills there): it touches nothing of this step's. A decode step that
         `self.static` takes runs whole.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
         """
         if self.static is not None and self.static.handles(state, x):
-            return self.static(state, x)
+            return self.static(state, x)  # type: ignore[no-any-return]
         x = x.to(self.device)
         mask = state.attention_mask.to(self.device)
         new = x.shape[1]
@@ -283,12 +285,12 @@ class StagePartition(nn.Module):
             unpadded = bool(mask.bool().all())
             masks = {kind: self._mask(mask, new, kind, hidden.dtype, unpadded) for kind in set(self.kinds)}
         rotary = self._rotary(hidden, position_ids)
-        for slab in slabs:
-            slab.wide = True
-        try:
-            for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
-                if index and between_layers is not None:
-                    between_layers()
+        for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
+            if index:
+                yield
+            for slab in slabs:  # set again after every suspension: other batches' steps ran meanwhile
+                slab.wide = True
+            try:
                 extra = {} if rotary is None else {"position_embeddings": rotary[kind]}
                 out = layer(
                     hidden,
@@ -298,10 +300,10 @@ class StagePartition(nn.Module):
                     use_cache=True,
                     **extra,
                 )
-                hidden = out[0] if isinstance(out, tuple) else out
-        finally:
-            for slab in slabs:
-                slab.wide = False
+            finally:
+                for slab in slabs:
+                    slab.wide = False
+            hidden = out[0] if isinstance(out, tuple) else out
         self._check_windows(state)
         return self.finish(hidden)
 

@@ -12,10 +12,12 @@ their work and wait for the outcome.
 The queue is also the scheduling point between the two kinds of work. Work runs one item at a
 time, in arrival order, so a waiting prefill is not starved by the lane thread coming straight back
 with its next decode step; urgent work (a realtime or high prefill) goes before every waiting
-ordinary item. It does not even wait for the step in progress: the model calls `yield_to_urgent`
-between two layers, which runs the urgent work waiting then, on this thread, and returns, so the
-interrupted step goes on where it was (its batch's state is its own). An urgent job's wait for
-the stage is one layer of the step in progress, not a whole decode step or a long prefill.
+ordinary item. It does not even wait for the step in progress: an item may be a generator of steps
+(`StageRuntime.run` suspends after every layer), and between two of an ordinary item's steps this
+thread's one loop runs the urgent items waiting, each whole, then resumes the suspended step where
+it was (its batch's state is its own). An urgent job's wait for the stage is one layer of the step
+in progress, not a whole decode step or a long prefill. Nothing runs inside anything else: the
+loop alone decides what runs next.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from app.core.steps import complete
 
 T = TypeVar("T")
 
@@ -49,14 +52,17 @@ class ComputeThread(threading.Thread):
         self._ready = threading.Condition()
         self._tickets = itertools.count()
         self._waiting: list[_Work] = []
-        self._urgent = 0  # urgent items among _waiting (read without the lock between layers)
-        self._rank: int | None = None  # of the item running now
+        self._urgent = 0  # urgent items among _waiting (read without the lock between steps)
         self._stopping = False
 
     def call(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
-        """Run `fn` on the compute thread and return what it returns (or raise what it raises)."""
+        """Run `fn` on the compute thread and return what it returns (or raise what it raises).
+
+        If `fn` returns a generator, the thread runs it step by step and returns what it returns;
+        urgent items waiting between two steps of an ordinary one run there."""
         if threading.current_thread() is self:
-            return fn()  # already on it: queueing behind ourselves would never return
+            result = fn()  # already on it: queueing behind ourselves would never return
+            return complete(result) if isinstance(result, Generator) else result
         work = _Work(0 if urgent else 1, next(self._tickets), fn)
         with self._ready:
             if self._stopping:
@@ -78,23 +84,6 @@ class ComputeThread(threading.Thread):
                 work = self._pop()
             self._run(work)
 
-    def yield_to_urgent(self) -> float:
-        """Run the urgent work waiting now, if an ordinary item is running; the seconds it took.
-
-        Called by the running item at a point where it can be interrupted (between two layers);
-        a no-op elsewhere, and while urgent work runs (urgent items keep their order).
-        """
-        if not self._urgent or self._rank != 1 or threading.current_thread() is not self:
-            return 0.0
-        started = time.perf_counter()
-        while True:
-            with self._ready:
-                if not self._waiting or self._waiting[0].rank != 0:
-                    break
-                work = self._pop()
-            self._run(work)
-        return time.perf_counter() - started
-
     def waiting(self) -> int:
         """Items handed to `call` that have not started (what a test waits on to order arrivals)."""
         with self._ready:
@@ -111,14 +100,28 @@ class ComputeThread(threading.Thread):
         return work
 
     def _run(self, work: _Work) -> None:
-        outer, self._rank = self._rank, work.rank
         try:
-            work.result = work.fn()
+            result = work.fn()
+            if isinstance(result, Generator):
+                result = self._steps(result, suspendable=work.rank == 1)
+            work.result = result
         except BaseException as exc:  # handed back to the caller, which decides
             work.error = exc
-        finally:
-            self._rank = outer
         work.done.set()
+
+    def _steps(self, steps: Generator[Any, Any, Any], *, suspendable: bool) -> Any:
+        """Run an item's steps; between two steps of an ordinary item, the urgent items waiting."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            while suspendable and self._urgent:
+                with self._ready:
+                    if not self._waiting or self._waiting[0].rank != 0:
+                        break
+                    urgent = self._pop()
+                self._run(urgent)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Run what is already queued, then end the thread; later calls raise."""

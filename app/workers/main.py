@@ -151,7 +151,7 @@ def run_worker(
         continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
         max_kv_positions=settings.max_batch_kv_positions,
-        preempt=compute.yield_to_urgent if settings.preempt_between_layers else None,
+        between_layers=settings.preempt_between_layers,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
         codec=CodecSpec(
             settings.stage_codec,
@@ -165,7 +165,7 @@ def run_worker(
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        compute.call(lambda: runtime.handle(message), urgent=message.urgent)
+        compute.call(lambda: runtime.run(message), urgent=message.urgent)
 
     health = HealthMonitor(
         redis,

@@ -1,7 +1,8 @@
 """One stage of a model pipeline: run a step over this stage's layers and pass the result on.
 
-`StageRuntime.handle` is called for every stage message, by the Celery task (prefill, from the
-stage's shared queue) or by the lane consumer (everything after, see `app.workers.lane`). It does
+`StageRuntime.run` runs every stage message, handed over by the Celery task (prefill, from the
+stage's shared queue) or by the lane consumer (everything after, see `app.workers.lane`) to the
+worker's compute thread, which drives it layer by layer (`app.workers.compute`). It does
 not know about either: messages go out through the injected `send(message, queue)` (Celery, any
 replica of the next stage) and `hand_off(message, lane)` (the replica holding the batch). The
 last stage samples, publishes tokens and sends the next decode step back to stage 0 until the
@@ -29,6 +30,7 @@ from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
+from app.core.steps import Steps, complete
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
@@ -78,16 +80,21 @@ class StageRuntime:
     # so one long-context job cannot make a running batch's KV cache explode.
     max_kv_positions: int = 65536
     batches: Batches = field(default_factory=Batches)
-    # Runs the urgent work waiting now, between two layers of an ordinary step; the seconds it took
-    # (the worker's compute thread, `ComputeThread.yield_to_urgent`). None: steps run uninterrupted.
-    preempt: Callable[[], float] | None = None
+    # `run` suspends a step between two layers, where whoever drives it (the worker's compute thread)
+    # may run urgent work for other batches; False: steps run whole.
+    between_layers: bool = True
     # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
     stale_after_s: float = 120.0
     # Prompt prefixes this stage computed, reused by later prompts that start with them; None: off.
     prefixes: PrefixCache | None = None
 
     def handle(self, msg: StepMessage) -> None:
-        """Run one stage message. One bad batch fails its jobs; the worker keeps serving."""
+        """Run one stage message to its end."""
+        complete(self.run(msg))
+
+    def run(self, msg: StepMessage) -> Steps[None]:
+        """Run one stage message, suspended between two layers of its step. One bad batch fails
+        its jobs; the worker keeps serving."""
         now = time.monotonic()
         for batch_id, idle in self.batches.stale(now, self.stale_after_s):
             if batch_id in self.batches:  # not forgotten already, as a joiner of another
@@ -100,7 +107,7 @@ class StageRuntime:
                 self._drop(batch_id)
             return
         try:
-            self._step(msg)
+            yield from self._step(msg)
         except BatchGone as gone:
             log.warning("batch %s step %d on stage %d: %s", msg.batch_id, msg.step, self.identity.stage, gone)
             self._abandon(msg)
@@ -108,7 +115,7 @@ class StageRuntime:
             log.exception("batch %s step %d failed on stage %d", msg.batch_id, msg.step, self.identity.stage)
             self._fail(msg, exc)
 
-    def _step(self, msg: StepMessage) -> None:
+    def _step(self, msg: StepMessage) -> Steps[None]:
         if self.claims is not None:
             msg = msg.forward(tensors=self.claims.get_all(msg.tensors))
         prefill: Prefill | None = None
@@ -125,7 +132,7 @@ class StageRuntime:
             state = self.batches.resume(msg.batch_id, msg.merge, msg.seq_ids)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
         try:
-            out, took = self._run_layers(state, x)
+            out, took = yield from self._run_layers(state, x)
             metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
             if self.latency is not None:
                 self.latency.observe(took)
@@ -140,19 +147,19 @@ class StageRuntime:
             if running is not None:
                 running.prefilling = False
 
-    def _run_layers(self, state: BatchState, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """This stage's layers over one step, and the seconds they took (urgent work run between
-        two of them, for other batches, not counted)."""
-        preempt, lent = self.preempt, 0.0
-
-        def between_layers() -> None:
-            nonlocal lent
-            if preempt is not None:
-                lent += preempt()
-
-        started = time.perf_counter()
-        out = self.partition(state, x, between_layers if preempt is not None else None)
-        return out, time.perf_counter() - started - lent
+    def _run_layers(self, state: BatchState, x: torch.Tensor) -> Steps[tuple[torch.Tensor, float]]:
+        """This stage's layers over one step, and the seconds they computed (not the time the step
+        was suspended for other batches' work)."""
+        steps, busy = self.partition.steps(state, x), 0.0
+        while True:
+            started = time.perf_counter()
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value, busy + time.perf_counter() - started
+            busy += time.perf_counter() - started
+            if self.between_layers:
+                yield
 
     def _begin(self, msg: StepMessage) -> tuple[StepMessage, Prefill, torch.Tensor]:
         """Prefill: the batch's rows as this stage receives them (its whole prompts: token ids on

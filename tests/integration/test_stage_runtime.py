@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from app.core.protocol import StepMessage
+from app.core.steps import complete
 from app.partitions.prefix import PrefixCache
 from tests.stageharness import Pipeline, build, reference
 
@@ -194,44 +194,33 @@ def test_a_cancelled_job_leaves_its_batch_and_its_neighbour_finishes(redis, redi
 
 
 def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
-    """Urgent work waiting when a step reaches a layer boundary runs there (the worker's compute
-    thread does it through `preempt`): the urgent job streams its first token inside the running
-    batch's step, which then goes on; both jobs' tokens are what each would be alone."""
-    urgent: list[StepMessage] = []
-    seen: list[tuple[int, int, int]] = []
-    made: list[Pipeline] = []
-
-    def preempt() -> float:
-        if not urgent:
-            return 0.0
-        pipeline = made[0]
-        before = len(pipeline.tokens(running))
-        pipeline.stages[0].handle(urgent.pop())  # inside the running batch's step
-        seen.append((before, len(pipeline.tokens(running)), len(pipeline.tokens(newcomer))))
-        return 0.0
-
-    pipeline = build(redis, tiny_model, stages=1, preempt=preempt)
-    made.append(pipeline)
+    """A running batch's step suspended after its first layer (`StageRuntime.run` yields there; the
+    worker's compute thread runs urgent work at that point): the urgent job's prefill runs whole and
+    streams its first token, then the suspended step goes on; both jobs' tokens are what each would
+    be alone."""
+    pipeline = build(redis, tiny_model, stages=1)
     pipelines.append(pipeline)
     running = pipeline.submit(SHORT[0], max_tokens=8)
     pipeline.dispatch([running])
     pipeline.pump(steps=3)
     newcomer = pipeline.submit(SHORT[1], max_tokens=4)
     pipeline.dispatch([newcomer])
-    urgent.append(pipeline.outbox.pop())  # its prefill waits as urgent work, not in the queue
+    urgent = pipeline.outbox.pop()  # its prefill waits as urgent work, not in the queue
     streamed = len(pipeline.tokens(running))
-    pipeline.pump(steps=1)  # the running batch's next step
 
-    assert seen == [(streamed, streamed, 1)]  # the newcomer's first token came mid-step
+    step = pipeline.stages[0].run(pipeline.outbox.popleft())  # the running batch's next step
+    next(step)  # its first layer ran; it is suspended
+    pipeline.stages[0].handle(urgent)
+    assert len(pipeline.tokens(newcomer)) == 1  # the newcomer's first token came mid-step
+    assert len(pipeline.tokens(running)) == streamed
+    complete(step)
     assert len(pipeline.tokens(running)) == streamed + 1  # and the step went on to its token
     pipeline.pump()
     assert pipeline.tokens(running) == reference(tiny_model, SHORT[0], 8)
     assert pipeline.tokens(newcomer) == reference(tiny_model, SHORT[1], 4)
 
 
-def test_a_prompt_starting_like_an_earlier_one_reuses_its_prefix_on_every_stage(
-    redis, tiny_model, pipelines
-):  # type: ignore[no-untyped-def]
+def test_a_prompt_starting_like_an_earlier_one_reuses_its_prefix_on_every_stage(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
     """Two stages with prefix caches: a second job sharing the first one's 32-token start computes
     only its own tail on each stage (stage 1 learns the prompt's ids from stage 0's message) and
     streams what `generate` gives for its whole prompt; so does a job run while stage 1 misses."""

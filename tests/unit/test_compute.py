@@ -133,23 +133,28 @@ def test_work_that_calls_back_into_the_compute_thread_runs_at_once(compute):  # 
     assert compute.call(lambda: compute.call(lambda: "nested")) == "nested"
 
 
-def test_urgent_work_runs_between_the_layers_of_ordinary_work_in_progress(compute):  # type: ignore[no-untyped-def]
+def test_urgent_work_runs_between_the_steps_of_ordinary_work_in_progress(compute):  # type: ignore[no-untyped-def]
+    """An ordinary item suspended between two layers (a generator's yield): the urgent item waiting
+    runs there, from the thread's loop, and the suspended one resumes; the ordinary decode step that
+    arrived before the urgent one waits for both. What the generator returns is what `call` returns."""
     order: list[str] = []
-    lent: list[float] = []
     started, proceed = threading.Event(), threading.Event()
+    results: list[str] = []
 
-    def ordinary_step() -> None:
+    def ordinary_step():  # type: ignore[no-untyped-def]
         order.append("layer 1")
         started.set()
         proceed.wait(5)  # meanwhile another decode step and an urgent prefill arrive
-        lent.append(compute.yield_to_urgent())  # between two layers
+        yield  # between two layers
         order.append("layer 2")
+        return "logits"
 
-    def high_prefill() -> None:
-        order.append("high prefill")
-        time.sleep(0.2)
+    def high_prefill():  # type: ignore[no-untyped-def]
+        order.append("high prefill, layer 1")
+        yield  # urgent work is not suspended for anything
+        order.append("high prefill, layer 2")
 
-    step = threading.Thread(target=compute.call, args=(ordinary_step,))
+    step = threading.Thread(target=lambda: results.append(compute.call(ordinary_step)))
     step.start()
     assert started.wait(5)
     callers = queue_in_order(compute, [("decode step", False)], order)
@@ -159,20 +164,18 @@ def test_urgent_work_runs_between_the_layers_of_ordinary_work_in_progress(comput
     proceed.set()
     for caller in (step, urgent, *callers):
         caller.join(5)
-    assert order == ["layer 1", "high prefill", "layer 2", "decode step"]
-    assert 0.2 <= lent[0] < 1.0  # the time lent to urgent work, which the step does not count
+    assert order == ["layer 1", "high prefill, layer 1", "high prefill, layer 2", "layer 2", "decode step"]
+    assert results == ["logits"]
 
 
-def test_yielding_is_a_no_op_with_no_urgent_work_and_inside_urgent_work(compute):  # type: ignore[no-untyped-def]
-    assert compute.call(compute.yield_to_urgent) == 0.0
-    assert compute.yield_to_urgent() == 0.0  # not on the compute thread: nothing to interrupt
+def test_urgent_work_is_not_suspended_for_urgent_work(compute):  # type: ignore[no-untyped-def]
     order: list[str] = []
     started, proceed = threading.Event(), threading.Event()
 
-    def first_urgent() -> None:
+    def first_urgent():  # type: ignore[no-untyped-def]
         started.set()
         proceed.wait(5)  # meanwhile a second urgent prefill arrives
-        compute.yield_to_urgent()  # urgent work is not interrupted, even by urgent work
+        yield
         order.append("first urgent")
 
     first = threading.Thread(target=compute.call, args=(first_urgent,), kwargs={"urgent": True})
@@ -183,3 +186,12 @@ def test_yielding_is_a_no_op_with_no_urgent_work_and_inside_urgent_work(compute)
     for caller in (first, *callers):
         caller.join(5)
     assert order == ["first urgent", "second urgent"]
+
+
+def test_a_generator_handed_over_from_the_compute_thread_itself_runs_whole(compute):  # type: ignore[no-untyped-def]
+    def steps():  # type: ignore[no-untyped-def]
+        yield
+        yield
+        return "done"
+
+    assert compute.call(lambda: compute.call(steps)) == "done"

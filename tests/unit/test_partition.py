@@ -69,25 +69,28 @@ def test_a_step_interrupted_between_layers_by_another_batch_stays_exact(model_an
     alone_running = greedy([part], model.config, running, 4)
     alone_urgent = greedy([part], model.config, urgent, 4)
 
-    calls: list[int] = []
-    got_urgent: list[list[int]] = []
-
-    def urgent_work() -> None:
-        calls.append(len(calls))
-        if len(calls) == 2:  # between the second and third layers of the running step
-            got_urgent.extend(greedy([part], model.config, urgent, 4))
-
     x, mask = left_pad(running, pad_id=0)
     state = BatchState(model.config, ["a", "b"], mask)
     got_running: list[list[int]] = [[], []]
+    got_urgent: list[list[int]] = []
+    suspensions = 0
     for step in range(4):
         if step:
             state.extend(1)
-        nxt = part(state, x, urgent_work if step == 2 else None).argmax(-1)
+        steps = part.steps(state, x)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                nxt = done.value.argmax(-1)
+                break
+            suspensions += 1
+            if step == 2 and suspensions == 3 * (model.config.num_hidden_layers - 1) - 1:
+                got_urgent.extend(greedy([part], model.config, urgent, 4))  # between two layers
         for row, token in enumerate(nxt.tolist()):
             got_running[row].append(token)
         x = nxt[:, None]
-    assert len(calls) == model.config.num_hidden_layers - 1  # between every two layers, once
+    assert suspensions == 4 * (model.config.num_hidden_layers - 1)  # between every two layers, once
     assert got_urgent == alone_urgent
     assert got_running == alone_running
 

@@ -13,6 +13,7 @@ import transformers as tf
 from families import CONFIGS, VOCAB
 
 from app.partitions.layers import BatchState, LayerRange, StagePartition, left_pad
+from app.partitions.loading import load_config
 from app.partitions.prefix import BLOCK, Hit, Prefill, PrefixCache, digests, plan
 
 SYSTEM = [(i * 7) % (VOCAB - 3) + 3 for i in range(2 * BLOCK + 5)]  # 37 tokens: two whole blocks
@@ -120,8 +121,15 @@ def _decode(
 
 
 def _parts(model: Any, stages: int) -> list[StagePartition]:
+    """Stages over a model of the test's own (a stage changes its model's attention setting)."""
     layers = model.config.num_hidden_layers
     return [StagePartition(model, LayerRange.even_split(layers, stages, s)).eval() for s in range(stages)]
+
+
+def _loaded(path: Path, stages: int) -> list[StagePartition]:
+    """Stages loaded from a saved model, as a worker loads them."""
+    layers = load_config(path).num_hidden_layers
+    return [StagePartition.load(path, LayerRange.even_split(layers, stages, s)) for s in range(stages)]
 
 
 def _sliding(config: Any) -> bool:
@@ -139,9 +147,10 @@ def test_a_batch_that_reuses_prefixes_decodes_as_it_does_without_them(
         config = tf.Gemma3TextConfig(**{**CONFIGS["gemma3"].to_dict(), "sliding_window": 64})
         torch.manual_seed(0)
         model = tf.AutoModelForCausalLM.from_config(config).eval()
+        parts = _parts(model, stages)
     else:
-        model = family_models[name][1]
-    parts = _parts(model, stages)
+        parts = _loaded(family_models[name][0], stages)
+        model = parts[0]
     _, expected_first, _ = _prefill(parts, [None] * stages, BATCH)
     expected = _decode(parts, _prefill(parts, [None] * stages, BATCH)[0], expected_first)
 
@@ -166,7 +175,7 @@ def test_a_stage_that_misses_computes_from_the_whole_prompt_the_stage_before_it_
 ) -> None:
     """Stage 0 hits, stage 1 (restarted: an empty cache) does not: stage 0 sends the reused tokens'
     hidden states from its entry, and stage 1 computes them as if nothing had been reused."""
-    parts = _parts(family_models["llama"][1], 2)
+    parts = _loaded(family_models["llama"][0], 2)
     expected_states, expected_first, _ = _prefill(parts, [None, None], BATCH)
     expected = _decode(parts, expected_states, expected_first)
     warm = PrefixCache(2**26)
@@ -182,7 +191,7 @@ def test_a_batch_that_reused_a_prefix_joins_and_leaves_like_any_other(
 ) -> None:
     """A reusing batch's cache is narrower than a whole prefill's (its leading padding is never
     made): joining a running batch and losing a row still decodes as the uncached batch does."""
-    parts = _parts(family_models["llama"][1], 1)
+    parts = _loaded(family_models["llama"][0], 1)
     cache = PrefixCache(2**26)
     _prefill(parts, [cache], WARM)
     results = []
