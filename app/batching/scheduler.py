@@ -298,6 +298,8 @@ class Batcher:
         self.census.dispatched(batch.model, job_ids)
         scheduled = [move.job_id for move, result in zip(moves, results, strict=False) if int(result[0])]
         if len(scheduled) < len(job_ids):
+            # A job cancelled while it waited in this window was not scheduled: it takes no seat.
+            self.jobs.unprogressed([j for j in job_ids if j not in set(scheduled)])
             if scheduled:
                 self.redis.hset(self.keys.inflight(batch.model), batch_id, json.dumps(scheduled))
             else:

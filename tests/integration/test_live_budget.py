@@ -187,3 +187,22 @@ def test_a_model_without_workers_holding_100_scheduled_jobs_does_not_stop_anothe
     redis.zadd(keys.progress(), dict.fromkeys(stuck, time.time()))
     submit(redis, keys, "a", 10)
     assert settle(batcher) == {"a": PER_REPLICA}  # a's whole budget, whatever "dead" holds
+
+
+def test_a_job_cancelled_in_the_batchers_window_takes_no_seat(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    """A job the batcher has read (waiting in its window for room) and that is cancelled before its
+    dispatch is skipped and leaves no progress score: its seat goes to the next job at once, not
+    after the monitor's stall timeout (30 s by default)."""
+    for stage in range(2):
+        replica(redis, keys, "a", stage)
+    submit(redis, keys, "a", PER_REPLICA)
+    assert settle(batcher) == {"a": PER_REPLICA}  # the budget is full
+    [cancelled] = submit(redis, keys, "a", 1)
+    settle(batcher)  # read into the window, not dispatched: no room
+    redis.hset(keys.job(cancelled), "status", "cancelled")  # cancelled while it waits there
+    finish(redis, keys, batcher, "a", 1)  # a seat frees; the batcher takes the cancelled job to it
+    assert settle(batcher) == {"a": PER_REPLICA}  # nothing sent for it
+    assert redis.zscore(keys.progress(), cancelled) is None
+    [after] = submit(redis, keys, "a", 1)
+    assert settle(batcher) == {"a": PER_REPLICA + 1}  # the seat is free for the next job
+    assert batcher.sent[-1].seq_ids == [after]
