@@ -154,6 +154,10 @@ class Settings(BaseSettings):
     # A realtime or high prefill reaching a stage runs between two layers of the step in progress
     # (which then goes on), instead of waiting for that step to end.
     preempt_between_layers: bool = True
+    # An ordinary prefill that has run this long lets the decode steps waiting at its stage run
+    # between two of its layers, then goes on: a long prompt holds the running streams for about a
+    # slice, not its whole prefill (needs preempt_between_layers). 0: a prefill runs whole.
+    prefill_slice_ms: float = Field(default=100.0, ge=0)
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 

@@ -163,9 +163,15 @@ def run_worker(
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
 
+    def slice_for(message: StepMessage) -> float | None:
+        """A prefill gives way to waiting decode steps every slice of its run."""
+        if message.kind != "prefill" or not settings.prefill_slice_ms:
+            return None
+        return settings.prefill_slice_ms / 1000
+
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        compute.call(lambda: runtime.run(message), urgent=message.urgent)
+        compute.call(lambda: runtime.run(message), urgent=message.urgent, slice_s=slice_for(message))
 
     health = HealthMonitor(
         redis,

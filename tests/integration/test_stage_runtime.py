@@ -220,6 +220,33 @@ def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny
     assert pipeline.tokens(newcomer) == reference(tiny_model, SHORT[1], 4)
 
 
+def test_a_running_batch_steps_between_two_layers_of_a_new_batchs_prefill(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """A prefill suspended after its first layer (the compute thread lets waiting decode steps run
+    there once a prefill has run a slice): the running batch's decode step runs whole in between,
+    the prefill goes on, and the new batch still joins the running one; every job's tokens are
+    what it would get alone."""
+    pipeline = build(redis, tiny_model, stages=1)
+    pipelines.append(pipeline)
+    running = pipeline.submit(SHORT[0], max_tokens=8)
+    pipeline.dispatch([running])
+    pipeline.pump(steps=3)
+    newcomer = pipeline.submit(SHORT[1], max_tokens=4)
+    newcomer_batch = pipeline.dispatch([newcomer])
+    prefill = pipeline.outbox.pop()
+    streamed = len(pipeline.tokens(running))
+
+    steps = pipeline.stages[0].run(prefill)
+    next(steps)  # its first layer ran; it is suspended
+    pipeline.pump(steps=1)  # the running batch's decode step
+    assert len(pipeline.tokens(running)) == streamed + 1 and not pipeline.tokens(newcomer)
+    complete(steps)
+    assert len(pipeline.tokens(newcomer)) == 1
+    pipeline.pump()
+    assert any(newcomer_batch in m.merge for m in pipeline.delivered)  # it joined the running batch
+    assert pipeline.tokens(running) == reference(tiny_model, SHORT[0], 8)
+    assert pipeline.tokens(newcomer) == reference(tiny_model, SHORT[1], 4)
+
+
 def test_a_prompt_starting_like_an_earlier_one_reuses_its_prefix_on_every_stage(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
     """Two stages with prefix caches: a second job sharing the first one's 32-token start computes
     only its own tail on each stage (stage 1 learns the prompt's ids from stage 0's message) and

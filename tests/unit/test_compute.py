@@ -195,3 +195,40 @@ def test_a_generator_handed_over_from_the_compute_thread_itself_runs_whole(compu
         return "done"
 
     assert compute.call(lambda: compute.call(steps)) == "done"
+
+
+def test_a_long_item_past_its_slice_lets_the_waiting_short_items_run_between_its_steps(compute):  # type: ignore[no-untyped-def]
+    """A prefill (a long item, `slice_s`) gives way at its next suspension to the decode steps that
+    wait (short items), not to another waiting prefill; with no slice it runs whole."""
+    order: list[str] = []
+    started, proceed = threading.Event(), threading.Event()
+
+    def prefill(name: str):  # type: ignore[no-untyped-def]
+        def steps():  # type: ignore[no-untyped-def]
+            order.append(f"{name} layer 1")
+            started.set()
+            proceed.wait(5)  # meanwhile a decode step, another prefill and a second decode step arrive
+            yield
+            order.append(f"{name} layer 2")
+
+        return steps
+
+    for slice_s, expected in [
+        (0.0, ["p layer 1", "decode a", "decode b", "p layer 2", "q layer 1", "q layer 2"]),
+        (None, ["p layer 1", "p layer 2", "decode a", "q layer 1", "q layer 2", "decode b"]),
+    ]:
+        order.clear()
+        started.clear()
+        proceed.clear()
+        first = threading.Thread(target=compute.call, args=(prefill("p"),), kwargs={"slice_s": slice_s})
+        first.start()
+        assert started.wait(5)
+        callers = queue_in_order(compute, [("decode a", False)], order)
+        second = threading.Thread(target=compute.call, args=(prefill("q"),), kwargs={"slice_s": slice_s})
+        second.start()
+        until(lambda: compute.waiting() == 2)
+        callers += queue_in_order(compute, [("decode b", False)], order)
+        proceed.set()
+        for caller in (first, second, *callers):
+            caller.join(5)
+        assert order == expected, slice_s
