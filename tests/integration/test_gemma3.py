@@ -9,6 +9,7 @@ through the same test as a control.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,9 +50,10 @@ def model_dir(request: pytest.FixtureRequest, name: str) -> Path:
     return request.getfixturevalue("gemma_dir" if name == GEMMA else "smollm2_dir")  # type: ignore[no-any-return]
 
 
-def greedy(path: Path, prompts: list[str]) -> list[list[int]]:
+@functools.cache
+def greedy(path: Path, prompts: tuple[str, ...]) -> list[list[int]]:
     """`generate`'s greedy tokens for each prompt alone, end-of-sequence tokens left out (the pipeline
-    ends a sequence on them without streaming them)."""
+    ends a sequence on them without streaming them). Computed once per model for every test."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
@@ -81,7 +83,7 @@ def test_gemma3_is_added_from_its_package(gemma_dir):  # type: ignore[no-untyped
 @pytest.mark.parametrize("name", [GEMMA])  # SmolLM2's twin is tests/integration/test_smollm2.py
 def test_greedy_completions_equal_generate(tmp_path, redis_url, request, name, stages):  # type: ignore[no-untyped-def]
     path = model_dir(request, name)
-    expected = greedy(path, PROMPTS)
+    expected = greedy(path, tuple(PROMPTS))
     stack = start_stack(
         tmp_path,
         redis_url=redis_url,
