@@ -156,8 +156,10 @@ class Settings(BaseSettings):
     preempt_between_layers: bool = True
     # An ordinary prefill that has run this long lets the decode steps waiting at its stage run
     # between two of its layers, then goes on: a long prompt holds the running streams for about a
-    # slice, not its whole prefill (needs preempt_between_layers). 0: a prefill runs whole.
-    prefill_slice_ms: float = Field(default=100.0, ge=0)
+    # slice, not its whole prefill (needs preempt_between_layers). 0 (the default): a prefill runs
+    # whole. Off by default: at saturation it cost throughput (docs/benchmarks.md, "A long prompt
+    # arriving while streams decode"); 100 suits long prompts beside streaming clients.
+    prefill_slice_ms: float = Field(default=0.0, ge=0)
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 

@@ -16,10 +16,10 @@ ordinary item. It does not even wait for the step in progress: an item may be a 
 (`StageRuntime.run` suspends after every layer), and between two of an ordinary item's steps this
 thread's one loop runs the urgent items waiting, each whole, then resumes the suspended step where
 it was (its batch's state is its own). An urgent job's wait for the stage is one layer of the step
-in progress, not a whole decode step or a long prefill. A long ordinary item (a prefill) also
-gives way to the decode steps waiting, once per slice of its run (`CONVEYOR_PREFILL_SLICE_MS`): a
-long prompt delays the running streams by a slice and a layer, not by its whole prefill, as
-vLLM's chunked prefill does with its token budget. Nothing runs inside anything else: the loop
+in progress, not a whole decode step or a long prefill. A long ordinary item (a prefill, when
+`CONVEYOR_PREFILL_SLICE_MS` is set) also gives way to the decode steps waiting, once per slice of
+its run: a long prompt delays the running streams by a slice and a layer, not by its whole
+prefill, as vLLM's chunked prefill does with its token budget. Nothing runs inside anything else: the loop
 alone decides what runs next.
 """
 
