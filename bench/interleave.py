@@ -30,6 +30,7 @@ import torch
 
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.compute import ComputeThread
+from bench.report import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
@@ -122,10 +123,7 @@ def main() -> None:
     }
     text = markdown(rows, meta, args)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"interleave-cpu-{args.dtype}"
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_results(f"interleave-cpu-{args.dtype}", text, {"meta": meta, "rows": rows}, args.out)
 
 
 def markdown(rows: list[dict], meta: dict[str, str], args: argparse.Namespace) -> str:

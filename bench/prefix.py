@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from app.partitions.layers import LayerRange, StagePartition, left_pad
 from app.partitions.prefix import Prefill, PrefixCache
+from bench.report import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
@@ -157,10 +158,7 @@ def main() -> None:
     }
     text = markdown(rows, meta)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"prefix-cpu-{args.dtype}"
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_results(f"prefix-cpu-{args.dtype}", text, {"meta": meta, "rows": rows}, args.out)
 
 
 def markdown(rows: list[dict], meta: dict[str, str]) -> str:

@@ -193,18 +193,24 @@ def test_a_cancelled_job_leaves_its_batch_and_its_neighbour_finishes(redis, redi
     assert all(not stage.batches.get(batch) for stage in pipeline.stages)
 
 
-def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
-    """A running batch's step suspended after its first layer (`StageRuntime.run` yields there; the
-    worker's compute thread runs urgent work at that point): the urgent job's prefill runs whole and
-    streams its first token, then the suspended step goes on; both jobs' tokens are what each would
-    be alone."""
+def _newcomer_beside_a_running_batch(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """One stage; a job running 3 steps in, and a newcomer dispatched (its prefill last in the outbox,
+    the running batch's next step first). Returns the pipeline, both job ids, the newcomer's batch."""
     pipeline = build(redis, tiny_model, stages=1)
     pipelines.append(pipeline)
     running = pipeline.submit(SHORT[0], max_tokens=8)
     pipeline.dispatch([running])
     pipeline.pump(steps=3)
     newcomer = pipeline.submit(SHORT[1], max_tokens=4)
-    pipeline.dispatch([newcomer])
+    return pipeline, running, newcomer, pipeline.dispatch([newcomer])
+
+
+def test_an_urgent_prefill_runs_between_two_layers_of_a_running_step(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]
+    """A running batch's step suspended after its first layer (`StageRuntime.run` yields there; the
+    worker's compute thread runs urgent work at that point): the urgent job's prefill runs whole and
+    streams its first token, then the suspended step goes on; both jobs' tokens are what each would
+    be alone."""
+    pipeline, running, newcomer, _ = _newcomer_beside_a_running_batch(redis, tiny_model, pipelines)
     urgent = pipeline.outbox.pop()  # its prefill waits as urgent work, not in the queue
     streamed = len(pipeline.tokens(running))
 
@@ -225,13 +231,9 @@ def test_a_running_batch_steps_between_two_layers_of_a_new_batchs_prefill(redis,
     there once a prefill has run a slice): the running batch's decode step runs whole in between,
     the prefill goes on, and the new batch still joins the running one; every job's tokens are
     what it would get alone."""
-    pipeline = build(redis, tiny_model, stages=1)
-    pipelines.append(pipeline)
-    running = pipeline.submit(SHORT[0], max_tokens=8)
-    pipeline.dispatch([running])
-    pipeline.pump(steps=3)
-    newcomer = pipeline.submit(SHORT[1], max_tokens=4)
-    newcomer_batch = pipeline.dispatch([newcomer])
+    pipeline, running, newcomer, newcomer_batch = _newcomer_beside_a_running_batch(
+        redis, tiny_model, pipelines
+    )
     prefill = pipeline.outbox.pop()
     streamed = len(pipeline.tokens(running))
 
