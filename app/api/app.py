@@ -71,17 +71,19 @@ def create_app(settings: Settings) -> FastAPI:
         except ConveyorError as exc:
             log.warning("default model not loaded: %s", exc.message)
         await hub.start()
-        app.state.settings = settings
-        app.state.redis = redis
-        celery = create_celery_app(settings, settings.redis_url or "")
-        app.state.jobs = JobService(settings, redis, catalog, hub, celery)
-        if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
-            app.state.jobs.admission.fsync = await fsync_mode(redis)
-            log.info("submits are answered once on disk (%s)", app.state.jobs.admission.fsync)
-        try:
+        jobs: JobService | None = None
+        try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
+            app.state.settings = settings
+            app.state.redis = redis
+            celery = create_celery_app(settings, settings.redis_url or "")
+            jobs = app.state.jobs = JobService(settings, redis, catalog, hub, celery)
+            if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
+                jobs.admission.fsync = await fsync_mode(redis)
+                log.info("submits are answered once on disk (%s)", jobs.admission.fsync)
             yield
         finally:
-            app.state.jobs.prompts.close()
+            if jobs is not None:
+                jobs.prompts.close()
             await hub.stop()
             await redis.aclose()
 
