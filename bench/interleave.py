@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import threading
@@ -30,7 +29,7 @@ import torch
 
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.compute import ComputeThread
-from bench.report import write_results
+from bench.report import in_process_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
@@ -113,14 +112,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     compute.stop()
-    meta = {
-        "command": f"python -m bench.interleave --dtype {args.dtype} --rows {args.rows} --prompts "
-        f"{args.prompts} --tokens {args.tokens} --slices {args.slices} --threads {args.threads}",
-        "torch": torch.__version__,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("CONVEYOR_COMMIT", ""),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+    meta = in_process_meta(
+        f"python -m bench.interleave --dtype {args.dtype} --rows {args.rows} --prompts "
+        f"{args.prompts} --tokens {args.tokens} --slices {args.slices} --threads {args.threads}"
+    )
     text = markdown(rows, meta, args)
     print(text)
     write_results(f"interleave-cpu-{args.dtype}", text, {"meta": meta, "rows": rows}, args.out)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from transformers import AutoTokenizer
 
 from app.partitions.layers import LayerRange, StagePartition, left_pad
 from app.partitions.prefix import Prefill, PrefixCache
-from bench.report import write_results
+from bench.report import in_process_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
@@ -148,14 +147,10 @@ def main() -> None:
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
-    meta = {
-        "command": f"python -m bench.prefix --dtype {args.dtype} --batches {args.batches} "
-        f"--system-tokens {args.system_tokens} --repeats {args.repeats} --threads {args.threads}",
-        "torch": torch.__version__,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("CONVEYOR_COMMIT", ""),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+    meta = in_process_meta(
+        f"python -m bench.prefix --dtype {args.dtype} --batches {args.batches} "
+        f"--system-tokens {args.system_tokens} --repeats {args.repeats} --threads {args.threads}"
+    )
     text = markdown(rows, meta)
     print(text)
     write_results(f"prefix-cpu-{args.dtype}", text, {"meta": meta, "rows": rows}, args.out)

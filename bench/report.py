@@ -287,6 +287,23 @@ def results_payload(runs: Sequence[SystemRun], extra: dict[str, Any], meta: dict
     }
 
 
+def in_process_meta(command: str) -> dict[str, str]:
+    """What an in-process benchmark's report says about its run: the command, torch, when, the
+    commit (CONVEYOR_COMMIT) and the load average at the end."""
+    import os
+    import time
+
+    import torch
+
+    return {
+        "command": command,
+        "torch": torch.__version__,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": os.environ.get("CONVEYOR_COMMIT", ""),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
 def write_results(name: str, text: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> None:
     """`text` to `<name>.md` and `payload` to `<name>.json`, in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
