@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
+from app.core import aio
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,7 @@ class EventHub:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
+            await aio.stop(self._task)
 
     @asynccontextmanager
     async def watch(self, job_id: str) -> AsyncIterator[asyncio.Event]:

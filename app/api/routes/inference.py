@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import suppress
 
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette.sse import EventSourceResponse
@@ -14,6 +13,7 @@ from app.api.deps import get_jobs, get_settings
 from app.api.routes.jobs import IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, event_stream, mark_submitted
 from app.api.schemas import InferenceRequest, JobCreate
 from app.api.service import JobService
+from app.core import aio
 from app.core.config import Settings
 from app.core.errors import SyncTimeout
 from app.core.jobs import JobStatus
@@ -87,7 +87,4 @@ async def wait_unless_gone(
                     jobs.cancel_soon(job_id, "the client disconnected")
                 return None
     finally:
-        if not waiter.done():
-            waiter.cancel()
-            with suppress(asyncio.CancelledError):
-                await waiter
+        await aio.stop(waiter)

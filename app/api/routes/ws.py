@@ -32,6 +32,7 @@ from app.api import audit
 from app.api.routes.jobs import EVENT_ID
 from app.api.service import JobService
 from app.api.streams import Slot
+from app.core import aio
 from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
 from app.core.jobview import JobPublic
 
@@ -105,10 +106,7 @@ async def _follow(websocket: WebSocket, jobs: JobService, job_id: str, after: st
         done, _ = await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (sender, listener):
-            if not task.done():
-                task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await task
+            await aio.stop(task)
     if not listener.cancelled():
         listener.exception()  # a receive after the end may raise: the client is gone either way
     if sender not in done:
