@@ -30,14 +30,21 @@ run: $(STAMP)
 	$(BIN)/conveyor model pull
 	CONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up
 
+# The in-process tests run in TEST_WORKERS processes (pytest-xdist; each has its own embedded Redis
+# when REDIS_URL is unset); the whole-stack and slow ones after them, one at a time, since each starts
+# processes of its own and a busy machine would only stretch their waits.
+TEST_WORKERS ?= 2
+FAST := -m "not slow and not e2e"
+
 test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(FAST)
+	$(BIN)/python -m pytest -m "slow or e2e"
 
 # Everything but the whole-stack (e2e) and slow tests: the logic, in process, on a real Redis.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not e2e"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(FAST)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

@@ -247,7 +247,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         info = getattr(item, "_fixtureinfo", None)
         for defs in (info.name2fixturedefs.values() if info is not None else []):
             funcs += [d.func for d in defs]
-        if "/e2e/" in str(item.path) or any(
-            seen.setdefault(f, _starts_a_stack(f)) for f in funcs if f is not None
-        ):
+        for f in funcs:
+            if f is not None and f not in seen:
+                seen[f] = _starts_a_stack(f)
+        if "/e2e/" in str(item.path) or any(seen.get(f) for f in funcs):
             item.add_marker(pytest.mark.e2e)
