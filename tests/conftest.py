@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from families import save_families  # noqa: E402
+from keyaudit import unbounded_keys  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +212,8 @@ def start_stack(
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    """One stack on the real Redis with the tiny model, shared by the integration tests."""
+    """One stack on the real Redis with the tiny model, shared by the integration tests. At its end,
+    everything those tests left in Redis is held against the lifetimes `app/core/keys.py` declares."""
     s = start_stack(
         tmp_path_factory.mktemp("stack"),
         redis_url=redis_url,
@@ -221,6 +223,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: 
     )
     yield s
     s.stop()
+    wrong = unbounded_keys(redis_lib.Redis.from_url(redis_url), s.namespace)
+    assert not wrong, "keys that break their declared lifetime:\n" + "\n".join(sorted(wrong)[:50])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -245,7 +249,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         funcs = [getattr(item, "function", None)]
         info = getattr(item, "_fixtureinfo", None)
-        for defs in (info.name2fixturedefs.values() if info is not None else []):
+        for defs in info.name2fixturedefs.values() if info is not None else []:
             funcs += [d.func for d in defs]
         for f in funcs:
             if f is not None and f not in seen:

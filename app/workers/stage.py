@@ -27,7 +27,7 @@ from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore
-from app.core.keys import BATCH_LOG_MAXLEN, Keys
+from app.core.keys import BATCH_LOG_MAXLEN, CONTROL_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
 from app.core.steps import Steps, complete
@@ -409,7 +409,7 @@ class StageRuntime:
         pipe.xadd(
             self.keys.control(),
             {"type": "batch_done", "model": model, "batch_id": batch_id},
-            maxlen=1000,
+            maxlen=CONTROL_MAXLEN,
             approximate=True,
         )
         pipe.execute()
