@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, start_stack
+from conftest import free_ports, start_stack
 
 
 def test_sigkill_of_the_supervisor_leaves_no_child(tmp_path: Path, tiny_model: Path) -> None:
@@ -26,7 +26,7 @@ def test_sigkill_of_the_supervisor_leaves_no_child(tmp_path: Path, tiny_model: P
         models={"tiny": tiny_model},
         default_model="tiny",
         flower=True,
-        extra_env={"CONVEYOR_TORCH_THREADS": "1", "CONVEYOR_METRICS_PORT": str(free_port())},
+        extra_env={"CONVEYOR_TORCH_THREADS": "1", "CONVEYOR_METRICS_PORT": str(free_ports(8))},
     )
     children = psutil.Process(stack.process.pid).children(recursive=True)
     names = {" ".join(child.cmdline()[2:4]) for child in children}
@@ -80,7 +80,7 @@ def test_a_port_in_use_is_named_before_anything_starts(tmp_path, tiny_model, set
                 models={"tiny": tiny_model},
                 default_model="tiny",
                 flower=True,
-                extra_env={"CONVEYOR_METRICS_PORT": str(free_port()), setting: str(port)},
+                extra_env={"CONVEYOR_METRICS_PORT": str(free_ports(8)), setting: str(port)},
                 ready_timeout_s=60,
             )
         except RuntimeError as exc:
