@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -420,13 +421,32 @@ class JobService:
         queue = self.keys.embed_queue(0)
         await run_in_threadpool(send_embedding, self.celery, {"job_id": job_id}, queue)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
+        if not JobStatus(done["status"]).is_finished:
+            done = await self._end_unanswered_embedding(job_id)
         if done["status"] == JobStatus.FAILED:
             raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)
         if done["status"] != JobStatus.SUCCEEDED:
-            raise SyncTimeout(f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s")
+            raise SyncTimeout(
+                f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s; "
+                "it was cancelled",
+                job_id=job_id,
+            )
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
         await self.store.forget_embedding(job_id)
         return json.loads(done["embedding"]), done
+
+    async def _end_unanswered_embedding(self, job_id: str) -> dict[str, str]:
+        """An embeddings job's vectors go to its one request, so once that request stops waiting nobody
+        can take them: the job is cancelled, with the reason (a stage worker that takes it later drops
+        it), instead of staying queued or running until its record expires. One that ended meanwhile
+        keeps its outcome, and is answered."""
+        reason = (
+            f"no embeddings stage finished it within sync_timeout_s ({self.settings.sync_timeout_s:g} s); "
+            "its request was answered 504"
+        )
+        with suppress(JobFinished):
+            await self.cancel(job_id, tenant=None, reason=reason)
+        return await self.get(job_id, tenant=None)
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
         """The job's record once it has finished (or as it is when the timeout passes)."""

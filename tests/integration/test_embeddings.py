@@ -176,3 +176,39 @@ def test_plan_mismatch_fails_the_job(redis, worker_plans, sender):  # type: igno
     assert error["message"].startswith(f"plan mismatch: stage 1 runs plan {last.fingerprint}")
     assert (message.get("plan") or "(none)") in error["message"]
     assert len(stages.sent) == 1 and "embedding" not in record  # nothing ran, nothing sent on
+
+
+# --- an embeddings request nobody answers --------------------------------------------------------
+
+
+def test_an_unanswered_request_is_504_and_its_job_ends_cancelled_not_running(
+    redis, redis_url, tiny_model, worker_plans
+):  # type: ignore[no-untyped-def]
+    """The vectors go to the one request, so when it stops waiting its job is cancelled with the
+    reason, not left queued (or running, had a stage 0 died midway) until the record expires; a stage
+    worker that takes the message later drops it."""
+    from fastapi.testclient import TestClient
+
+    from app.api.app import create_app
+    from tests.tinyapi import forget_namespace, tiny_settings
+
+    settings = tiny_settings(redis_url, tiny_model, auth="none", embedding_stages=2, sync_timeout_s=0.5)
+    try:
+        with TestClient(create_app(settings)) as api:  # no embeddings stage worker runs
+            answer = api.post("/v1/embeddings", json={"input": TEXTS})
+            assert answer.status_code == 504, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "timeout" and "it was cancelled" in error["message"]
+            job = api.get(f"/v1/jobs/{error['details']['job_id']}").json()
+        assert job["status"] == "cancelled"
+        assert "no embeddings stage finished it within sync_timeout_s (0.5 s)" in job["error"]["message"]
+
+        stages = Stages(redis)
+        stages.keys = Keys(settings.namespace)
+        stages.jobs = JobStore(redis, stages.keys, ttl_s=60)
+        first = stages.stage(worker_plans[0], 0)
+        job_id = error["details"]["job_id"]
+        first.handle({"job_id": job_id})  # the message the API sent, taken late
+        assert stages.sent == [] and stages.jobs.get(job_id)["status"] == "cancelled"  # type: ignore[index]
+    finally:
+        forget_namespace(redis_url, settings.namespace)
