@@ -45,13 +45,19 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(
-    name: str, argv: list[str], env: dict[str, str], log_path: Path, stop_timeout_s: float
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    stop_timeout_s: float,
+    cwd: Path = ROOT,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `argv` with its output in `log_path`; on the way out SIGTERM it, SIGKILL after the timeout."""
+    """Run `argv` in `cwd` (a `python -m` there imports that tree's code) with its output in
+    `log_path`; on the way out SIGTERM it, SIGKILL after the timeout."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             argv,
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -1,0 +1,187 @@
+"""A/B: this tree's Conveyor against an earlier commit's, in one run, on the same machine and prompts.
+
+What it answers: did a change cost speed or change answers? Both trees run `python -m app.cli up`
+(the earlier one from a temporary git worktree, with this checkout's virtualenv and model) under the
+slice benchmark's load (bench/slice.py: SmolLM2-135M-Instruct, its seeded chat prompts, 64 tokens
+each with `ignore_eos`):
+
+    speed     each tree at its defaults: one job at a time over a spread of the prompts (c1: TTFT
+              p50), then every prompt under 32 closed-loop clients (c32: the peak tokens/s). The
+              trees alternate, A B B A, over `--rounds` pairs, so a machine that drifts during the
+              run weighs on both; each figure is the median of its tree's rounds.
+    answers   each tree in fp32 (CONVEYOR_DTYPE=float32), one job at a time (a batch of one, so no
+              neighbour changes a row's arithmetic): the greedy tokens of every sequential prompt,
+              compared token for token up to the first EOS.
+
+Run from the repository root (about 2 minutes per stack start and load on 2 cores; `--quick` halves
+the jobs):
+
+    .venv/bin/python -m bench.ab [--base 6399fb6] [--rounds 2] [--quick]
+
+Prints a Markdown table with the ratios (this tree / base) and writes bench/results/ab.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from bench.load import conveyor_job
+from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.prompts import Prompt, make_prompts, spread
+from bench.report import SystemRun, git_commit, greedy_agreement, percentile, write_results
+from bench.slice import (
+    CONCURRENCY,
+    FULL,
+    MAX_TOKENS,
+    MODEL_DIR,
+    QUICK,
+    READY_TIMEOUT_S,
+    conveyor_env,
+    measure,
+)
+
+DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """`rev` checked out in a temporary directory (removed afterwards)."""
+    path = Path(tempfile.mkdtemp(prefix="conveyor-ab-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(path), rev], cwd=ROOT, check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def run_tree(
+    label: str, tree: Path, prompts: list[Prompt], few: list[Prompt], workdir: Path, **env_extra: str
+) -> list[SystemRun]:
+    """One stack of `tree`: c1 over `few`, then c32 over `prompts` unless `prompts` is empty."""
+    port = free_port()
+    env = conveyor_env(port, workdir) | env_extra
+    log = workdir / f"{label}-{time.monotonic_ns()}.log"
+    try:
+        with server_process(
+            f"{label} up", [sys.executable, "-m", "app.cli", "up"], env, log, 60.0, cwd=tree
+        ) as p:
+            base = f"http://127.0.0.1:{port}"
+            wait_ready(f"{base}/readyz", p, READY_TIMEOUT_S, log)
+            job, warmup = conveyor_job(MAX_TOKENS), conveyor_job(8)
+            runs = [measure(f"{label} c1", base, job, warmup, few, 1)]
+            if prompts:
+                runs.append(measure(f"{label} c{CONCURRENCY}", base, job, warmup, prompts, CONCURRENCY))
+            return runs
+    finally:
+        shutil.rmtree(workdir / "home", ignore_errors=True)
+
+
+def ttft_p50(run: SystemRun) -> float | None:
+    return percentile([j.ttft_s for j in run.ok_jobs if j.ttft_s is not None], 50)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default=DEFAULT_BASE, help=f"the earlier commit (default {DEFAULT_BASE})")
+    parser.add_argument("--rounds", type=int, default=2, help="A B pairs of the speed runs (default 2)")
+    parser.add_argument("--quick", action="store_true", help="fewer jobs per run")
+    args = parser.parse_args(argv)
+    mode = QUICK if args.quick else FULL
+    terminate_on_sigterm()
+    if not (MODEL_DIR / "config.json").exists():
+        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    prompts = make_prompts(tokenizer, mode.concurrent_jobs)
+    few = spread(prompts, mode.sequential_jobs)
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-ab-logs-"))
+    head = git_commit()
+    base_rev = subprocess.run(
+        ["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    say(f"A/B: base {base_rev} against this tree {head}; {len(prompts)} prompts, logs in {workdir}")
+    started = time.perf_counter()
+    speed: dict[str, list[tuple[float, float | None]]] = {"base": [], "head": []}
+    answers: dict[str, SystemRun] = {}
+    loads = [os.getloadavg()[0]]
+    with worktree(args.base) as base_tree:
+        trees = {"base": base_tree, "head": ROOT}
+        for round_ in range(args.rounds):
+            for label in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
+                c1, peak = run_tree(label, trees[label], prompts, few, workdir)
+                speed[label].append((peak.tokens_per_s(), ttft_p50(c1)))
+                loads.append(os.getloadavg()[0])
+        for label in ("base", "head"):
+            (answers[label],) = run_tree(label, trees[label], [], few, workdir, CONVEYOR_DTYPE="float32")
+    eos = tokenizer.eos_token_id
+    agreement = greedy_agreement(answers["base"], answers["head"], {eos} if isinstance(eos, int) else set())
+    figures: dict[str, dict[str, Any]] = {
+        label: {
+            "peak_tokens_per_s": statistics.median(t for t, _ in runs),
+            "c1_ttft_p50_s": statistics.median(x for _, x in runs if x is not None),
+            "rounds": [{"peak_tokens_per_s": t, "c1_ttft_p50_s": x} for t, x in runs],
+        }
+        for label, runs in speed.items()
+    }
+    tokens = figures["head"]["peak_tokens_per_s"] / figures["base"]["peak_tokens_per_s"]
+    ttft = figures["head"]["c1_ttft_p50_s"] / figures["base"]["c1_ttft_p50_s"]
+    command = " ".join(["python -m bench.ab", *(sys.argv[1:] if argv is None else argv)])
+    lines = [
+        f"# A/B: {head} against {base_rev}",
+        "",
+        f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load "
+        f"{min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds each, alternating; medians)",
+        "",
+        f"| tree | peak tokens/s (c{CONCURRENCY}) | c1 TTFT p50 | rounds (tokens/s, TTFT ms) |",
+        "|---|---:|---:|---|",
+    ]
+    for label, rev in (("base", base_rev), ("head", head)):
+        f = figures[label]
+        shown = ", ".join(
+            f"{r['peak_tokens_per_s']:.1f} / {r['c1_ttft_p50_s'] * 1000:.0f}" for r in f["rounds"]
+        )
+        lines.append(
+            f"| {label} {rev} | {f['peak_tokens_per_s']:.1f} | {f['c1_ttft_p50_s'] * 1000:.0f} ms | {shown} |"
+        )
+    lines += [
+        "",
+        f"- this tree / base: peak tokens/s **{tokens:.2f}x**, c1 TTFT p50 **{ttft:.2f}x** (lower is faster)",
+        f"- greedy tokens in fp32, one job at a time: {agreement['identical']} of {agreement['compared']} "
+        "prompts identical",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    payload = {
+        "meta": {
+            "base": base_rev,
+            "head": head,
+            "command": command,
+            "rounds": args.rounds,
+            "mode": mode.name,
+            "loads": loads,
+            "bench_wall_s": time.perf_counter() - started,
+        },
+        "figures": figures,
+        "ratios": {"peak_tokens_per_s": tokens, "c1_ttft_p50": ttft},
+        "greedy_fp32": agreement,
+    }
+    write_results("ab", text, payload)
+    return 0 if agreement["identical"] == agreement["compared"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
