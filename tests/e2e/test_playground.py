@@ -102,9 +102,7 @@ def test_a_running_job_cancelled_from_the_page_ends_cancelled(browser, live) -> 
     page.close()
 
 
-def test_with_auth_on_the_page_sends_the_key_typed_into_it(
-    browser, tmp_path, redis_url, tiny_model
-):  # type: ignore[no-untyped-def]
+def test_with_auth_on_the_page_sends_the_key_typed_into_it(browser, tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     live = start_stack(
         tmp_path,
         redis_url=redis_url,
