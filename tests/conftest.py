@@ -25,13 +25,10 @@ from typing import Any
 import httpx
 import pytest
 import redis as redis_lib
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from families import save_families  # noqa: E402
 from keyaudit import unbounded_keys  # noqa: E402
-from tiny import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "SmolLM2-135M-Instruct"
@@ -82,12 +79,16 @@ def redis(redis_url: str) -> redis_lib.Redis:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny import make_tiny_model
+
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """Every supported family's tiny model, saved once (tests/families.py)."""
+    from families import save_families
+
     return save_families(tmp_path_factory.mktemp("families"))
 
 
@@ -231,7 +232,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """One intra-op thread for the models run in this process, as the stacks' workers get
     (CONVEYOR_TORCH_THREADS=1). The tiny models gain nothing from more, and on a busy machine OpenMP's
     threads wait at every op for a sibling the scheduler has parked: the unit tests of the families
-    ran 30 times slower on two shared cores with torch's default of one thread per core."""
+    ran 30 times slower on two shared cores with torch's default of one thread per core. (Torch is
+    imported here, not at the top: the controller of `pytest -n` runs no test and need not load it.)"""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
     torch.set_num_threads(1)
 
 
