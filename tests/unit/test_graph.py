@@ -28,6 +28,10 @@ from app.partitions.graph import (
     run_chain,
 )
 
+# The MiniLM stage plans (conftest.py `minilm_worker_plans`, seconds of torch.export) are built once
+# per test process: under `pytest -n` (`--dist loadgroup`) the tests using them run in one process.
+pytestmark = pytest.mark.xdist_group("minilm")
+
 TEXTS = [
     "Hello world.",
     "Graph partitioning splits a model into pieces that run in separate worker processes.",
