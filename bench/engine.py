@@ -159,9 +159,7 @@ def markdown(
     ]
     for batch, rows_kind, ms in rows:
         cells = [f"{ms[n]:.1f}" for n in names] + [f"{batch / ms[n] * 1000:.0f}" for n in names]
-        speedup = [
-            f"{ms[other] / ms['bf16']:.2f}×" for other in ("fp32", "bf16 before", "bf16 narrow")
-        ]
+        speedup = [f"{ms[other] / ms['bf16']:.2f}×" for other in ("fp32", "bf16 before", "bf16 narrow")]
         lines.append(f"| {batch} | {rows_kind} | " + " | ".join(cells + speedup) + " |")
     lines += [
         "",
@@ -204,9 +202,7 @@ def main() -> None:
         stage.warmup()
         return stage
 
-    engines = [
-        Engine(name, partition(dtype, pack, wide), impl) for name, dtype, impl, pack, wide in ENGINES
-    ]
+    engines = [Engine(name, partition(dtype, pack, wide), impl) for name, dtype, impl, pack, wide in ENGINES]
     rows = []
     same = total = 0
     for batch in batches:
