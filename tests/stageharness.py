@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from app.batching.recovery import Monitor
 from app.core.jobs import JobStatus, Transition, decode_record
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
@@ -167,7 +167,7 @@ def build(
                 partition=partition,
                 tokenizer=tokenizer if partition.is_last else None,
                 jobs=jobs,
-                publisher=Publisher(redis, keys, jobs, ttl_s=600, ended_ttl_s=600, stream_maxlen=1000),
+                publisher=Publisher(redis, keys, jobs, life=Lifetimes(600, 600, 1000)),
                 redis=redis,
                 keys=keys,
                 send=lambda message, _queue: pipeline.outbox.append(message),

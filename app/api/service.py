@@ -306,9 +306,7 @@ class JobService:
         A job of another tenant is 404, as if it did not exist (`tenant` None: no check, internal)."""
         if tenant is not None:
             await self.get(job_id, tenant=tenant)  # a job's tenant never changes: checked once, first
-        maxlen = self.settings.max_tokens_limit + 16  # as the workers cap it
-        life = Lifetimes(self.settings.job_ttl_s, self.settings.ended_job_ttl_s, maxlen)
-        applied, status = await self.store.cancel(job_id, reason=reason, life=life)
+        applied, status = await self.store.cancel(job_id, reason=reason, life=Lifetimes.of(self.settings))
         if not applied:
             if not status:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)

@@ -23,7 +23,7 @@ from app.batching.recovery import Monitor
 from app.core import metrics
 from app.core.config import Settings
 from app.core.jobs import JobStatus, Transition, text_of
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
@@ -71,22 +71,15 @@ class Batcher:
         )
         self.pending: list[windows.Item] = []
         self.stages = settings.stages
-        maxlen = settings.max_tokens_limit + 16
-        self.publisher = Publisher(
-            redis,
-            self.keys,
-            self.jobs,
-            ttl_s=settings.job_ttl_s,
-            stream_maxlen=maxlen,
-            ended_ttl_s=settings.ended_job_ttl_s,
-        )
+        life = Lifetimes.of(settings)
+        self.publisher = Publisher(redis, self.keys, self.jobs, life=life)
         self.monitor = Monitor(
             redis,
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
             max_attempts=settings.max_attempts,
             ttl_s=settings.ended_job_ttl_s,  # what a job it fails keeps
-            stream_maxlen=maxlen,
+            stream_maxlen=life.stream_maxlen,
             stages=settings.stages,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from string import Template
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.core.jobs import (
     FINAL_EVENT,
@@ -38,6 +38,9 @@ from app.core.jobs import (
     text_of,
 )
 from app.core.keys import PRIORITIES, Keys
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 S = JobStatus
 
@@ -464,6 +467,11 @@ def _items(mapping: Mapping[str, Any]) -> list[Any]:
     return [x for pair in mapping.items() for x in pair]
 
 
+# A job's event stream holds its tokens and a few other events (recovered, the final one, ...);
+# its cap leaves room for these beside `max_tokens_limit` tokens.
+EVENTS_BESIDE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class Lifetimes:
     """How long a job's record and stream live, and how long its stream may grow."""
@@ -471,6 +479,13 @@ class Lifetimes:
     ttl_s: int  # while the job is live
     ended_ttl_s: int  # once it has ended
     stream_maxlen: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> Lifetimes:
+        """A job's lifetimes as the settings make them: derived here once, for the API, the batcher
+        and the workers alike."""
+        maxlen = settings.max_tokens_limit + EVENTS_BESIDE_TOKENS
+        return cls(ttl_s=settings.job_ttl_s, ended_ttl_s=settings.ended_job_ttl_s, stream_maxlen=maxlen)
 
 
 def _end_call(

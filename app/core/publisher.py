@@ -34,22 +34,14 @@ class Publisher:
         keys: Keys,
         jobs: JobStore,
         *,
-        ttl_s: int,
-        stream_maxlen: int,
+        life: Lifetimes,  # Lifetimes.of(settings)
         outcomes: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
-        ended_ttl_s: int | None = None,  # what an ended job keeps its record and stream; None: ttl_s
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
-        self.ttl_s = ttl_s
-        self.ended_ttl_s = ttl_s if ended_ttl_s is None else ended_ttl_s
-        self.stream_maxlen = stream_maxlen
+        self.life = life
         self.outcomes = outcomes
-
-    @property
-    def life(self) -> Lifetimes:
-        return Lifetimes(self.ttl_s, self.ended_ttl_s, self.stream_maxlen)
 
     def tokens(self, outs: list[TokenOut]) -> set[str]:
         """Append one step's tokens, finish the sequences whose last token this is; return the ids

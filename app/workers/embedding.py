@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import JobStore
+from app.core.jobstore import EVENTS_BESIDE_TOKENS, JobStore, Lifetimes
 from app.core.protocol import EMBED_TASK
 from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
@@ -158,9 +158,8 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
             redis,
             keys,
             jobs,
-            ttl_s=settings.job_ttl_s,
-            ended_ttl_s=settings.ended_job_ttl_s,
-            stream_maxlen=16,
+            # An embeddings job's stream holds no tokens: its other events only.
+            life=replace(Lifetimes.of(settings), stream_maxlen=EVENTS_BESIDE_TOKENS),
         ),
         send=lambda message, queue: send_embedding(celery, message, queue),
         next_queue=keys.embed_queue(stage + 1) if stage + 1 < num_stages else None,

@@ -16,7 +16,7 @@ from app.core.broker import create_celery_app, send_step
 from app.core.config import Settings
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
 from app.core.protocol import StepMessage
@@ -137,9 +137,7 @@ def run_worker(
             redis,
             keys,
             jobs,
-            ttl_s=settings.job_ttl_s,
-            ended_ttl_s=settings.ended_job_ttl_s,
-            stream_maxlen=settings.max_tokens_limit + 16,
+            life=Lifetimes.of(settings),
             outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
         ),
         redis=redis,

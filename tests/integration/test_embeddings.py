@@ -13,7 +13,7 @@ import torch
 from conftest import start_stack
 from transformers import AutoTokenizer
 
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel, plan_encoder
@@ -129,7 +129,7 @@ class Stages:
             plan=plan,
             stage=k,
             jobs=self.jobs,
-            publisher=Publisher(self.redis, self.keys, self.jobs, ttl_s=60, stream_maxlen=16),
+            publisher=Publisher(self.redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16)),
             send=lambda message, queue: self.sent.append((queue, message)),
             next_queue=None if last else self.keys.embed_queue(k + 1),
         )

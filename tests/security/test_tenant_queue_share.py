@@ -156,7 +156,7 @@ def test_every_move_out_of_and_back_into_the_queue_keeps_the_count(redis_url, st
     keys = Keys(settings.namespace)
     assert settings.tenant_queue_limit("acme") == 1 and settings.tenant_queue_limit("other") == 5
     life = Lifetimes(ttl_s=settings.job_ttl_s, ended_ttl_s=60, stream_maxlen=100)
-    publisher = Publisher(client, keys, jobs, ttl_s=settings.job_ttl_s, stream_maxlen=100, ended_ttl_s=60)
+    publisher = Publisher(client, keys, jobs, life=Lifetimes(settings.job_ttl_s, 60, 100))
 
     job = uuid.uuid4().hex
     assert admit(redis_url, settings, "acme", job) == "ok"
