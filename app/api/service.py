@@ -73,7 +73,7 @@ class JobService:
         self.admission = Admission(redis, self.keys, settings)
         self.store = self.admission.store  # the job record's writer (app/core/jobstore.py)
         self.ratelimit = RateLimiter(redis, self.keys, settings)
-        self.callbacks = CallbackIntake(settings, redis, self.keys)  # Webhooks
+        self.callbacks = CallbackIntake(settings.webhooks, redis, self.keys)  # Webhooks
         self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()
         self.prompts = PromptEncoder(settings)  # tokenizes on its own threads, never on the event loop

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -65,6 +66,30 @@ class RoutePolicy(BaseModel):
         if self.small is not None and self.small == self.large:
             raise ValueError(f"a route needs two different models; small and large are both {self.small!r}")
         return self
+
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """The webhook components' part of the settings (app/webhooks/: the dispatcher, the callbacks
+    worker, the API's callback intake), built once by `Settings.webhooks`: the `webhook_*` fields
+    without their prefix (described there), values derived from them, and the job TTL they follow."""
+
+    secrets: tuple[str, ...]
+    master_key: str | None
+    secret_overlap_s: float
+    allow_cidrs: tuple[str, ...]
+    timeout_s: float
+    attempt_deadline_s: float
+    tenant_concurrency: int
+    tenant_max_retries: int
+    max_attempts: int
+    backoff_base_s: float
+    backoff_max_s: float
+    token_interval_s: float  # webhook_token_interval_ms
+    concurrency: int
+    log_max: int
+    disabled_ttl_s: int
+    job_ttl_s: int  # a job's deliveries live as long as it may; the dispatcher follows it no longer
 
 
 class Settings(BaseSettings):
@@ -426,6 +451,27 @@ class Settings(BaseSettings):
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
+
+    @cached_property
+    def webhooks(self) -> WebhookSettings:
+        return WebhookSettings(
+            secrets=tuple(self.webhook_secrets),
+            master_key=self.webhook_master_key,
+            secret_overlap_s=self.webhook_secret_overlap_s,
+            allow_cidrs=tuple(self.webhook_allow_cidrs),
+            timeout_s=self.webhook_timeout_s,
+            attempt_deadline_s=self.webhook_attempt_deadline_s,
+            tenant_concurrency=self.webhook_tenant_concurrency,
+            tenant_max_retries=self.webhook_tenant_max_retries,
+            max_attempts=self.webhook_max_attempts,
+            backoff_base_s=self.webhook_backoff_base_s,
+            backoff_max_s=self.webhook_backoff_max_s,
+            token_interval_s=self.webhook_token_interval_ms / 1000,
+            concurrency=self.webhook_concurrency,
+            log_max=self.webhook_log_max,
+            disabled_ttl_s=self.webhook_disabled_ttl_s,
+            job_ttl_s=self.job_ttl_s,
+        )
 
     def model_path(self, name: str) -> Path | None:
         """Where the model called exactly `name` lives: a CONVEYOR_MODELS entry, or a directory of that

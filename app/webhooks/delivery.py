@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from app.core.config import Settings
+from app.core.config import WebhookSettings
 from app.core.keys import Keys
 from app.webhooks import signing
 from app.webhooks.retries import RetryQueue, TenantSlots, tenant_of
@@ -111,7 +111,7 @@ class Deliverer:
         self,
         redis: Any,
         keys: Keys,
-        settings: Settings,
+        settings: WebhookSettings,
         *,
         guard: Guard,
         secrets: signing.SecretSource,
@@ -125,12 +125,12 @@ class Deliverer:
         self.secrets = secrets
         self.clock = clock
         self.rand = rand
-        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.webhook_tenant_max_retries)
+        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.tenant_max_retries)
         self.slots = TenantSlots(
             redis,
             keys,
-            per_tenant=settings.webhook_tenant_concurrency,
-            hold_s=settings.webhook_attempt_deadline_s + SLOT_MARGIN_S,
+            per_tenant=settings.tenant_concurrency,
+            hold_s=settings.attempt_deadline_s + SLOT_MARGIN_S,
         )
 
     def deliver(self, message: dict[str, Any]) -> None:
@@ -142,7 +142,7 @@ class Deliverer:
         token = self.slots.acquire(tenant, now=self.clock())
         if token is None:
             # Half to all of a deadline: a slot frees by then, and the waiting events spread out.
-            wait = self.settings.webhook_attempt_deadline_s * (0.5 + self.rand() / 2)
+            wait = self.settings.attempt_deadline_s * (0.5 + self.rand() / 2)
             if not self.retries.schedule(message, due=self.clock() + wait):
                 self._refused(message, number)
             return
@@ -156,7 +156,7 @@ class Deliverer:
             self._refused(message, number)
 
     def _refused(self, message: dict[str, Any], number: int) -> None:
-        cap = self.settings.webhook_tenant_max_retries
+        cap = self.settings.tenant_max_retries
         error = f"given up: {cap} of this tenant's webhook events already wait for a retry"
         self._record(message, number, self.clock(), None, error, Outcome.GAVE_UP)
 
@@ -173,7 +173,7 @@ class Deliverer:
             )
             return None
         status, error, retry_after = None, None, None
-        deadline = Deadline(self.settings.webhook_attempt_deadline_s)  # DNS spends from it too
+        deadline = Deadline(self.settings.attempt_deadline_s)  # DNS spends from it too
         try:
             status, retry_after = self._post(self.guard.check(url), message, started, deadline)
         except CallbackRefused as exc:
@@ -185,10 +185,10 @@ class Deliverer:
             return None
         if status == 410:
             key = self.keys.webhook_disabled(url_digest(url))
-            self.redis.set(key, repr(self.clock()), ex=self.settings.webhook_disabled_ttl_s)
+            self.redis.set(key, repr(self.clock()), ex=self.settings.disabled_ttl_s)
             self._record(message, number, started, status, None, Outcome.DISABLED)
             return None
-        if number >= self.settings.webhook_max_attempts:
+        if number >= self.settings.max_attempts:
             self._record(message, number, started, status, error, Outcome.GAVE_UP)
             return None
         delay = self.delay(number, retry_after, now=self.clock())
@@ -197,13 +197,11 @@ class Deliverer:
 
     def delay(self, number: int, retry_after: str | None, *, now: float) -> float:
         s = self.settings
-        wait = backoff_s(
-            number, base_s=s.webhook_backoff_base_s, max_s=s.webhook_backoff_max_s, rand=self.rand
-        )
+        wait = backoff_s(number, base_s=s.backoff_base_s, max_s=s.backoff_max_s, rand=self.rand)
         asked = retry_after_s(retry_after, now=now)
         if asked is not None:
             wait = max(wait, asked)
-        return min(wait, s.webhook_backoff_max_s)
+        return min(wait, s.backoff_max_s)
 
     def _post(
         self, target: Target, message: dict[str, Any], started: float, deadline: Deadline
@@ -216,7 +214,7 @@ class Deliverer:
         with (
             httpx.Client(
                 transport=pinned_transport(target, deadline=deadline),
-                timeout=self.settings.webhook_timeout_s,
+                timeout=self.settings.timeout_s,
                 follow_redirects=False,
                 trust_env=False,
             ) as client,
@@ -252,7 +250,7 @@ class Deliverer:
         log_key, outcomes = self.keys.webhook_deliveries(job_id), self.keys.webhook_outcomes(job_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.rpush(log_key, entry.encode())
-        pipe.ltrim(log_key, -self.settings.webhook_log_max, -1)
+        pipe.ltrim(log_key, -self.settings.log_max, -1)
         pipe.expire(log_key, ttl)
         if outcome != Outcome.RETRYING:
             pipe.hset(outcomes, message["webhook_id"], str(outcome))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.config import Settings
+from app.core.config import Settings, WebhookSettings
 from app.core.jobs import FINAL_EVENTS, decode_record
 from app.core.jobview import JobPublic
 from app.core.keys import Keys
@@ -64,7 +64,7 @@ class Dispatcher:
         self,
         redis: Any,
         keys: Keys,
-        settings: Settings,
+        settings: WebhookSettings,
         send: Callable[[dict[str, Any]], None],
         *,
         clock: Callable[[], float] = time.time,
@@ -76,9 +76,9 @@ class Dispatcher:
         self.clock = clock
         self.me = uuid.uuid4().hex
         self.follows: dict[str, Follow] = {}
-        self.batches = ev.TokenBatches(settings.webhook_token_interval_ms / 1000)
+        self.batches = ev.TokenBatches(settings.token_interval_s)
         self._renew = redis.register_script(RENEW_LUA)
-        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.webhook_tenant_max_retries)
+        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.tenant_max_retries)
 
     def run(self, stop: threading.Event) -> None:
         """Loop until `stop`; a failure (Redis away, a bug on one job) is logged and the state is read
@@ -313,4 +313,4 @@ def run_dispatcher(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log.info("webhook dispatcher following %s", keys.webhook_jobs())
-    Dispatcher(sync_client(url), keys, settings, send).run(stop)
+    Dispatcher(sync_client(url), keys, settings.webhooks, send).run(stop)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.config import Settings
+from app.core.config import WebhookSettings
 from app.core.errors import NotServed
 from app.core.keys import Keys
 from app.webhooks.delivery import url_digest
@@ -28,11 +28,11 @@ class Callback:
 
 
 class CallbackIntake:
-    def __init__(self, settings: Settings, redis: Any, keys: Keys) -> None:
+    def __init__(self, settings: WebhookSettings, redis: Any, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.configured = bool(settings.webhook_secrets)
-        self.guard = Guard(settings.webhook_allow_cidrs)
+        self.configured = bool(settings.secrets)
+        self.guard = Guard(settings.allow_cidrs)
 
     async def check(self, url: str, events: Sequence[str] | None) -> Callback:
         """The callback to store; raises CallbackRefused (422) or NotServed (no signing secret)."""

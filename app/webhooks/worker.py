@@ -36,28 +36,29 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     refuse_known_secrets(settings)
     url = settings.redis_url or ""
     keys = Keys(settings.namespace)
+    hooks = settings.webhooks
     redis = sync_client(url)
     secrets = TenantSecrets(  # a malformed secret stops the worker here, loudly
-        settings.webhook_secrets,
-        master=settings.webhook_master_key,
+        hooks.secrets,
+        master=hooks.master_key,
         redis=redis,
         keys=keys,
-        overlap_s=settings.webhook_secret_overlap_s,
+        overlap_s=hooks.secret_overlap_s,
     )
     if not secrets.default:
         raise SystemExit("no webhook secret: set CONVEYOR_WEBHOOK_SECRETS (`conveyor up` makes one)")
     app = create_celery_app(settings, url)
-    guard = Guard(settings.webhook_allow_cidrs)
-    register_deliver_task(app, Deliverer(redis, keys, settings, guard=guard, secrets=secrets))
+    guard = Guard(hooks.allow_cidrs)
+    register_deliver_task(app, Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets))
     for name in ("celery.app.trace", "celery.worker.strategy", "httpx"):  # each attempt is logged in Redis
         logging.getLogger(name).setLevel(logging.WARNING)
     metrics.serve(settings.metrics_port, "callbacks worker", settings.metrics_host)
-    log.info("callbacks worker on %s, %d threads", keys.callbacks_queue(), settings.webhook_concurrency)
+    log.info("callbacks worker on %s, %d threads", keys.callbacks_queue(), hooks.concurrency)
     app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={settings.webhook_concurrency}",
+            f"--concurrency={hooks.concurrency}",
             f"--loglevel={loglevel}",
             f"--hostname=callbacks-{os.getpid()}@%h",
             "--queues",

@@ -144,7 +144,8 @@ def settings(redis, redis_url: str) -> Iterator[Settings]:  # type: ignore[no-un
 
 def deliverer(redis, settings: Settings) -> Deliverer:  # type: ignore[no-untyped-def]
     guard = Guard(settings.webhook_allow_cidrs)
-    return Deliverer(redis, Keys(settings.namespace), settings, guard=guard, secrets=SecretBook([SECRET]))
+    keys = Keys(settings.namespace)
+    return Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=SecretBook([SECRET]))
 
 
 def message(url: str, tenant: str) -> dict[str, object]:
@@ -235,7 +236,7 @@ def test_retries_wait_in_redis_and_survive_a_worker_restart(redis, settings, rec
     del first  # the worker that made the attempt is gone, and its memory with it
 
     restarted = deliverer(redis, settings)
-    dispatcher = Dispatcher(redis, keys, settings, restarted.deliver, clock=lambda: time.time() + 60)
+    dispatcher = Dispatcher(redis, keys, settings.webhooks, restarted.deliver, clock=lambda: time.time() + 60)
     assert dispatcher.send_due_retries() == 1
     assert [r[2] for r in receiver.at("/fail-once/x")] == [500, 200]
     attempts = log_of(redis, settings, event["job_id"])

@@ -87,7 +87,8 @@ def deliver(redis, settings: Settings, keys: Keys, url: str, tenant: str | None)
     secrets = signing.TenantSecrets(
         settings.webhook_secrets, master=settings.webhook_master_key, redis=redis, keys=keys, overlap_s=0
     )
-    deliverer = Deliverer(redis, keys, settings, guard=Guard(settings.webhook_allow_cidrs), secrets=secrets)
+    guard = Guard(settings.webhook_allow_cidrs)
+    deliverer = Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets)
     job_id = uuid.uuid4().hex
     body = json.dumps({"type": "job.completed", "timestamp": "2026-01-01T00:00:00Z", "data": {"id": job_id}})
     message = {
