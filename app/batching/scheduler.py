@@ -21,9 +21,9 @@ from app.batching import fairshare, intake, windows
 from app.batching.budget import Budget, Census, Share, budget
 from app.batching.recovery import Monitor
 from app.core import metrics
-from app.core.config import Settings
+from app.core.config import BatcherSettings, Settings
 from app.core.jobs import JobStatus, Transition, text_of
-from app.core.jobstore import JobStore, Lifetimes
+from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
@@ -43,7 +43,7 @@ URGENT_HOLD_MAX_S = 2.0
 class Batcher:
     def __init__(
         self,
-        settings: Settings,
+        settings: BatcherSettings,
         *,
         redis: Any,
         send: Send,
@@ -51,8 +51,8 @@ class Batcher:
         clock: Callable[[], float] = time.monotonic,
         max_block_ms: int = MAX_BLOCK_MS,
     ) -> None:
-        """`max_block_ms`: the longest a tick waits for new work when nothing is pending (a test that
-        ticks the batcher by hand, with no arrival to come, shortens it)."""
+        """`settings`: `Settings.batcher`. `max_block_ms`: the longest a tick waits for new work when
+        nothing is pending (a test that ticks the batcher by hand, with no arrival to come, shortens it)."""
         self.settings = settings
         self.redis = redis
         self.send = send
@@ -63,31 +63,29 @@ class Batcher:
         self.jobs = JobStore(redis, self.keys, ttl_s=settings.job_ttl_s)
         self.limits = windows.Limits(
             max_batch_size=settings.max_batch_size,
-            max_wait_s=settings.max_wait_ms / 1000.0,
-            length_buckets=tuple(sorted(settings.length_buckets)),
+            max_wait_s=settings.max_wait_s,
+            length_buckets=settings.length_buckets,
             aging_s=settings.aging_s,
-            max_prefill_tokens=settings.max_prefill_tokens if settings.batching == "continuous" else None,
+            max_prefill_tokens=settings.max_prefill_tokens,
             min_batch_size=settings.min_batch_size,
         )
         self.pending: list[windows.Item] = []
         self.stages = settings.stages
-        life = Lifetimes.of(settings)
-        self.publisher = Publisher(redis, self.keys, self.jobs, life=life)
+        self.publisher = Publisher(redis, self.keys, self.jobs, life=settings.life)
         self.monitor = Monitor(
             redis,
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
             max_attempts=settings.max_attempts,
             ttl_s=settings.ended_job_ttl_s,  # what a job it fails keeps
-            stream_maxlen=life.stream_maxlen,
+            stream_maxlen=settings.life.stream_maxlen,
             stages=settings.stages,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         self.census = Census(
             redis, self.keys, stages=settings.stages, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
         )
-        continuous = settings.batching == "continuous"
-        self.share = Share(settings.replica_batches, settings.max_running_sequences if continuous else None)
+        self.share = Share(settings.replica_batches, settings.max_running_sequences)
         self.last_sweep = -float("inf")
         self.waiting_for_room = False
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
@@ -365,4 +363,4 @@ def run_batcher(settings: Settings) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Batcher(settings, redis=sync_client(url), send=send).run(stop)
+    Batcher(settings.batcher, redis=sync_client(url), send=send).run(stop)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -90,6 +93,35 @@ class WebhookSettings:
     log_max: int
     disabled_ttl_s: int
     job_ttl_s: int  # a job's deliveries live as long as it may; the dispatcher follows it no longer
+
+
+@dataclass(frozen=True)
+class BatcherSettings:
+    """The batcher's part of the settings (app/batching/scheduler.py), built once by
+    `Settings.batcher`: the fields it reads, by their names in `Settings` (described there), and
+    what derives from them computed here."""
+
+    namespace: str
+    stages: int
+    batcher_max_pending: int
+    monitor_interval_s: float
+    tenant_weights: Mapping[str, float]
+    max_batch_size: int
+    max_wait_s: float  # max_wait_ms
+    length_buckets: tuple[int, ...]  # sorted
+    aging_s: float
+    max_prefill_tokens: int | None  # None under request-level batching (batching=request)
+    min_batch_size: int
+    max_running_sequences: int | None  # None under request-level batching
+    replica_batches: int
+    max_inflight_batches: int | None
+    max_inflight_sequences: int | None
+    stall_timeout_s: float
+    max_attempts: int
+    heartbeat_ttl_s: float
+    job_ttl_s: int
+    ended_job_ttl_s: int  # what a job the monitor fails keeps
+    life: Lifetimes  # of the jobs it publishes for (Lifetimes.of)
 
 
 class Settings(BaseSettings):
@@ -451,6 +483,33 @@ class Settings(BaseSettings):
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
+
+    @cached_property
+    def batcher(self) -> BatcherSettings:
+        continuous = self.batching == "continuous"
+        return BatcherSettings(
+            namespace=self.namespace,
+            stages=self.stages,
+            batcher_max_pending=self.batcher_max_pending,
+            monitor_interval_s=self.monitor_interval_s,
+            tenant_weights=MappingProxyType(dict(self.tenant_weights)),
+            max_batch_size=self.max_batch_size,
+            max_wait_s=self.max_wait_ms / 1000.0,
+            length_buckets=tuple(sorted(self.length_buckets)),
+            aging_s=self.aging_s,
+            max_prefill_tokens=self.max_prefill_tokens if continuous else None,
+            min_batch_size=self.min_batch_size,
+            max_running_sequences=self.max_running_sequences if continuous else None,
+            replica_batches=self.replica_batches,
+            max_inflight_batches=self.max_inflight_batches,
+            max_inflight_sequences=self.max_inflight_sequences,
+            stall_timeout_s=self.stall_timeout_s,
+            max_attempts=self.max_attempts,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+            job_ttl_s=self.job_ttl_s,
+            ended_job_ttl_s=self.ended_job_ttl_s,
+            life=Lifetimes.of(self),
+        )
 
     @cached_property
     def webhooks(self) -> WebhookSettings:

@@ -52,7 +52,7 @@ def batcher(redis, redis_url, keys):  # type: ignore[no-untyped-def]
     sent: list[StepMessage] = []
     clock = Clock()
     batcher = Batcher(
-        settings,
+        settings.batcher,
         redis=redis,
         send=lambda message, _queue: sent.append(message),
         clock=clock,
