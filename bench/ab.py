@@ -36,21 +36,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from bench.load import conveyor_job
 from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
-from bench.prompts import Prompt, make_prompts, spread
+from bench.prompts import Prompt
 from bench.report import SystemRun, git_commit, greedy_agreement, percentile, write_results
 from bench.slice import (
     CONCURRENCY,
     FULL,
     MAX_TOKENS,
-    MODEL_DIR,
     QUICK,
     READY_TIMEOUT_S,
     conveyor_env,
     measure,
+    slice_prompts,
 )
 
 DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
@@ -102,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mode = QUICK if args.quick else FULL
     terminate_on_sigterm()
-    if not (MODEL_DIR / "config.json").exists():
-        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+    loaded = slice_prompts(mode)
+    if loaded is None:
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    prompts = make_prompts(tokenizer, mode.concurrent_jobs)
-    few = spread(prompts, mode.sequential_jobs)
+    tokenizer, prompts, few = loaded
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-ab-logs-"))
     head = git_commit()
     base_rev = subprocess.run(

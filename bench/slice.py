@@ -218,17 +218,26 @@ def run_meta(mode: Mode, prompts: list[Prompt], few: list[Prompt], workdir: Path
     }
 
 
+def slice_prompts(mode: Mode) -> tuple[Any, list[Prompt], list[Prompt]] | None:
+    """The model's tokenizer, the run's prompts and the sequential ones among them; None (said why)
+    when the model has not been pulled."""
+    if not (MODEL_DIR / "config.json").exists():
+        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    prompts = make_prompts(tokenizer, mode.concurrent_jobs)
+    return tokenizer, prompts, spread(prompts, mode.sequential_jobs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer jobs per system (a smoke run)")
     mode = QUICK if parser.parse_args(argv).quick else FULL
     terminate_on_sigterm()
-    if not (MODEL_DIR / "config.json").exists():
-        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+    loaded = slice_prompts(mode)
+    if loaded is None:
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    prompts = make_prompts(tokenizer, mode.concurrent_jobs)
-    few = spread(prompts, mode.sequential_jobs)
+    tokenizer, prompts, few = loaded
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     meta = run_meta(mode, prompts, few, workdir)
     say(
