@@ -60,7 +60,7 @@ class Batcher:
         self.clock = clock
         self.max_block_ms = max_block_ms
         self.keys = Keys(settings.namespace)
-        self.jobs = JobStore(redis, self.keys, ttl_s=settings.job_ttl_s)
+        self.jobs = JobStore(redis, self.keys, ttl_s=settings.life.ttl_s)
         self.limits = windows.Limits(
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_s,
@@ -77,7 +77,7 @@ class Batcher:
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
             max_attempts=settings.max_attempts,
-            ttl_s=settings.ended_job_ttl_s,  # what a job it fails keeps
+            ttl_s=settings.life.ended_ttl_s,  # what a job it fails keeps
             stream_maxlen=settings.life.stream_maxlen,
             stages=settings.stages,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,

@@ -119,9 +119,7 @@ class BatcherSettings:
     stall_timeout_s: float
     max_attempts: int
     heartbeat_ttl_s: float
-    job_ttl_s: int
-    ended_job_ttl_s: int  # what a job the monitor fails keeps
-    life: Lifetimes  # of the jobs it publishes for (Lifetimes.of)
+    life: Lifetimes  # of the jobs it publishes for (Lifetimes.of): job_ttl_s, ended_job_ttl_s, stream cap
 
 
 class Settings(BaseSettings):
@@ -506,8 +504,6 @@ class Settings(BaseSettings):
             stall_timeout_s=self.stall_timeout_s,
             max_attempts=self.max_attempts,
             heartbeat_ttl_s=self.heartbeat_ttl_s,
-            job_ttl_s=self.job_ttl_s,
-            ended_job_ttl_s=self.ended_job_ttl_s,
             life=Lifetimes.of(self),
         )
 
