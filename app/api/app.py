@@ -24,7 +24,6 @@ from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
 from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, ws
 from app.api.service import JobService
-from app.core.broker import create_celery_app
 from app.core.config import Settings
 from app.core.durability import fsync_mode
 from app.core.errors import ConveyorError
@@ -75,8 +74,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
             app.state.settings = settings
             app.state.redis = redis
-            celery = create_celery_app(settings, settings.redis_url or "")
-            jobs = app.state.jobs = JobService(settings, redis, catalog, hub, celery)
+            jobs = app.state.jobs = JobService(settings, redis, catalog, hub)
             if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
                 jobs.admission.fsync = await fsync_mode(redis)
                 log.info("submits are answered once on disk (%s)", jobs.admission.fsync)

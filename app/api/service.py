@@ -24,8 +24,7 @@ from app.api.streams import Slot, StreamSlots
 from app.batching.intake import intake_fields
 from app.core import metrics, routing
 from app.core.admission import Admission
-from app.core.broker import send_embedding
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.errors import (
     ContextLengthExceeded,
     IdempotencyConflict,
@@ -44,6 +43,7 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest, Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
+from app.partitions.embedding import padded_positions
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,9 @@ class Submitted:
 
 
 class JobService:
-    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub, celery: Any) -> None:
+    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
         self.settings = settings
         self.redis = redis
-        self.celery = celery  # producer only: embedding jobs go straight to their first stage
         self.catalog = catalog
         self.hub = hub
         self.streams = StreamSlots(settings.tenant_max_streams)
@@ -390,10 +389,10 @@ class JobService:
     async def embed(
         self, texts: list[str], model: str | None, *, tenant: str
     ) -> tuple[list[list[float]], dict[str, str]]:
-        """Run an embeddings job through the embedding stage workers and return its vectors (one
-        request on the tenant's request limit; no generated tokens)."""
-        from app.workers.embedding import EMBEDDING_MODEL
-
+        """Run an embeddings job and return its vectors (one request on the tenant's request limit; no
+        generated tokens). The job goes the way every job goes: admission, the intake, the batcher
+        (which batches it with other embeddings jobs for the embeddings stage workers) and the
+        monitor's stall recovery."""
         if self.settings.embedding_stages <= 0:
             raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
         if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
@@ -404,6 +403,8 @@ class JobService:
         if not 1 <= len(texts) <= limit or not all(texts):
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
         await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
+        now = time.time()
+        ticket = await self.admission.check(model=EMBEDDING_MODEL, priority="normal", timeout_s=None, now=now)
         job_id = uuid.uuid4().hex
         record = JobRecord(
             id=job_id,
@@ -412,12 +413,17 @@ class JobService:
             tenant=tenant,
             kind="embedding",
             priority="normal",
-            created_at=time.time(),
+            created_at=now,
             input=tuple(texts),
         )
-        await self.store.create(record, ttl_s=self.settings.job_ttl_s)
-        queue = self.keys.embed_queue(0)
-        await run_in_threadpool(send_embedding, self.celery, {"job_id": job_id}, queue)
+        intake = intake_fields(
+            job_id=job_id,
+            model=EMBEDDING_MODEL,
+            prompt_tokens=padded_positions(texts),
+            priority="normal",
+            tenant=tenant,
+        )
+        await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
         if not JobStatus(done["status"]).is_finished:
             done = await self._end_unanswered_embedding(job_id)

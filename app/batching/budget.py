@@ -73,11 +73,18 @@ class Census:
     """Live replicas per stage and sequences in flight, per model, read from Redis for the batcher."""
 
     def __init__(
-        self, redis: Any, keys: Keys, *, stages: int, heartbeat_ttl_s: float, clock: Callable[[], float]
+        self,
+        redis: Any,
+        keys: Keys,
+        *,
+        stages: int | Callable[[str], int],
+        heartbeat_ttl_s: float,
+        clock: Callable[[], float],
     ) -> None:
+        """`stages`: every model's stage count, or a model's (`BatcherSettings.stages_of`)."""
         self.redis = redis
         self.keys = keys
-        self.stages = stages
+        self.stages_of = stages if callable(stages) else lambda _model: stages
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.clock = clock
         self.model_of: dict[str, str] = {}  # job id -> model, for the jobs in the progress set
@@ -95,11 +102,11 @@ class Census:
             since = time.time() - self.heartbeat_ttl_s
             pipe = self.redis.pipeline(transaction=False)
             for model in stale:
-                for stage in range(self.stages):
+                for stage in range(self.stages_of(model)):
                     pipe.zcount(self.keys.workers(model, stage), since, "+inf")
-            counts = [int(c) for c in pipe.execute()]
-            for n, model in enumerate(stale):
-                self._live[model] = (now, counts[n * self.stages : (n + 1) * self.stages])
+            counts = iter(int(c) for c in pipe.execute())
+            for model in stale:
+                self._live[model] = (now, [next(counts) for _ in range(self.stages_of(model))])
         return {m: self._live[m][1] for m in models}
 
     def in_flight(self) -> Counter[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.batching.intake import intake_fields
@@ -47,10 +48,11 @@ class Monitor:
         max_attempts: int,
         ttl_s: int,
         stream_maxlen: int,
-        stages: int = 1,
+        stages: int | Callable[[str], int] = 1,
         heartbeat_ttl_s: float = 10.0,
     ) -> None:
-        self.stages = stages
+        """`stages`: every model's stage count, or a model's (`BatcherSettings.stages_of`)."""
+        self.stages_of = stages if callable(stages) else lambda _model: stages
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.members: dict[str, list[set[str]]] = {}  # model -> live workers per stage, last sweep
         self.joined_at: dict[str, float] = {}  # model -> when a worker last joined its pipeline
@@ -117,7 +119,7 @@ class Monitor:
     def pipeline_ready(self, model: str, now: float) -> bool:
         """Every stage has a live worker, and none joined within the last stall_timeout_s."""
         pipe = self.redis.pipeline(transaction=False)
-        for stage in range(self.stages):
+        for stage in range(self.stages_of(model)):
             pipe.zrangebyscore(self.keys.workers(model, stage), now - self.heartbeat_ttl_s, "+inf")
         live = [{text_of(m) for m in members} for members in pipe.execute()]
         before = self.members.get(model)

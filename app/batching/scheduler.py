@@ -2,6 +2,10 @@
 
 The loop owns no policy: `windows.plan` decides what to dispatch, this module only does the I/O
 around it. An intake entry is acknowledged only after its batch was handed to the broker.
+
+Embeddings jobs come through the same intake, admission, windows, budget and stall recovery; their
+model (`EMBEDDING_MODEL`) has a pipeline of its own, `embedding_stages` long, and a batch of them
+goes to that pipeline's first queue as one `embed_batch` message instead of a prefill.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ from app.batching import fairshare, intake, windows
 from app.batching.budget import Budget, Census, Share, budget
 from app.batching.recovery import Monitor
 from app.core import metrics
-from app.core.config import BatcherSettings, Settings
+from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
 from app.core.jobs import JobStatus, Transition, text_of
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
-from app.core.protocol import StepMessage
+from app.core.protocol import StepMessage, embed_batch
 from app.core.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[StepMessage, str], None]
+# (message, queue): a generation batch's prefill (StepMessage), or an embeddings batch (`embed_batch`).
+Send = Callable[[StepMessage | dict[str, Any], str], None]
 MAX_BLOCK_MS = 1000
 # With jobs ready and no room, look again this often: sequences finishing free room without a
 # message (a finished batch, an arrival or a closing window wake the batcher at once).
@@ -70,7 +75,6 @@ class Batcher:
             min_batch_size=settings.min_batch_size,
         )
         self.pending: list[windows.Item] = []
-        self.stages = settings.stages
         self.publisher = Publisher(redis, self.keys, self.jobs, life=settings.life)
         self.monitor = Monitor(
             redis,
@@ -79,11 +83,11 @@ class Batcher:
             max_attempts=settings.max_attempts,
             ttl_s=settings.life.ended_ttl_s,  # what a job it fails keeps
             stream_maxlen=settings.life.stream_maxlen,
-            stages=settings.stages,
+            stages=settings.stages_of,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         self.census = Census(
-            redis, self.keys, stages=settings.stages, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
+            redis, self.keys, stages=settings.stages_of, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
         )
         self.share = Share(settings.replica_batches, settings.max_running_sequences)
         self.last_sweep = -float("inf")
@@ -299,16 +303,21 @@ class Batcher:
             self._observe(batch, set(scheduled))
             if batch.priority < windows.URGENT:
                 self.unstarted[batch.model] = (scheduled[0], self.clock())
-            message = StepMessage(
-                batch_id=batch_id,
-                model=batch.model,
-                stage=0,
-                num_stages=self.stages,
-                kind="prefill",
-                step=0,
-                seq_ids=scheduled,
-                priority=batch.priority,
-            )
+            message: StepMessage | dict[str, Any]
+            if batch.model == EMBEDDING_MODEL:  # a job kind of its own, on its own pipeline
+                message, queue = embed_batch(batch_id, scheduled), self.keys.embed_queue(0)
+            else:
+                message = StepMessage(
+                    batch_id=batch_id,
+                    model=batch.model,
+                    stage=0,
+                    num_stages=self.settings.stages,
+                    kind="prefill",
+                    step=0,
+                    seq_ids=scheduled,
+                    priority=batch.priority,
+                )
+                queue = self.keys.stage_queue(batch.model, 0)
             self.redis.xadd(
                 self.keys.batch_log(),
                 {"batch_id": batch_id, "model": batch.model, "size": len(scheduled), "bucket": batch.bucket},
@@ -316,7 +325,7 @@ class Batcher:
                 approximate=True,
             )
             try:
-                self.send(message, self.keys.stage_queue(batch.model, 0))
+                self.send(message, queue)
             except Exception:
                 # The broker refused: put the jobs back as they were; the entries stay unacknowledged.
                 self.redis.hdel(self.keys.inflight(batch.model), batch_id)
@@ -350,14 +359,17 @@ def run_batcher(settings: Settings) -> None:
     """Entry point of the batcher process."""
     import signal
 
-    from app.core.broker import create_celery_app, send_step
+    from app.core.broker import create_celery_app, send_embedding, send_step
     from app.core.redis import sync_client
 
     url = settings.redis_url or ""
     celery = create_celery_app(settings, url)
 
-    def send(message: StepMessage, queue: str) -> None:
-        send_step(celery, message, queue)
+    def send(message: StepMessage | dict[str, Any], queue: str) -> None:
+        if isinstance(message, StepMessage):
+            send_step(celery, message, queue)
+        else:
+            send_embedding(celery, message, queue)
 
     metrics.serve(settings.metrics_port, "batcher", settings.metrics_host)
     stop = threading.Event()

@@ -225,17 +225,18 @@ class Admission:
     async def read(self, model: str, now: float) -> tuple[list[StageSeen], breaker.Snapshot, dict[str, int]]:
         """Everything the gates look at, in one round trip: per stage its newest heartbeat and down
         mark, the model's breaker, the depth of every class. Down marks are then set or cleared."""
+        stages = self.settings.stages_of(model)
         pipe = self.redis.pipeline(transaction=False)
-        for stage in range(self.settings.stages):
+        for stage in range(stages):
             pipe.zrevrange(self.keys.workers(model, stage), 0, 0, withscores=True)
             pipe.get(self.keys.stage_down(model, stage))
         snapshot = self.breaker.read(pipe, model, now)
         for priority in PRIORITIES:
             pipe.xlen(self.keys.intake(priority))
         replies = await pipe.execute()
-        n = 2 * self.settings.stages
+        n = 2 * stages
         seen = []
-        for stage in range(self.settings.stages):
+        for stage in range(stages):
             newest, mark = replies[2 * stage], replies[2 * stage + 1]
             last = float(newest[0][1]) if newest else None
             seen.append(StageSeen(stage, last, float(mark) if mark else None))

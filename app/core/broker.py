@@ -82,8 +82,9 @@ def send_step(app: Celery, message: StepMessage, queue: str) -> None:
 
 
 def send_embedding(app: Celery, message: dict[str, Any], queue: str) -> None:
-    """Send one embeddings job to an embeddings stage (its token ids or hidden states travel in it)."""
+    """Send a batch of embeddings jobs to an embeddings stage (their token ids or hidden states
+    travel in it), shown in monitoring by its summary only."""
     stage = "tensors" if message.get("tensors") else "input"
-    send_redacted(
-        app, EMBED_TASK, message, queue=queue, summary=f"<embed {stage} job {message['job_id'][:8]}>"
-    )
+    jobs = message.get("job_ids") or [message["job_id"]]  # one job: a message of an earlier release
+    summary = f"<embed {stage} batch {str(message.get('batch_id', '-'))[:8]} {len(jobs)} jobs>"
+    send_redacted(app, EMBED_TASK, message, queue=queue, summary=summary)

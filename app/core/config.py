@@ -28,6 +28,12 @@ EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/e
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
+def pipeline_stages(model: str, *, stages: int, embedding_stages: int) -> int:
+    """How many stages `model`'s pipeline has: the embeddings model its own count, every generation
+    model `stages`. One answer for the API's admission and the batcher's census and monitor."""
+    return embedding_stages if model == EMBEDDING_MODEL else stages
+
+
 def valid_model_name(name: str) -> bool:
     """Whether `name` can name a model: no separators, no `..`, no leading dot (hidden, partial)."""
     return MODEL_NAME.fullmatch(name) is not None and ".." not in name
@@ -103,6 +109,7 @@ class BatcherSettings:
 
     namespace: str
     stages: int
+    embedding_stages: int
     batcher_max_pending: int
     monitor_interval_s: float
     tenant_weights: Mapping[str, float]
@@ -120,6 +127,9 @@ class BatcherSettings:
     max_attempts: int
     heartbeat_ttl_s: float
     life: Lifetimes  # of the jobs it publishes for (Lifetimes.of): job_ttl_s, ended_job_ttl_s, stream cap
+
+    def stages_of(self, model: str) -> int:
+        return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
 
 
 class Settings(BaseSettings):
@@ -478,6 +488,9 @@ class Settings(BaseSettings):
             raise ValueError(f"min_batch_size must not exceed max_batch_size ({limits})")
         return self
 
+    def stages_of(self, model: str) -> int:
+        return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
@@ -488,6 +501,7 @@ class Settings(BaseSettings):
         return BatcherSettings(
             namespace=self.namespace,
             stages=self.stages,
+            embedding_stages=self.embedding_stages,
             batcher_max_pending=self.batcher_max_pending,
             monitor_interval_s=self.monitor_interval_s,
             tenant_weights=MappingProxyType(dict(self.tenant_weights)),

@@ -209,8 +209,7 @@ def _lua(text: str) -> str:
 # script that writes a status here adds or removes the member in the same script: the admit script
 # (queued), `transition` (any move: into queued after a dispatch is undone; out of queued or
 # recovering when scheduled, cancelled, expired or failed) and the recovery script (recovering).
-# Nothing else is counted: a job that never had an intake entry (embeddings) is never added, so its
-# moves remove nothing. Adding and removing are idempotent, so the count is the number of members.
+# Adding and removing are idempotent, so the count is the number of members.
 # A member outlives its job only if the record expires while the job waits (no move took it out):
 # the admit script drops those first. A member names its tenant with its length, so that no tenant's
 # name can be a prefix of another's range.
@@ -571,9 +570,13 @@ class JobStore:
         if job_ids:
             self.redis.zrem(self.keys.progress(), *job_ids)
 
-    def set_prompt_tokens(self, job_id: str, count: int) -> None:
-        """An embeddings job's input length in tokens, once its first stage has tokenized it."""
-        self.redis.hset(self.keys.job(job_id), "prompt_tokens", count)
+    def set_prompt_tokens(self, counts: Mapping[str, int]) -> None:
+        """Embeddings jobs' input lengths in tokens (job id -> count), once their first stage has
+        tokenized them."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, count in counts.items():
+            pipe.hset(self.keys.job(job_id), "prompt_tokens", count)
+        pipe.execute()
 
     def step(self, outs: Sequence[TokenOut], life: Lifetimes) -> set[str]:
         """Append one step's tokens, finish the sequences whose last token this is; return the ids
@@ -693,13 +696,6 @@ class AsyncJobStore:
         args += [tenant_depth, record.priority, record.tenant, *items, *_items(intake)]
         outcome, detail = await self._admit(keys=keys, args=args)
         return text_of(outcome), text_of(detail)
-
-    async def create(self, record: JobRecord, *, ttl_s: int) -> None:
-        """Write a job that skips the intake (an embeddings job goes straight to its first stage)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.job(record.id), mapping=record.to_hash())
-        pipe.expire(self.keys.job(record.id), ttl_s)
-        await pipe.execute()
 
     async def forget_embedding(self, job_id: str) -> None:
         """Drop an embeddings job's vectors (up to a MB of JSON) once its one caller has them."""

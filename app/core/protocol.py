@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 Kind = Literal["prefill", "decode", "release"]
 STEP_TASK = "conveyor.stage.step"
-EMBED_TASK = "conveyor.embed.step"  # one embeddings job through one embeddings stage
+EMBED_TASK = "conveyor.embed.step"  # one batch of embeddings jobs through one embeddings stage
 PROTOCOL_VERSION = 1
 
 
@@ -71,6 +71,13 @@ class StepMessage:
     def urgent(self) -> bool:
         """A realtime or high prefill: it goes before queued decode steps and less urgent prefills."""
         return self.kind == "prefill" and self.priority < URGENT_CLASSES
+
+
+def embed_batch(batch_id: str, job_ids: list[str]) -> dict[str, Any]:
+    """The batcher's message to embeddings stage 0: one batch of embeddings jobs, in row order (their
+    texts are in their records). The stages add the plan's fingerprint, each job's row count and the
+    named tensors the next piece needs (app/workers/embedding.py)."""
+    return {"batch_id": batch_id, "job_ids": list(job_ids)}
 
 
 # Classes 0 and 1 (realtime, high) are urgent: no batch window, a reserve slot, first in line.

@@ -22,7 +22,7 @@ from typing import Any
 
 from app.core.jobs import JobStatus
 from app.core.jobstore import JobStore, Lifetimes, TokenOut
-from app.core.keys import Keys
+from app.core.keys import CONTROL_MAXLEN, Keys
 
 __all__ = ["Publisher", "TokenOut"]
 
@@ -52,11 +52,33 @@ class Publisher:
             self.outcomes(finished, 0)
         return gone
 
-    def finish(self, job_id: str, fields: dict[str, Any]) -> None:
-        """End a job that produces no token stream (an embedding) as succeeded, with its result."""
+    def finish(self, job_id: str, fields: dict[str, Any], *, when: dict[str, str] | None = None) -> bool:
+        """End a job that produces no token stream (an embedding) as succeeded, with its result;
+        False when it had ended, or (`when`: the batch the caller serves) moved on to another batch."""
         pipe = self.redis.pipeline(transaction=False)
         self.jobs.end(
-            pipe, job_id, JobStatus.SUCCEEDED, fields=fields, data={}, now=time.time(), life=self.life
+            pipe,
+            job_id,
+            JobStatus.SUCCEEDED,
+            fields=fields,
+            data={},
+            now=time.time(),
+            life=self.life,
+            when=when,
+        )
+        ((applied, _),) = pipe.execute()
+        return bool(int(applied))
+
+    def batch_done(self, model: str, batch_id: str) -> None:
+        """A batch is over: it leaves the model's in-flight batches, and the batcher, woken on its
+        control stream, plans with the room it leaves at once (instead of at its next poll)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hdel(self.keys.inflight(model), batch_id)
+        pipe.xadd(
+            self.keys.control(),
+            {"type": "batch_done", "model": model, "batch_id": batch_id},
+            maxlen=CONTROL_MAXLEN,
+            approximate=True,
         )
         pipe.execute()
 

@@ -65,6 +65,15 @@ def checkpoint_keys(piece: GraphPartition) -> list[str]:
     return [name.removeprefix(_CORE_PREFIX) for name in piece.param_names]
 
 
+def padded_positions(texts: Sequence[str], max_length: int = MAX_LENGTH) -> int:
+    """What a batch of `texts` will cost before any tokenizer has read them: its rows times the
+    longest one's tokens, estimated at one token per three bytes (English runs near four; other
+    scripts take more bytes per token, so this errs high) plus the two special tokens, capped at
+    `max_length`. The batcher sizes embeddings batches with it, as it does prompts."""
+    longest = max((len(t.encode()) for t in texts), default=0)
+    return len(texts) * min(max_length, longest // 3 + 2)
+
+
 def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = MAX_LENGTH) -> tuple[Tensor, Tensor]:
     """-> input_ids, attention_mask [B, S], right-padded to the longest text, S <= max_length."""
     batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")

@@ -1,8 +1,10 @@
 """Embedding stage workers: all-MiniLM-L6-v2 cut on its torch.fx graph, one piece per worker.
 
-Stage 0 tokenizes the job's texts and runs the first graph piece; every stage hands the named
-values that later pieces need (hidden states, the expanded attention mask) to the next stage's
-queue; the last stage pools, normalizes, stores the vectors on the job and ends it. Every worker
+The batcher schedules embeddings jobs like any other (intake, admission, windows, stall recovery)
+and sends each batch of them to stage 0, which tokenizes the jobs' texts and runs the first graph
+piece; every stage hands the named values that later pieces need (hidden states, the expanded
+attention mask) to the next stage's queue; the last stage pools, normalizes, stores each job's
+vectors on it and ends it; the stage where the batch ends frees its slot for the batcher. Every worker
 captures the same graph on the `meta` device and cuts it the same way at start-up, then reads its
 own piece's tensors, and only those, from the checkpoint. Each message carries the plan's
 fingerprint: a stage planned differently (other stage count, other versions) fails the job
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,7 +27,7 @@ from app.core.jobstore import EVENTS_BESIDE_TOKENS, JobStore, Lifetimes
 from app.core.protocol import EMBED_TASK
 from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
-from app.partitions.embedding import load_piece, plan_on_meta, pool_and_normalize, tokenize
+from app.partitions.embedding import BATCH_SIZE, load_piece, plan_on_meta, pool_and_normalize, tokenize
 from app.partitions.graph import GraphPlan
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,11 @@ class PlanMismatch(RuntimeError):
 class EmbeddingStage:
     """One stage's runtime; `handle` is the Celery task body, called once per message.
 
-    Holds the whole cut (names, fingerprint) with only `plan.partitions[stage]` loaded.
+    A message is one batch of embeddings jobs (`app.core.protocol.embed_batch`, from the batcher):
+    stage 0 moves them to running, tokenizes every job's texts into one padded batch and notes how
+    many rows each job has (`rows`); every stage runs its piece on the whole batch, BATCH_SIZE rows
+    at a time; the last stage pools, splits the vectors by job and ends each job. Holds the whole cut
+    (names, fingerprint) with only `plan.partitions[stage]` loaded.
     """
 
     tokenizer: Any  # stage 0 tokenizes; later stages pass None
@@ -61,35 +68,44 @@ class EmbeddingStage:
         return self.stage == len(self.plan.partitions) - 1
 
     def handle(self, message: dict[str, Any]) -> None:
-        job_id = message["job_id"]
+        # A message of an earlier release names one job and no batch: it was never scheduled.
+        batch_id: str | None = message.get("batch_id")
+        job_ids: list[str] = message.get("job_ids") or [message["job_id"]]
+        guard = {"batch_id": batch_id} if batch_id else {}
+        handed_on = False
         try:
             self._check_plan(message.get(PLAN))
-            values = (
-                self._inputs(job_id)
-                if self.stage == 0
-                else {name: decode_tensor(wire) for name, wire in message["tensors"].items()}
-            )
-            if values is None:
-                return  # cancelled or a duplicate delivery
-            with torch.inference_mode():
-                values.update(self.plan.partitions[self.stage](values))
+            if self.stage == 0:
+                started = self._start(job_ids, guard)
+                if started is None:
+                    return  # every job was cancelled, or this is a duplicate delivery
+                job_ids, rows, values = started
+            else:
+                rows = [int(n) for n in message["rows"]]
+                values = {name: decode_tensor(wire) for name, wire in message["tensors"].items()}
+            values.update(self._run(values))
             if self.is_last:
-                self._finish(job_id, values)
+                self._finish(job_ids, rows, values, guard)
             else:
                 keep = {n for p in self.plan.partitions[self.stage + 1 :] for n in p.input_names} | {MASK}
-                tensors = {name: encode_tensor(v) for name, v in values.items() if name in keep}
-                self.send(
-                    {"job_id": job_id, PLAN: self.fingerprint, "tensors": tensors}, self.next_queue or ""
-                )
+                forward = {"job_ids": job_ids, "rows": rows, PLAN: self.fingerprint}
+                forward["tensors"] = {name: encode_tensor(v) for name, v in values.items() if name in keep}
+                if batch_id:
+                    forward["batch_id"] = batch_id
+                self.send(forward, self.next_queue or "")
+                handed_on = True
         except PlanMismatch as exc:
-            log.error("embedding job %s refused on stage %d: %s", job_id, self.stage, exc)
-            self.publisher.fail([job_id], code="worker_error", message=str(exc))
-        except Exception as exc:  # the worker's error boundary: this job fails, the worker goes on
-            log.exception("embedding job %s failed on stage %d", job_id, self.stage)
-            self.publisher.fail([job_id], code="worker_error", message=f"{type(exc).__name__}: {exc}")
+            log.error("embedding batch of %d jobs refused on stage %d: %s", len(job_ids), self.stage, exc)
+            self._fail(job_ids, guard, str(exc))
+        except Exception as exc:  # the worker's error boundary: these jobs fail, the worker goes on
+            log.exception("embedding batch of %d jobs failed on stage %d", len(job_ids), self.stage)
+            self._fail(job_ids, guard, f"{type(exc).__name__}: {exc}")
+        finally:
+            if batch_id and not handed_on:  # the batch ends here: its slot is free
+                self.publisher.batch_done(EMBEDDING_MODEL, batch_id)
 
     def _check_plan(self, fingerprint: str | None) -> None:
-        """Stage 0's message comes from the API, which knows no plan; every later one must carry ours."""
+        """Stage 0's message comes from the batcher, which knows no plan; every later one must carry ours."""
         if fingerprint is None and self.stage == 0:
             return
         if fingerprint != self.fingerprint:
@@ -99,19 +115,60 @@ class EmbeddingStage:
                 "release with the same CONVEYOR_EMBEDDING_STAGES"
             )
 
-    def _inputs(self, job_id: str) -> dict[str, torch.Tensor] | None:
-        moves = [Transition(job_id, JobStatus.SCHEDULED), Transition(job_id, JobStatus.RUNNING)]
-        if len(self.jobs.apply(moves, strict=False)) < 2:
+    def _start(
+        self, job_ids: list[str], guard: dict[str, str]
+    ) -> tuple[list[str], list[int], dict[str, torch.Tensor]] | None:
+        """Move the batch's jobs to running (those still scheduled in it) and tokenize their texts
+        into one batch: (the jobs started, each one's row count, the first piece's inputs)."""
+        if not guard:  # an earlier release's API sent the job straight here, queued
+            self.jobs.apply([Transition(j, JobStatus.SCHEDULED) for j in job_ids], strict=False)
+        moves = [Transition(j, JobStatus.RUNNING, when=guard) for j in job_ids]
+        started = self.jobs.apply(moves, strict=False)
+        if not started:
             return None
-        texts = json.loads(self.jobs.get_many([job_id], "input")[0]["input"])
-        input_ids, attention_mask = tokenize(self.tokenizer, texts)  # [B, S] each
-        self.jobs.set_prompt_tokens(job_id, int(attention_mask.sum()))
-        return {"input_ids": input_ids, MASK: attention_mask}
+        # A job cancelled since it started here has lost its texts: it leaves the batch, alone.
+        held = [
+            (j, r["input"])
+            for j, r in zip(started, self.jobs.get_many(started, "input"), strict=True)
+            if "input" in r
+        ]
+        if not held:
+            return None
+        started = [j for j, _ in held]
+        self.jobs.progressed(started, time.time())  # the monitor's stall clock restarts
+        texts: list[list[str]] = [json.loads(text) for _, text in held]
+        input_ids, attention_mask = tokenize(self.tokenizer, [t for job in texts for t in job])  # [B, S]
+        rows = [len(job) for job in texts]
+        counts = attention_mask.sum(dim=1).split(rows)
+        self.jobs.set_prompt_tokens({j: int(c.sum()) for j, c in zip(started, counts, strict=True)})
+        return started, rows, {"input_ids": input_ids, MASK: attention_mask}
 
-    def _finish(self, job_id: str, values: dict[str, Any]) -> None:
+    def _run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This stage's piece over the batch, BATCH_SIZE rows at a time (every named value is
+        batch-first), so a batch of many texts needs no more memory than the planned batch."""
+        piece = self.plan.partitions[self.stage]
+        size = next(iter(values.values())).shape[0]
+        with torch.inference_mode():
+            if size <= BATCH_SIZE:
+                return dict(piece(values))
+            parts = [
+                piece({name: v[start : start + BATCH_SIZE] for name, v in values.items()})
+                for start in range(0, size, BATCH_SIZE)
+            ]
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+    def _finish(
+        self, job_ids: list[str], rows: list[int], values: dict[str, Any], guard: dict[str, str]
+    ) -> None:
         hidden = values[self.plan.output_names[0]]  # [B, S, D]
         vectors = pool_and_normalize(hidden, values[MASK])  # [B, D]
-        self.publisher.finish(job_id, {"embedding": json.dumps(vectors.tolist()), "finish_reason": "stop"})
+        for job_id, mine in zip(job_ids, vectors.split(rows), strict=True):
+            fields = {"embedding": json.dumps(mine.tolist()), "finish_reason": "stop"}
+            self.publisher.finish(job_id, fields, when=guard)
+
+    def _fail(self, job_ids: list[str], guard: dict[str, str], message: str) -> None:
+        """Fail the batch's jobs that are still its own (a job recovered into another batch is not)."""
+        self.publisher.fail(job_ids, code="worker_error", message=message, when=dict.fromkeys(job_ids, guard))
 
 
 def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel: str = "INFO") -> None:

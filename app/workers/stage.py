@@ -27,7 +27,7 @@ from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore
-from app.core.keys import BATCH_LOG_MAXLEN, CONTROL_MAXLEN, Keys
+from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
 from app.core.steps import Steps, complete
@@ -296,7 +296,7 @@ class StageRuntime:
         if msg.kind == "prefill" and self.continuous:
             # Prefilled: the batch no longer takes one of the pipeline's prefill slots; its
             # sequences count against the pipeline's sequence budget (the progress set) instead.
-            self._notify_done(msg.model, msg.batch_id)
+            self.publisher.batch_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[Sequence, int | None]]:
@@ -363,7 +363,7 @@ class StageRuntime:
         if host is None:
             return False
         self.batches.park(host, Join(msg, alive))
-        self._notify_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
+        self.publisher.batch_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
         self.redis.xadd(
             self.keys.batch_log(),
             {"batch_id": msg.batch_id, "model": msg.model, "size": len(alive), "joined": host},
@@ -401,18 +401,7 @@ class StageRuntime:
                 self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
         for batch_id in (msg.batch_id, *msg.merge):
             self._drop(batch_id)
-        self._notify_done(msg.model, msg.batch_id)
-
-    def _notify_done(self, model: str, batch_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hdel(self.keys.inflight(model), batch_id)
-        pipe.xadd(
-            self.keys.control(),
-            {"type": "batch_done", "model": model, "batch_id": batch_id},
-            maxlen=CONTROL_MAXLEN,
-            approximate=True,
-        )
-        pipe.execute()
+        self.publisher.batch_done(msg.model, msg.batch_id)
 
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
         """Fail the jobs this batch still holds. A job recovered meanwhile (re-queued, or scheduled
@@ -445,7 +434,7 @@ class StageRuntime:
         for stage, lane in enumerate(msg.routes):
             if lane and stage != self.identity.stage:
                 self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
-        self._notify_done(msg.model, msg.batch_id)
+        self.publisher.batch_done(msg.model, msg.batch_id)
 
     def _forget(self, batch_id: str) -> None:
         for join in self.batches.drop(batch_id):

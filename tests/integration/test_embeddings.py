@@ -13,8 +13,10 @@ import torch
 from conftest import start_stack
 from transformers import AutoTokenizer
 
+from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
+from app.core.protocol import embed_batch
 from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel, plan_encoder
 from app.partitions.graph import GraphPlan
@@ -134,12 +136,15 @@ class Stages:
             next_queue=None if last else self.keys.embed_queue(k + 1),
         )
 
-    def new_job(self, texts: list[str]) -> str:
-        """A job as the API writes it: queued, with its texts."""
+    def new_job(self, texts: list[str], *, batch_id: str | None = "b0") -> str:
+        """A job as the API writes it (queued, with its texts) and, unless `batch_id` is None, as the
+        batcher then schedules it into that batch."""
         job_id = uuid.uuid4().hex
         record = {"id": job_id, "status": "queued", "kind": "embedding", "input": json.dumps(texts)}
         self.redis.hset(self.keys.job(job_id), mapping=record)
         self.redis.expire(self.keys.job(job_id), 60)
+        if batch_id is not None:
+            self.jobs.apply([Transition(job_id, JobStatus.SCHEDULED, {"batch_id": batch_id})])
         return job_id
 
 
@@ -147,7 +152,7 @@ def test_stages_hand_on_their_plan_and_finish_the_job(redis, worker_plans):  # t
     stages = Stages(redis)
     first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
     job_id = stages.new_job(TEXTS)
-    first.handle({"job_id": job_id})  # the API's message: no plan, stage 0 starts the chain
+    first.handle(embed_batch("b0", [job_id]))  # the batcher's message: no plan, stage 0 starts the chain
     ((queue, message),) = stages.sent
     assert queue == stages.keys.embed_queue(1)
     assert message["plan"] == first.fingerprint == last.fingerprint
@@ -159,12 +164,75 @@ def test_stages_hand_on_their_plan_and_finish_the_job(redis, worker_plans):  # t
     assert (got - want).abs().max().item() < 1e-5
 
 
+def test_a_batch_of_jobs_is_one_forward_and_each_job_gets_its_own_vectors(redis, worker_plans):  # type: ignore[no-untyped-def]
+    """Three jobs in one batch (one text, three, one): one message per stage, each job its own
+    vectors, as the unsplit model embeds its texts alone; the batch's slot is freed at its end."""
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    inputs = [["only one"], TEXTS, ["a much longer text that pads every other row of the batch " * 3]]
+    job_ids = [stages.new_job(texts) for texts in inputs]
+    redis.hset(stages.keys.inflight("all-MiniLM-L6-v2"), "b0", json.dumps(job_ids))
+    first.handle(embed_batch("b0", job_ids))
+    ((_, message),) = stages.sent
+    assert message["job_ids"] == job_ids and message["rows"] == [1, 3, 1]
+    last.handle(message)
+    model = EmbeddingModel.load(MODEL)
+    for job_id, texts in zip(job_ids, inputs, strict=True):
+        record = stages.jobs.get(job_id)
+        assert record is not None and record["status"] == "succeeded", record
+        assert int(record["prompt_tokens"]) == int(model.tokenize(texts)[1].sum())
+        got = torch.tensor(json.loads(record["embedding"]))
+        assert got.shape == (len(texts), 384)
+        assert (got - model.encode(texts)).abs().max().item() < 1e-5
+    assert redis.hlen(stages.keys.inflight("all-MiniLM-L6-v2")) == 0  # the batcher's slot is free
+    assert redis.xlen(stages.keys.control()) == 1  # and the batcher is woken
+
+
+def test_a_job_cancelled_before_its_batch_starts_leaves_it_alone(redis, worker_plans):  # type: ignore[no-untyped-def]
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    kept, cancelled = stages.new_job(TEXTS), stages.new_job(["bye"])
+    stages.jobs.apply([Transition(cancelled, JobStatus.CANCELLED)])
+    first.handle(embed_batch("b0", [cancelled, kept]))
+    ((_, message),) = stages.sent
+    assert message["job_ids"] == [kept] and message["rows"] == [3]
+    last.handle(message)
+    assert stages.jobs.get(kept)["status"] == "succeeded"  # type: ignore[index]
+    assert stages.jobs.get(cancelled)["status"] == "cancelled"  # type: ignore[index]
+
+
+def test_a_job_of_another_batch_is_not_run_by_this_one(redis, worker_plans):  # type: ignore[no-untyped-def]
+    """A stale delivery (a batch whose job the monitor has since recovered into another batch) runs
+    nothing of it; the job's own batch then finishes it."""
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    job_id = stages.new_job(TEXTS, batch_id="b-new")
+    first.handle(embed_batch("b-old", [job_id]))
+    assert stages.sent == [] and stages.jobs.get(job_id)["status"] == "scheduled"  # type: ignore[index]
+    first.handle(embed_batch("b-new", [job_id]))
+    last.handle(stages.sent[0][1])
+    assert stages.jobs.get(job_id)["status"] == "succeeded"  # type: ignore[index]
+
+
+def test_a_message_of_an_earlier_release_still_runs_its_job(redis, worker_plans):  # type: ignore[no-untyped-def]
+    """During a rolling upgrade an API of the earlier release sends a queued job straight to stage 0,
+    as {"job_id"}: it runs (and is scheduled on the way)."""
+    stages = Stages(redis)
+    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
+    job_id = stages.new_job(TEXTS, batch_id=None)
+    first.handle({"job_id": job_id})
+    ((_, message),) = stages.sent
+    assert "batch_id" not in message and message["job_ids"] == [job_id]
+    last.handle(message)
+    assert stages.jobs.get(job_id)["status"] == "succeeded"  # type: ignore[index]
+
+
 @pytest.mark.parametrize("sender", ["another plan", "no plan", "a 3-stage worker"])
 def test_plan_mismatch_fails_the_job(redis, worker_plans, sender):  # type: ignore[no-untyped-def]
     stages = Stages(redis)
     first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
     job_id = stages.new_job(TEXTS)
-    first.handle({"job_id": job_id})
+    first.handle(embed_batch("b0", [job_id]))
     ((_, message),) = stages.sent
     if sender == "another plan":
         message = {**message, "plan": "0123456789ab"}
@@ -190,7 +258,7 @@ def test_an_unanswered_request_is_504_and_its_job_ends_cancelled_not_running(
 ):  # type: ignore[no-untyped-def]
     """The vectors go to the one request, so when it stops waiting its job is cancelled with the
     reason, not left queued (or running, had a stage 0 died midway) until the record expires; a stage
-    worker that takes the message later drops it."""
+    worker that takes a batch naming it later drops it. (No batcher runs: the job waits queued.)"""
     from fastapi.testclient import TestClient
 
     from app.api.app import create_app
@@ -212,7 +280,7 @@ def test_an_unanswered_request_is_504_and_its_job_ends_cancelled_not_running(
         stages.jobs = JobStore(redis, stages.keys, ttl_s=60)
         first = stages.stage(worker_plans[0], 0)
         job_id = error["details"]["job_id"]
-        first.handle({"job_id": job_id})  # the message the API sent, taken late
+        first.handle(embed_batch("late", [job_id]))  # a batch that names it, taken late
         assert stages.sent == [] and stages.jobs.get(job_id)["status"] == "cancelled"  # type: ignore[index]
     finally:
         forget_namespace(redis_url, settings.namespace)

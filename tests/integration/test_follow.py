@@ -61,7 +61,11 @@ def run(redis_url: str, body):  # type: ignore[no-untyped-def]
 def test_a_cancelled_job_ends_its_stream_with_the_record_as_it_ended(redis_url: str) -> None:
     async def body(store: AsyncJobStore) -> None:
         job = uuid.uuid4().hex
-        await store.create(record(job), ttl_s=LIFE.ttl_s)
+        entry = {"job_id": job, "model": "m", "prompt_tokens": "3", "priority": "normal"}
+        admitted = await store.admit(
+            record(job), intake=entry, class_depth=10, overall=10, tenant_depth=10, ttl_s=LIFE.ttl_s
+        )
+        assert admitted[0] == "ok"
         assert await store.get(job) == record(job).to_hash()
         assert JobRecord.from_hash(await store.redis.hgetall(store.keys.job(job))) == record(job)
         assert await store.cancel(job, reason="bye", life=LIFE) == (True, "queued")

@@ -100,11 +100,12 @@ def test_an_embeddings_message_shows_neither_its_input_nor_its_hidden_states(red
     app, namespace = _app(redis_url)
     queue = f"{namespace}.embed.1"
     hidden = {"hidden": encode_tensor(torch.full((1, 4), 31337.0))}
-    send_embedding(app, {"job_id": "fedcba9876543210", "tensors": hidden}, queue)
+    message = {"batch_id": "0123456789ab", "job_ids": ["fedcba9876543210"], "rows": [1], "tensors": hidden}
+    send_embedding(app, message, queue)
 
     headers, args = _queued(redis, queue)
-    _assert_redacted(headers, "31337", "hidden")
-    assert headers["argsrepr"] == "<embed tensors job fedcba98>"
+    _assert_redacted(headers, "31337", "hidden", "fedcba98")
+    assert headers["argsrepr"] == "<embed tensors batch 01234567 1 jobs>"
     assert args[0]["tensors"].keys() == {"hidden"}
 
 
