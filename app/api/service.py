@@ -21,7 +21,7 @@ from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
 from app.api.streams import Slot, StreamSlots
-from app.batching.intake import intake_fields
+from app.batching.intake import intake_fields, padded_positions
 from app.core import metrics, routing
 from app.core.admission import Admission
 from app.core.config import EMBEDDING_MODEL, Settings
@@ -43,7 +43,6 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest, Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
-from app.partitions.embedding import padded_positions
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)

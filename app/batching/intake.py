@@ -8,12 +8,13 @@ so a batcher that dies mid-window loses nothing; a restarted one reads its pendi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from app.core.config import EMBEDDING_MAX_TOKENS
 from app.core.keys import BATCHER_GROUP, PRIORITIES, Keys
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,16 @@ def intake_fields(
     if max_tokens:
         fields["max_tokens"] = str(max_tokens)
     return fields
+
+
+def padded_positions(texts: Sequence[str], max_length: int = EMBEDDING_MAX_TOKENS) -> int:
+    """What an embeddings job will cost, for its entry's `prompt_tokens`, before any tokenizer has
+    read its texts: its rows times the longest one's tokens, estimated at a token per two bytes
+    (English and Japanese run at three to four bytes a token, Cyrillic near two) plus the two special
+    tokens, capped at `max_length`. An estimate, for the batcher to size batches of them as it sizes
+    prompts (`max_prefill_tokens`): the stages bound the memory of any batch themselves."""
+    longest = max((len(t.encode()) for t in texts), default=0)
+    return len(texts) * min(max_length, -(-longest // 2) + 2)
 
 
 def ensure_groups(client: redis.Redis, keys: Keys) -> None:

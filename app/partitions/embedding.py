@@ -24,9 +24,10 @@ from safetensors import safe_open
 from torch import Tensor, fx, nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+from app.core.config import EMBEDDING_MAX_TOKENS
 from app.partitions.graph import GraphPartition, GraphPlan, UnloadedWeights, capture, partition
 
-MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2 (sentence_bert_config.json)
+MAX_LENGTH = EMBEDDING_MAX_TOKENS
 BATCH_SIZE = 32  # sentence-transformers' default encode batch; also the batch stage memory is planned for
 _CORE_PREFIX = "bert."  # EncoderCore's attribute: strip it to get the checkpoint's key for a weight
 CHECKPOINT = "model.safetensors"
@@ -63,15 +64,6 @@ def pool_and_normalize(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 def checkpoint_keys(piece: GraphPartition) -> list[str]:
     """The keys in the model's safetensors file of the weights a piece owns (what its worker loads)."""
     return [name.removeprefix(_CORE_PREFIX) for name in piece.param_names]
-
-
-def padded_positions(texts: Sequence[str], max_length: int = MAX_LENGTH) -> int:
-    """What a batch of `texts` will cost before any tokenizer has read them: its rows times the
-    longest one's tokens, estimated at one token per three bytes (English runs near four; other
-    scripts take more bytes per token, so this errs high) plus the two special tokens, capped at
-    `max_length`. The batcher sizes embeddings batches with it, as it does prompts."""
-    longest = max((len(t.encode()) for t in texts), default=0)
-    return len(texts) * min(max_length, longest // 3 + 2)
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = MAX_LENGTH) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import AsyncJobStore, JobRecord, JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
-from app.partitions.embedding import EmbeddingModel, padded_positions
+from app.partitions.embedding import EmbeddingModel
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
 from app.workers.heartbeat import Heartbeat
@@ -107,7 +107,7 @@ class Line:
         entry = intake.intake_fields(
             job_id=job_id,
             model=EMBEDDING_MODEL,
-            prompt_tokens=padded_positions(texts),
+            prompt_tokens=intake.padded_positions(texts),
             priority="normal",
             tenant="t",
         )
@@ -209,3 +209,24 @@ def test_embeddings_and_generation_jobs_each_go_to_their_own_pipeline(line: Line
     queues = {queue: message for message, queue in sent}
     assert queues[line.keys.embed_queue(0)]["job_ids"] == [job_id]
     assert queues[line.keys.stage_queue("tiny", 0)].seq_ids == [entry["job_id"]]
+
+
+def test_an_embeddings_entry_costs_its_rows_times_its_longest_text() -> None:
+    """The batcher sizes a batch of embeddings jobs by this estimate, before any tokenizer has run:
+    for ordinary text in several scripts it must not under-count what the tokenizer makes of it (a
+    window of them would overrun its prefill-token budget), nor exceed the truncation per row."""
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    alone = [[text] for text in TEXTS_OF_MANY_SCRIPTS]
+    for texts in (["hi"], *alone, TEXTS_OF_MANY_SCRIPTS, ["word " * 2000, "x"]):
+        ids = tokenizer(texts, truncation=True, max_length=256).input_ids
+        real = len(texts) * max(len(row) for row in ids)
+        assert real <= intake.padded_positions(texts) <= len(texts) * 256, texts
+
+
+TEXTS_OF_MANY_SCRIPTS = [
+    "A cat sits on the mat.",
+    "Le chat est assis sur le tapis.",
+    "猫がマットの上に座っている。",
+    "Кот сидит на коврике.",
+    "Die Katze sitzt auf der Matte.",
+]
