@@ -36,20 +36,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.load import conveyor_job
-from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.load import Run, closed_run
 from bench.prompts import Prompt
-from bench.report import SystemRun, git_commit, greedy_agreement, percentile, write_results
-from bench.slice import (
-    CONCURRENCY,
-    FULL,
-    MAX_TOKENS,
-    QUICK,
-    READY_TIMEOUT_S,
-    conveyor_env,
-    measure,
-    slice_prompts,
-)
+from bench.report import git_commit, greedy_agreement, percentile, report_run, write_results
+from bench.slice import CONCURRENCY, FULL, MAX_TOKENS, QUICK, slice_prompts
+from bench.systems import ROOT, conveyor, say, terminate_on_sigterm, warm_up
 
 DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
 
@@ -67,29 +58,22 @@ def worktree(rev: str) -> Iterator[Path]:
 
 
 def run_tree(
-    label: str, tree: Path, prompts: list[Prompt], few: list[Prompt], workdir: Path, **env_extra: str
-) -> list[SystemRun]:
+    label: str, tree: Path, prompts: list[Prompt], few: list[Prompt], workdir: Path, **settings: str
+) -> list[Run]:
     """One stack of `tree`: c1 over `few`, then c32 over `prompts` unless `prompts` is empty."""
-    port = free_port()
-    env = conveyor_env(port, workdir) | env_extra
-    log = workdir / f"{label}-{time.monotonic_ns()}.log"
-    try:
-        with server_process(
-            f"{label} up", [sys.executable, "-m", "app.cli", "up"], env, log, 60.0, cwd=tree
-        ) as p:
-            base = f"http://127.0.0.1:{port}"
-            wait_ready(f"{base}/readyz", p, READY_TIMEOUT_S, log)
-            job, warmup = conveyor_job(MAX_TOKENS), conveyor_job(8)
-            runs = [measure(f"{label} c1", base, job, warmup, few, 1)]
-            if prompts:
-                runs.append(measure(f"{label} c{CONCURRENCY}", base, job, warmup, prompts, CONCURRENCY))
-            return runs
-    finally:
-        shutil.rmtree(workdir / "home", ignore_errors=True)
+    loads = [(f"{label} c1", few, 1)] + (
+        [(f"{label} c{CONCURRENCY}", prompts, CONCURRENCY)] if prompts else []
+    )
+    with conveyor(f"{label} up", workdir, settings, cwd=tree) as system:
+        warm_up(system, few)
+        runs = [closed_run(name, system.base_url, system.make(MAX_TOKENS), p, c) for name, p, c in loads]
+    for run in runs:
+        report_run(run)
+    return runs
 
 
-def ttft_p50(run: SystemRun) -> float | None:
-    return percentile([j.ttft_s for j in run.ok_jobs if j.ttft_s is not None], 50)
+def ttft_p50(run: Run) -> float | None:
+    return percentile([j.ttft_s for j in run.ok if j.ttft_s is not None], 50)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"A/B: base {base_rev} against this tree {head}; {len(prompts)} prompts, logs in {workdir}")
     started = time.perf_counter()
     speed: dict[str, list[tuple[float, float | None]]] = {"base": [], "head": []}
-    answers: dict[str, SystemRun] = {}
+    answers: dict[str, Run] = {}
     loads = [os.getloadavg()[0]]
     with worktree(args.base) as base_tree:
         trees = {"base": base_tree, "head": ROOT}

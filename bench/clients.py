@@ -47,10 +47,8 @@ from bench.clients_tools import (
     table,
     tool_version,
 )
-from bench.processes import ROOT, say, server_process, terminate_on_sigterm
-from bench.report import RESULTS_DIR, git_commit
-from bench.slice import MODEL_DIR
-from bench.suite_systems import log_tail
+from bench.report import RESULTS_DIR, git_commit, write_results
+from bench.systems import MODEL_DIR, ROOT, conveyor, log_tail, say, server_process, terminate_on_sigterm
 
 VENVS = ROOT / ".conveyor" / "bench-venvs"
 INSTALL_TIMEOUT_S = 1800.0  # guidellm brings torch and CUDA wheels: GBs on a first install
@@ -98,10 +96,8 @@ def target(url: str | None, workdir: Path) -> Iterator[str]:
     if url:
         yield url.rstrip("/")
         return
-    from bench.scheduling_stack import smollm2, stack
-
-    with stack("conveyor", smollm2(), workdir, {}) as s:
-        yield s.base_url
+    with conveyor("conveyor", workdir) as system:
+        yield system.base_url
 
 
 def served_model(base_url: str) -> str:
@@ -126,7 +122,7 @@ def warm_up(base_url: str, model: str) -> None:
 def run_client(client: str, argv: list[str], log: Path, timeout_s: float) -> None:
     """Run one client to its end, its output in `log`; RuntimeError with the log's end if it failed.
 
-    In its own session, as a server is (bench.processes): a client stopped on a timeout or by Ctrl-C
+    In its own session, as a server is (bench.systems): a client stopped on a timeout or by Ctrl-C
     takes its worker processes with it (guidellm's and aiperf's outlive a killed parent otherwise).
     """
     say(f"{client}: {shlex.join(argv)}")
@@ -238,9 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = report(rows, meta, failures)
     print(text)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "clients.md").write_text(text)
-    say(f"wrote {args.results / 'clients.md'}; the clients' own outputs are in {workdir}")
+    write_results("clients", text, None, args.results)
+    say(f"the clients' own outputs are in {workdir}")
     return 1 if failures else 0
 
 

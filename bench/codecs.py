@@ -26,8 +26,8 @@ import msgpack
 import torch
 
 from app.partitions.codecs import CodecSpec, decode_tensor
-from bench.processes import ROOT, say
 from bench.report import git_commit, write_results
+from bench.systems import ROOT, say
 
 CUT_LAYER = 15  # SmolLM2-135M has 30 layers; a two-stage pipeline sends the output of layer 15
 SMOLLM2 = "SmolLM2-135M-Instruct"

@@ -27,9 +27,8 @@ from pathlib import Path
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
-from bench.processes import free_port, say
 from bench.report import RESULTS_DIR, git_commit, percentile
-from bench.scheduling_stack import tiny
+from bench.systems import redis_server, say, tiny
 
 MODES = (("memory", "everysec"), ("fsync", "always"))
 
@@ -48,34 +47,27 @@ def api(mode: str, appendfsync: str, workdir: Path) -> Iterator[TestClient]:
     from app.api.app import create_app
     from app.core.config import Settings
     from app.core.keys import Keys
-    from app.core.redis import start_embedded
 
     model = tiny(workdir)
-    process, url = start_embedded(
-        workdir / f"redis-{mode}", free_port(), password=uuid.uuid4().hex, appendfsync=appendfsync
-    )
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    settings = Settings(
-        redis_url=url,
-        namespace=namespace,
-        models={model.name: model.path},
-        default_model=model.name,
-        embedding_stages=0,
-        auth="none",
-        submit_durability=mode,  # type: ignore[arg-type]
-        queue_depth_limit=10**6,
-        overload_limit=10**6,
-        rate_limits={"anonymous": {"rps": 10**6, "burst": 10**6}},  # type: ignore[dict-item]
-    )
-    try:
+    with redis_server(workdir, appendfsync) as (url, _):
+        settings = Settings(
+            redis_url=url,
+            namespace=namespace,
+            models={model.name: model.path},
+            default_model=model.name,
+            embedding_stages=0,
+            auth="none",
+            submit_durability=mode,  # type: ignore[arg-type]
+            queue_depth_limit=10**6,
+            overload_limit=10**6,
+            rate_limits={"anonymous": {"rps": 10**6, "burst": 10**6}},  # type: ignore[dict-item]
+        )
         redis_lib.Redis.from_url(url).zadd(Keys(namespace).workers(model.name, 0), {"w0": time.time() + 3600})
         with TestClient(create_app(settings)) as client:
             for i in range(20):  # warm: tokenizer, scripts, connections
                 submit(client, i, [])
             yield client
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def measure(client: TestClient, clients: int, submits: int) -> tuple[float, list[float]]:

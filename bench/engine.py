@@ -38,9 +38,8 @@ import torch
 
 from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.processes import say
 from bench.report import git_commit, write_results
-from bench.slice import MODEL_DIR
+from bench.systems import MODEL_DIR, say
 
 ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
     ("fp32", torch.float32, "sdpa", False, False),

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.processes import ROOT, say
 from bench.report import git_commit, write_results
+from bench.systems import ROOT, say
 
 BATCHES = (1, 32, 64)
 STEPS = 32

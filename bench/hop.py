@@ -43,8 +43,8 @@ from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import Wire, encode_tensor
 from app.workers import lane
 from bench.hop_worker import celery_queue, floor_queue, lane_key, now_ns, results_key
-from bench.processes import say, server_process, terminate_on_sigterm
 from bench.report import git_commit, percentile, write_results
+from bench.systems import say, server_process, terminate_on_sigterm
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 BATCH, HIDDEN = 8, 576

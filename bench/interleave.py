@@ -29,10 +29,9 @@ import torch
 
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.workers.compute import ComputeThread
-from bench.report import in_process_meta, write_results
+from bench.report import RESULTS_DIR, in_process_meta, write_results
+from bench.systems import MODEL_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -94,7 +93,7 @@ def main() -> None:
     parser.add_argument("--slices", default="0,100,50")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     compute = ComputeThread()
     compute.start()

@@ -18,10 +18,8 @@ Writes bench/results/pipeline.md and bench/results/pipeline.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -32,14 +30,11 @@ from typing import Any
 import psutil
 from transformers import AutoTokenizer
 
-from bench.load import conveyor_job, run_load
-from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.load import Run, closed_run
 from bench.prompts import Prompt, make_prompts
-from bench.report import SystemRun, fmt, git_commit, report_run, write_results
-from bench.slice import conveyor_env
+from bench.report import failed, fmt, git_commit, report_run, summary, verdict, write_results
+from bench.systems import MODEL_DIR, MODEL_NAME, conveyor, say, terminate_on_sigterm, warm_up
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
-MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
 MAX_TOKENS = 64
 CONCURRENCY = 32
 TARGET_VS_REPLICAS = 0.9
@@ -62,10 +57,6 @@ LAYOUTS = [
 ]
 
 
-def stack_env(layout: Layout, port: int, workdir: Path) -> dict[str, str]:
-    return {**conveyor_env(port, workdir), **layout.env}
-
-
 def worker_memory(up_pid: int) -> list[dict[str, Any]]:
     """Resident memory of each stage worker under the `conveyor up` process."""
     workers = []
@@ -85,24 +76,17 @@ def parameter_lines(log: Path) -> list[dict[str, Any]]:
     return [{"stage": int(s), "layers": f"{a}-{b}", "param_mib": float(mib)} for s, a, b, mib in found]
 
 
-def measure(layout: Layout, prompts: list[Prompt], workdir: Path) -> tuple[SystemRun, dict[str, Any]]:
-    port = free_port()
-    log = workdir / f"{layout.name.split()[0]}.log"
-    argv = [sys.executable, "-m", "app.cli", "up", *layout.args]
-    with server_process(layout.name, argv, stack_env(layout, port, workdir), log, stop_timeout_s=60.0) as up:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(f"{base}/readyz", up, 180.0, log)
-        asyncio.run(run_load(base, conveyor_job(8), prompts[:2], 2))  # warm-up, not counted
-        load = os.getloadavg()[0]
-        jobs, wall = asyncio.run(run_load(base, conveyor_job(MAX_TOKENS), prompts, CONCURRENCY))
-        memory = worker_memory(up.pid)
-    shutil.rmtree(workdir / "home", ignore_errors=True)
-    run = SystemRun(layout.name, jobs, wall, load=(load, os.getloadavg()[0]))
+def measure(layout: Layout, prompts: list[Prompt], workdir: Path) -> tuple[Run, dict[str, Any]]:
+    with conveyor(layout.name, workdir, layout.env, args=layout.args) as system:
+        warm_up(system, prompts)
+        run = closed_run(layout.name, system.base_url, system.make(MAX_TOKENS), prompts, CONCURRENCY)
+        assert system.process is not None
+        memory = worker_memory(system.process.pid)
     report_run(run)
-    return run, {"workers": memory, "parameters": parameter_lines(log)}
+    return run, {"workers": memory, "parameters": parameter_lines(system.log)}
 
 
-def markdown(runs: list[SystemRun], details: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+def markdown(runs: list[Run], details: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"# Pipeline against replication ({meta['mode']})",
         "",
@@ -114,7 +98,7 @@ def markdown(runs: list[SystemRun], details: dict[str, dict[str, Any]], meta: di
         "|---|---:|---:|---:|---:|---|",
     ]
     for run in runs:
-        s = run.summary()
+        s = summary(run)
         d = details[run.name]
         params = {p["stage"]: p for p in d["parameters"]}
         workers = "; ".join(
@@ -129,10 +113,10 @@ def markdown(runs: list[SystemRun], details: dict[str, dict[str, Any]], meta: di
     by_name = {r.name: r.tokens_per_s() for r in runs}
     ratio = by_name["pipeline 2x1t"] / by_name["replicas 2x1t"] if by_name["replicas 2x1t"] else 0.0
     single = by_name["pipeline 2x1t"] / by_name["single 1x2t"] if by_name["single 1x2t"] else 0.0
-    verdict = "met" if ratio >= TARGET_VS_REPLICAS else "missed"
     lines += [
         "",
-        f"- pipeline / replicas throughput: {ratio:.2f}x (target >= {TARGET_VS_REPLICAS}x, {verdict})",
+        f"- pipeline / replicas throughput: {ratio:.2f}x "
+        f"(target >= {TARGET_VS_REPLICAS}x, {verdict(ratio, TARGET_VS_REPLICAS, True)})",
         f"- pipeline / single 2-thread process throughput: {single:.2f}x",
     ]
     return "\n".join(lines) + "\n"
@@ -161,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run)
     text = markdown(runs, details, meta)
     print(text)
-    payload = {"meta": meta, "runs": {r.name: r.summary() for r in runs}, "details": details}
+    payload = {"meta": meta, "runs": {r.name: summary(r) for r in runs}, "details": details}
     write_results("pipeline", text, payload)
-    return 0 if all(not r.summary()["failed"] for r in runs) else 1
+    return 1 if failed(runs) else 0
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ Writes bench/results/precision.md and bench/results/precision.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -25,39 +23,30 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from app.partitions.precision import cpu_bf16_flags, cpu_bf16_is_faster, dtype_name, resolve_dtype
-from bench.load import conveyor_job, run_load
-from bench.processes import free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.load import Run, closed_run
 from bench.prompts import Prompt, make_prompts
-from bench.report import SystemRun, git_commit, report_run, write_results
-from bench.slice import MODEL_DIR, MODEL_NAME, conveyor_env
+from bench.report import failed, git_commit, report_run, summary, write_results
+from bench.systems import MODEL_DIR, MODEL_NAME, conveyor, say, terminate_on_sigterm, warm_up
 
 MAX_TOKENS = 64
 CONCURRENCY = (32, 64)
 DTYPES = ("float32", "bfloat16")
 
 
-def measure(dtype: str, prompts: list[Prompt], workdir: Path) -> list[SystemRun]:
-    port = free_port()
-    env = {**conveyor_env(port, workdir), "CONVEYOR_DTYPE": dtype}
-    log = workdir / f"{dtype}.log"
+def measure(dtype: str, prompts: list[Prompt], workdir: Path) -> list[Run]:
     runs = []
-    with server_process(dtype, [sys.executable, "-m", "app.cli", "up"], env, log, stop_timeout_s=60.0) as up:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(f"{base}/readyz", up, 180.0, log)
-        asyncio.run(run_load(base, conveyor_job(8), prompts[:2], 2))  # warm-up, not counted
+    with conveyor(dtype, workdir, {"CONVEYOR_DTYPE": dtype}) as system:
+        warm_up(system, prompts)
         for clients in CONCURRENCY:
-            load = os.getloadavg()[0]
-            jobs, wall = asyncio.run(
-                run_load(base, conveyor_job(MAX_TOKENS), prompts[: 2 * clients], clients)
+            job = system.make(MAX_TOKENS)
+            runs.append(
+                closed_run(f"{dtype} c{clients}", system.base_url, job, prompts[: 2 * clients], clients)
             )
-            run = SystemRun(f"{dtype} c{clients}", jobs, wall, load=(load, os.getloadavg()[0]))
-            report_run(run)
-            runs.append(run)
-    shutil.rmtree(workdir / "home", ignore_errors=True)
+            report_run(runs[-1])
     return runs
 
 
-def markdown(runs: dict[str, SystemRun], meta: dict[str, object]) -> str:
+def markdown(runs: dict[str, Run], meta: dict[str, object]) -> str:
     lines = [
         f"# bf16 against fp32 through the stack ({meta['mode']})",
         "",
@@ -75,8 +64,7 @@ def markdown(runs: dict[str, SystemRun], meta: dict[str, object]) -> str:
         ratios.append(ratio)
         lines.append(
             f"| {clients} | {fp32.tokens_per_s():.1f} | {bf16.tokens_per_s():.1f} | {ratio:.2f}x | "
-            f"{fp32.summary()['succeeded']}/{len(fp32.jobs)} | "
-            f"{bf16.summary()['succeeded']}/{len(bf16.jobs)} |"
+            f"{len(fp32.ok)}/{len(fp32.jobs)} | {len(bf16.ok)}/{len(bf16.jobs)} |"
         )
     faster = all(r > 1.0 for r in ratios)
     lines += [
@@ -112,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_matmul_faster": cpu_bf16_is_faster(),
         "auto": dtype_name(resolve_dtype("auto", "cpu")),
     }
-    runs: dict[str, SystemRun] = {}
+    runs: dict[str, Run] = {}
     for dtype in DTYPES:
         for run in measure(dtype, prompts[: max(CONCURRENCY) if quick else None], workdir):
             runs[run.name] = run
     text = markdown(runs, meta)
     print(text)
-    write_results("precision", text, {"meta": meta, "runs": {k: r.summary() for k, r in runs.items()}})
-    return 0 if all(not r.summary()["failed"] for r in runs.values()) else 1
+    write_results("precision", text, {"meta": meta, "runs": {k: summary(r) for k, r in runs.items()}})
+    return 1 if failed(list(runs.values())) else 0
 
 
 if __name__ == "__main__":

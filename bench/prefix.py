@@ -28,10 +28,9 @@ from transformers import AutoTokenizer
 
 from app.partitions.layers import LayerRange, StagePartition, left_pad
 from app.partitions.prefix import Prefill, PrefixCache
-from bench.report import in_process_meta, write_results
+from bench.report import RESULTS_DIR, in_process_meta, write_results
+from bench.systems import MODEL_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / ".conveyor" / "models" / "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RULES = [
     "Answer in the language of the question.",
@@ -113,7 +112,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

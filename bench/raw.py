@@ -2,13 +2,13 @@
 
 `run_raw` calls `model.generate` on batches of prompts (left padding, attention mask, greedy, exactly
 `max_tokens` new tokens): a job's latency is its `generate` call and its TTFT the moment that call
-produced its first token. `prefill_s` times one forward pass over one prompt at batch 1, the least a
-first token costs.
+produced its first token; `raw_runs` loads the model once for several such runs. `prefill_s` times
+one forward pass over one prompt at batch 1, the least a first token costs. Loaded in process rather
+than started (bench/systems.py starts the servers), with torch imported here only.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from bench.load import JobResult, checked
+from bench.load import JobResult, Run, checked, loadavg
 from bench.prompts import Prompt
-from bench.report import SystemRun
+from bench.systems import say
 
 PREFILL_RUNS = 7
 
@@ -86,16 +86,31 @@ def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_token
     ]
 
 
-def run_raw(model: Any, prompts: Sequence[Prompt], pad_id: int, batch: int, max_tokens: int) -> SystemRun:
+def run_raw(model: Any, prompts: Sequence[Prompt], pad_id: int, batch: int, max_tokens: int) -> Run:
     """The prompts in batches of `batch`, one `generate` call after another, after a short warm-up call."""
     generate_batch(model, prompts[:1], pad_id, 8)  # warm-up
     jobs: list[JobResult] = []
-    load = os.getloadavg()[0]
+    load = loadavg()
     started = time.perf_counter()
     for first in range(0, len(prompts), batch):
         jobs += generate_batch(model, prompts[first : first + batch], pad_id, max_tokens)
     wall = time.perf_counter() - started
-    return SystemRun(f"raw generate b{batch}", jobs, wall, load=(load, os.getloadavg()[0]))
+    return Run(f"raw generate b{batch}", jobs, wall, (load, loadavg()), clients=batch)
+
+
+def raw_runs(
+    path: Path, plan: Sequence[tuple[Sequence[Prompt], int]], pad_id: int, max_tokens: int
+) -> tuple[Any, list[Run]]:
+    """The model at `path` loaded once, then `run_raw` for each (prompts, batch) of the plan, said as it
+    goes; the model comes back with the runs (drop it to free its memory)."""
+    model = load_model(path)
+    runs = []
+    for prompts, batch in plan:
+        run = run_raw(model, prompts, pad_id, batch, max_tokens)
+        ok, rate = f"{len(run.ok)}/{len(run.jobs)}", run.tokens_per_s()
+        say(f"{run.name}: {ok} jobs, {rate:.1f} tokens/s over {run.wall_s:.1f} s")
+        runs.append(run)
+    return model, runs
 
 
 def prefill_s(model: Any, prompt: Prompt, runs: int = PREFILL_RUNS) -> float:

@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import random
+import os
 import re
-import secrets
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -32,32 +29,21 @@ from pathlib import Path
 import httpx
 import redis as redis_lib
 
-from bench.processes import free_port, say, server_process, terminate_on_sigterm, wait_ready
-from bench.scheduling_stack import Model, chosen_model
-from bench.slice import conveyor_env
-
-KEDA_TARGET = 8  # listLength of the stage ScaledObjects (deploy/k8s/base/stage*.yaml)
-WORDS = (
-    "river stone cloud lantern orbit maple signal harbor copper meadow violet engine thread canyon".split()
+from bench.load import JobResult, closed_loop_until, inference_job, load_client
+from bench.prompts import note, text_prompt
+from bench.systems import (
+    Model,
+    System,
+    chosen_model,
+    consecutive_ports,
+    conveyor,
+    redis_server,
+    say,
+    terminate_on_sigterm,
 )
 
-
-def prompt(i: int, words: int) -> str:
-    rng = random.Random(i)
-    return f"Summarise note {i} in one line: " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def consecutive_ports(n: int) -> int:
-    for _ in range(100):
-        base = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + n):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
+KEDA_TARGET = 8  # listLength of the stage ScaledObjects (deploy/k8s/base/stage*.yaml)
+ONE_STAGE = ["--stages", "1"]
 
 
 @dataclass
@@ -72,43 +58,6 @@ class Phase:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-@dataclass
-class Load:
-    """A closed loop of clients; each finished job's tokens go to the phase being measured."""
-
-    base_url: str
-    clients: int
-    prompt_words: int
-    max_tokens: int
-    phase: Phase | None = None
-    stop: bool = False
-    failures: int = 0
-
-    async def run(self) -> None:
-        limits = httpx.Limits(max_connections=self.clients + 4)
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=600.0, limits=limits) as client:
-            await asyncio.gather(*(self.client(client, c) for c in range(self.clients)))
-
-    async def client(self, client: httpx.AsyncClient, c: int) -> None:
-        n = c
-        while not self.stop:
-            body = {"prompt": prompt(n, self.prompt_words), "max_tokens": self.max_tokens}
-            body |= {"temperature": 0, "ignore_eos": True, "priority": "normal"}
-            n += self.clients
-            try:
-                answer = await client.post("/v1/inference", json=body)
-            except httpx.HTTPError:
-                self.failures += 1
-                await asyncio.sleep(0.5)
-                continue
-            if answer.status_code != 200 or answer.json().get("status") != "succeeded":
-                self.failures += 1
-                await asyncio.sleep(0.5)
-                continue
-            if self.phase is not None:
-                self.phase.jobs += 1
 
 
 def generated(urls: list[str], model: str) -> float:
@@ -138,7 +87,7 @@ def budget(metrics_url: str, model: str) -> tuple[str, str, str]:
 
 async def measure(
     phase: Phase,
-    load: Load,
+    done: list[JobResult],
     redis: redis_lib.Redis,
     lists: list[str],
     metrics: tuple[str, list[str]],  # the batcher's metrics URL, the stage workers'
@@ -146,16 +95,16 @@ async def measure(
     window_s: float,
 ) -> None:
     """Sample the queue every half second; tokens/s from the workers' counters over the window."""
-    load.phase = phase
     before = generated(metrics[1], model)
-    started = time.monotonic()
-    while time.monotonic() - started < window_s:
+    started = time.perf_counter()
+    while time.perf_counter() - started < window_s:
         lengths = [int(redis.llen(name)) for name in lists]
         phase.queue.append(max(lengths))
         await asyncio.sleep(0.5)
-    phase.seconds = time.monotonic() - started
+    end = time.perf_counter()
+    phase.seconds = end - started
     phase.tokens = int(generated(metrics[1], model) - before)
-    load.phase = None
+    phase.jobs = sum(1 for j in done if j.ok and started <= j.ended < end)
     phase.budget = budget(metrics[0], model)
 
 
@@ -168,58 +117,80 @@ async def live_replicas(redis: redis_lib.Redis, key: str, n: int, timeout_s: flo
     raise RuntimeError(f"no {n} live workers in {key}")
 
 
-async def run(args: argparse.Namespace, model: Model, workdir: Path) -> list[Phase]:
-    port, metrics, metrics_b = free_port(), consecutive_ports(4), consecutive_ports(1)
-    env = {**conveyor_env(port, workdir / "a"), **model.env()}
-    env |= {"CONVEYOR_TORCH_THREADS": "1", "CONVEYOR_METRICS_PORT": str(metrics), "CONVEYOR_STAGES": "1"}
-    embedded = None
-    if not env.get("REDIS_URL"):  # the second host needs a Redis it can share: start one for both
-        from app.core.redis import start_embedded
-
-        embedded, env["REDIS_URL"] = start_embedded(
-            workdir / "redis", free_port(), password=secrets.token_hex(16)
-        )
+async def phases(args: argparse.Namespace, model: Model, host_a: System, workdir: Path) -> list[Phase]:
+    """The load on host A, its stage 0 measured alone, then with host B's stage 0 beside it."""
     from app.core.keys import Keys
 
-    keys = Keys(env["CONVEYOR_NAMESPACE"])
+    keys = Keys(host_a.namespace)
     lists = [keys.stage_queue(model.name, 0) + suffix for suffix in ("", ":3", ":6")]
-    redis = redis_lib.Redis.from_url(env["REDIS_URL"])
-    argv = [sys.executable, "-m", "app.cli", "up", "--stages", "1"]
-    second_env = {
-        **env,
-        "CONVEYOR_HOME": str(workdir / "b" / "home"),
-        "CONVEYOR_METRICS_PORT": str(metrics_b),
-    }
+    redis = redis_lib.Redis.from_url(host_a.redis_url)
+    metrics, metrics_b = int(host_a.env["CONVEYOR_METRICS_PORT"]), consecutive_ports(1)
     # up numbers its children's metrics ports: A's batcher, webhooks, callbacks, stage 0; B's stage 0
     batcher, stage_a, stage_b = (f"http://127.0.0.1:{p}/metrics" for p in (metrics, metrics + 3, metrics_b))
-    phases = [Phase("1 replica"), Phase("2 replicas")]
-    try:
-        with server_process("host A: api, batcher, stage 0", argv, env, workdir / "a.log", 60.0) as a:
-            wait_ready(f"http://127.0.0.1:{port}/readyz", a, 300.0, workdir / "a.log")
-            load = Load(f"http://127.0.0.1:{port}", args.clients, args.prompt_words, args.max_tokens)
-            task = asyncio.create_task(load.run())
-            say(f"load: {args.clients} clients; ramping up for {args.ramp_s:g} s")
+    second = {  # a second host: the same Redis and namespace, its own home and metrics port
+        **{k: v for k, v in host_a.env.items() if k not in ("CONVEYOR_HOME", "CONVEYOR_API_PORT")},
+        "CONVEYOR_METRICS_PORT": str(metrics_b),
+    }
+    job = inference_job(
+        lambda p: (
+            {"prompt": p.text, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+            | {"priority": "normal"}
+        )
+    )
+    done: list[JobResult] = []
+    stop = asyncio.Event()
+    found = [Phase("1 replica"), Phase("2 replicas")]
+    async with load_client(host_a.base_url, args.clients) as client:
+        loops = asyncio.create_task(
+            closed_loop_until(
+                client,
+                job,
+                lambda n: text_prompt(n, note(n, args.prompt_words)),
+                clients=args.clients,
+                cls="normal",
+                stagger_s=0.0,
+                stop=stop,
+                done=done,
+            )
+        )
+        say(f"load: {args.clients} clients; ramping up for {args.ramp_s:g} s")
+        await asyncio.sleep(args.ramp_s)
+        say(f"measuring {found[0].name} for {args.window_s:g} s")
+        await measure(found[0], done, redis, lists, (batcher, [stage_a]), model.name, args.window_s)
+        up_b = conveyor(
+            "host B: stage 0",
+            workdir / "b",
+            second,
+            model=model,
+            args=ONE_STAGE + ["--only", "stage:0"],
+            ready=False,
+        )
+        with up_b:
+            await live_replicas(redis, keys.workers(model.name, 0), 2)
+            say(f"a second replica is live; settling for {args.ramp_s:g} s")
             await asyncio.sleep(args.ramp_s)
-            say(f"measuring {phases[0].name} for {args.window_s:g} s")
-            await measure(phases[0], load, redis, lists, (batcher, [stage_a]), model.name, args.window_s)
-            second = [*argv, "--only", "stage:0"]
-            with server_process("host B: stage 0", second, second_env, workdir / "b.log", 60.0):
-                await live_replicas(redis, keys.workers(model.name, 0), 2)
-                say(f"a second replica is live; settling for {args.ramp_s:g} s")
-                await asyncio.sleep(args.ramp_s)
-                say(f"measuring {phases[1].name} for {args.window_s:g} s")
-                await measure(
-                    phases[1], load, redis, lists, (batcher, [stage_a, stage_b]), model.name, args.window_s
-                )
-                load.stop = True
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(task, 120)
-            if load.failures:
-                say(f"{load.failures} jobs failed or were refused")
-    finally:
-        if embedded is not None:
-            embedded.terminate()
-    return phases
+            say(f"measuring {found[1].name} for {args.window_s:g} s")
+            await measure(
+                found[1], done, redis, lists, (batcher, [stage_a, stage_b]), model.name, args.window_s
+            )
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(loops, 120)
+    failures = sum(1 for j in done if not j.ok)
+    if failures:
+        say(f"{failures} jobs failed or were refused")
+    return found
+
+
+def run(args: argparse.Namespace, model: Model, workdir: Path) -> list[Phase]:
+    settings = {"CONVEYOR_TORCH_THREADS": "1", "CONVEYOR_METRICS_PORT": str(consecutive_ports(4))}
+    with contextlib.ExitStack() as stack:
+        if not os.environ.get("REDIS_URL"):  # the second host needs a Redis it can share: one for both
+            settings["REDIS_URL"] = stack.enter_context(redis_server(workdir))[0]
+        host_a = stack.enter_context(
+            conveyor("host A: api, batcher, stage 0", workdir / "a", settings, model=model, args=ONE_STAGE)
+        )
+        return asyncio.run(phases(args, model, host_a, workdir))
 
 
 def report(phases: list[Phase], args: argparse.Namespace, model: Model) -> str:
@@ -259,7 +230,7 @@ def main() -> None:
         model = chosen_model(args.model, Path(tmp))
         if model is None:
             raise SystemExit(1)
-        print(report(asyncio.run(run(args, model, Path(tmp))), args, model))
+        print(report(run(args, model, Path(tmp)), args, model))
 
 
 if __name__ == "__main__":

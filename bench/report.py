@@ -1,65 +1,35 @@
-"""What a benchmark reports: per-system summaries, percentiles and ratios, the Markdown table, result files.
+"""What a benchmark reports: the figures of its runs, targets with a verdict each, tables, result files.
 
-`SystemRun` holds one system's jobs and wall time and sums them up (throughput over the whole run,
-P50/P99 latency, P50 TTFT); `system_table` renders runs as a Markdown table and `write_results` writes
-a report and its JSON next to each other. `derived`, `markdown` and `results_payload` are the slice
-benchmark's own figures, targets and files.
+Figures of jobs and runs (bench/load.py's records): `summary` of a closed-loop run (throughput over
+its wall time, P50/P99 latency, P50 TTFT), `class_summary` of a class's jobs (counts with the refused
+and unfinished apart, TTFT P50/P95/P99 on both clocks, where the time went), `throughput` from the
+first arrival to the last end, `job_figures` of an open-loop run (unfinished jobs counted at the time
+they had waited), queue waits and ITL. A `Target` is a figure's goal; `target_rows` is the one verdict
+table every benchmark prints. `write_results` writes a report and its JSON side by side, with the
+commit (`git_commit`) and the run's circumstances (`in_process_meta`). Each benchmark's own tables are
+in its script: they read the layout of its own results.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.load import JobResult
-from bench.processes import ROOT, say
+from bench.load import JobResult, Run
+from bench.systems import ROOT, say
 
 RESULTS_DIR = ROOT / "bench" / "results"
 
-TARGET_VS_NAIVE = 3.8  # conveyor c32 throughput / naive c32 throughput, at least
-TARGET_VS_RAW = 0.7  # conveyor c32 throughput / raw b32 throughput, at least
-TARGET_TTFT_OVERHEAD_MS = 30.0  # conveyor c1 P50 TTFT - raw prefill, at most
 
-
-@dataclass
-class SystemRun:
-    name: str
-    jobs: list[JobResult]
-    wall_s: float
-    note: str = ""
-    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at start and end
-
-    @property
-    def ok_jobs(self) -> list[JobResult]:
-        return [j for j in self.jobs if j.ok]
-
-    def tokens_per_s(self) -> float:
-        return sum(j.tokens for j in self.ok_jobs) / self.wall_s if self.wall_s > 0 else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        ok = self.ok_jobs
-        ttfts = [j.ttft_s for j in ok if j.ttft_s is not None]
-        return {
-            "jobs": len(self.jobs),
-            "succeeded": len(ok),
-            "failed": len(self.jobs) - len(ok),
-            "tokens": sum(j.tokens for j in ok),
-            "wall_s": self.wall_s,
-            "tokens_per_s": self.tokens_per_s(),
-            "p50_latency_s": percentile([j.latency_s for j in ok], 50),
-            "p99_latency_s": percentile([j.latency_s for j in ok], 99),
-            "p50_ttft_s": percentile(ttfts, 50),
-            "errors": sorted({j.error for j in self.jobs if j.error}),
-        }
-
-
-# ---------------------------------------------------------------- figures
+# ---------------------------------------------------------------- numbers
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -73,16 +43,130 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; None without both, or without a positive denominator."""
+    return a / b if a is not None and b is not None and b > 0 else None
 
 
-def greedy_agreement(reference: SystemRun, other: SystemRun, eos_ids: set[int]) -> dict[str, int]:
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def token_stats(values: Sequence[int]) -> str:
+    return f"min {min(values)}, median {statistics.median(values):g}, max {max(values)}"
+
+
+def load_cell(values: Sequence[float] | None) -> str:
+    """A load average's samples, `before -> after`."""
+    return " -> ".join(f"{v:.1f}" for v in values) if values else "n/a"
+
+
+def row(*cells: object) -> str:
+    """One Markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+# ---------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    label: str
+    goal: float
+    at_least: bool  # the value must be >= goal (else <= goal)
+    unit: str = "x"
+    scale: float = 1.0  # the value is shown and judged times this (seconds as ms: 1000)
+    digits: int = 2
+    noise: float = 0.0  # at_least: a value this close under the goal is equal within the machine's noise
+
+
+def verdict(value: float | None, goal: float, at_least: bool, noise: float = 0.0) -> str:
+    if value is None:
+        return "n/a"
+    if value >= goal if at_least else value <= goal:
+        return "met"
+    return "met (equal within noise)" if at_least and noise and value >= goal - noise else "missed"
+
+
+def target_rows(targets: Sequence[Target], values: Mapping[str, float | None]) -> list[str]:
+    """| target | value | goal | verdict |, a row per target (n/a where its figure is missing)."""
+    rows = ["| target | value | goal | |", "|---|---:|---:|---|"]
+    for t in targets:
+        raw = values.get(t.key)
+        value = None if raw is None else raw * t.scale
+        shown = fmt(value, digits=t.digits) + (t.unit if value is not None else "")
+        goal = f"{'>=' if t.at_least else '<='} {t.goal}{t.unit}"
+        rows.append(row(t.label, shown, goal, verdict(value, t.goal, t.at_least, t.noise)))
+    return rows
+
+
+# ---------------------------------------------------------------- closed-loop runs
+
+
+def summary(run: Run) -> dict[str, Any]:
+    """Counts, throughput over the wall time, P50/P99 latency and P50 TTFT of the jobs that succeeded."""
+    ok = run.ok
+    ttfts = [j.ttft_s for j in ok if j.ttft_s is not None]
+    return {
+        "jobs": len(run.jobs),
+        "succeeded": len(ok),
+        "failed": len(run.jobs) - len(ok),
+        "tokens": sum(j.tokens for j in ok),
+        "wall_s": run.wall_s,
+        "tokens_per_s": run.tokens_per_s(),
+        "p50_latency_s": percentile([j.latency_s for j in ok], 50),
+        "p99_latency_s": percentile([j.latency_s for j in ok], 99),
+        "p50_ttft_s": percentile(ttfts, 50),
+        "errors": sorted({j.error for j in run.jobs if j.error}),
+    }
+
+
+def failed(runs: Sequence[Run]) -> bool:
+    return any(not j.ok for r in runs for j in r.jobs)
+
+
+def report_run(run: Run) -> None:
+    say(
+        f"{run.name}: {len(run.ok)}/{len(run.jobs)} jobs in {run.wall_s:.1f} s, "
+        f"{run.tokens_per_s():.1f} tokens/s (load average {run.load[0]:.2f} -> {run.load[1]:.2f})"
+    )
+
+
+def system_table(runs: Sequence[Run]) -> list[str]:
+    """One row per system: jobs, throughput, P50/P99 latency, P50 TTFT."""
+    rows = [
+        "| system | jobs | tokens/s | p50 latency (s) | p99 latency (s) | p50 TTFT (ms) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        s = summary(run)
+        jobs = (
+            str(s["succeeded"]) if not s["failed"] else f"{s['succeeded']}/{s['jobs']} ({s['failed']} failed)"
+        )
+        rows.append(
+            row(
+                run.name,
+                jobs,
+                fmt(s["tokens_per_s"], digits=1),
+                fmt(s["p50_latency_s"]),
+                fmt(s["p99_latency_s"]),
+                fmt(s["p50_ttft_s"], 1000, 1),
+            )
+        )
+    return rows
+
+
+def failure_lines(runs: Sequence[Run]) -> list[str]:
+    return [f"- {run.name} failure: {error}" for run in runs for error in summary(run)["errors"]]
+
+
+def greedy_agreement(reference: Run, other: Run, eos_ids: set[int]) -> dict[str, int]:
     """Jobs whose tokens equal the reference's up to the first EOS (ignore_eos may emit one; min_new_tokens
     never does)."""
-    ref = {j.prompt: j.token_ids for j in reference.ok_jobs}
+    ref = {j.prompt: j.token_ids for j in reference.ok}
     same = compared = 0
-    for job in other.ok_jobs:
+    for job in other.ok:
         if job.prompt not in ref or not job.token_ids:
             continue
         cut = next((i for i, t in enumerate(job.token_ids) if t in eos_ids), len(job.token_ids))
@@ -91,134 +175,180 @@ def greedy_agreement(reference: SystemRun, other: SystemRun, eos_ids: set[int]) 
     return {"compared": compared, "identical": same}
 
 
-def token_stats(values: Sequence[int]) -> str:
-    return f"min {min(values)}, median {statistics.median(values):g}, max {max(values)}"
+def job_record(job: JobResult) -> dict[str, Any]:
+    """A job for the JSON: what the server and the client said, without its tokens and load-shape marks."""
+    record = asdict(job)
+    for name in ("token_ids", "gaps_s", "cls", "submitted"):
+        record.pop(name)
+    return record
 
 
-def derived(
-    runs: Mapping[str, SystemRun], prefill: dict[str, Any], eos_ids: set[int], *, concurrency: int, batch: int
-) -> dict[str, Any]:
-    """The slice's figures: throughput ratios, TTFT against the raw prefill, Conveyor's batch sizes."""
-    c1, c32 = runs["conveyor c1"], runs[f"conveyor c{concurrency}"]
-    naive, raw32 = runs[f"naive server c{concurrency}"], runs[f"raw generate b{batch}"]
-    c1_ttft = percentile([j.ttft_s for j in c1.ok_jobs if j.ttft_s is not None], 50)
-    server_ttft = percentile([j.server_ttft_s for j in c1.ok_jobs if j.server_ttft_s is not None], 50)
-    batches = {j.batch_id: j.batch_size for j in c32.ok_jobs if j.batch_id and j.batch_size}
-    sizes = sorted(batches.values())
-    job_sizes = [j.batch_size for j in c32.ok_jobs if j.batch_size]
+def systems_record(runs: Sequence[Run]) -> dict[str, Any]:
+    """Each system's summary, note, load average and jobs (without their token ids), by name."""
     return {
-        "conveyor_vs_naive": ratio(c32.tokens_per_s(), naive.tokens_per_s()),
-        "conveyor_vs_raw_b32": ratio(c32.tokens_per_s(), raw32.tokens_per_s()),
-        "raw_prefill": prefill,
-        "conveyor_c1_p50_ttft_s": c1_ttft,
-        "ttft_overhead_s": c1_ttft - prefill["seconds"] if c1_ttft is not None else None,
-        "conveyor_c1_p50_server_ttft_s": server_ttft,
-        "conveyor_c32_p50_server_ttft_s": percentile(
-            [j.server_ttft_s for j in c32.ok_jobs if j.server_ttft_s is not None], 50
-        ),
-        "conveyor_c32_mean_batch_size": statistics.fmean(sizes) if sizes else None,
-        "conveyor_c32_job_weighted_batch_size": statistics.fmean(job_sizes) if job_sizes else None,
-        "conveyor_c32_batch_sizes": sizes,
-        "greedy_agreement_c1_vs_raw_b1": greedy_agreement(runs["raw generate b1"], c1, eos_ids),
+        run.name: {
+            **summary(run),
+            "note": run.note,
+            "load_average": list(run.load),
+            "jobs_detail": [job_record(j) for j in run.jobs],
+        }
+        for run in runs
     }
 
 
-# ---------------------------------------------------------------- markdown
+# ---------------------------------------------------------------- classes and open-loop runs
 
 
-def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+def counts(jobs: Sequence[JobResult], submitted: int | None = None) -> dict[str, int]:
+    """Jobs (submitted: the ended ones unless given), ok, refused, failed, unfinished, tokens of the ok."""
+    ok = [j for j in jobs if j.ok]
+    refused = sum(1 for j in jobs if j.refused)
+    return {
+        "jobs": len(jobs) if submitted is None else submitted,
+        "ok": len(ok),
+        "refused": refused,
+        "failed": len(jobs) - len(ok) - refused,
+        "unfinished": 0 if submitted is None else submitted - len(jobs),
+        "tokens": sum(j.tokens for j in ok),
+    }
 
 
-def verdict(value: float | None, target: float, at_least: bool) -> str:
-    if value is None:
-        return "n/a"
-    return "met" if (value >= target if at_least else value <= target) else "missed"
+def errors(jobs: Sequence[JobResult]) -> list[str]:
+    return sorted({j.error for j in jobs if j.error and not j.refused})
 
 
-def table_row(run: SystemRun) -> str:
-    s = run.summary()
-    jobs = str(s["succeeded"]) if not s["failed"] else f"{s['succeeded']}/{s['jobs']} ({s['failed']} failed)"
-    cells = [
-        run.name,
-        jobs,
-        fmt(s["tokens_per_s"], digits=1),
-        fmt(s["p50_latency_s"]),
-        fmt(s["p99_latency_s"]),
-        fmt(s["p50_ttft_s"], 1000, 1),
-    ]
-    return "| " + " | ".join(cells) + " |"
+def jobs_cell(s: Mapping[str, Any]) -> str:
+    """`ok/submitted`, with the refused, failed and unfinished jobs when there are any."""
+    extra = [f"{s[k]} {k}" for k in ("refused", "failed", "unfinished") if s.get(k)]
+    return f"{s['ok']}/{s['jobs']}" + (f" ({', '.join(extra)})" if extra else "")
 
 
-def system_table(runs: Sequence[SystemRun]) -> list[str]:
-    """One row per system: jobs, throughput, P50/P99 latency, P50 TTFT."""
+def class_summary(jobs: Sequence[JobResult], submitted: int | None = None) -> dict[str, Any]:
+    """Counts (ok, refused, failed, unfinished) and TTFT / latency percentiles of the jobs that succeeded.
+
+    `jobs` are those that ended; `submitted` (default: as many) counts the ones given up in flight too.
+    """
+    ok = [j for j in jobs if j.ok]
+    ttfts = [j.ttft_s for j in ok if j.ttft_s is not None]
+    server = [j.server_ttft_s for j in ok if j.server_ttft_s is not None]
+    latencies = [j.latency_s for j in ok]
+    return {
+        **counts(jobs, submitted),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "server_ttft_p95_s": percentile(server, 95),
+        "phases_p95_s": {
+            name: percentile([j.phases_s[name] for j in ok if name in j.phases_s], 95)
+            for name in ("intake", "handoff", "prefill")
+        },
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
+        "errors": errors(jobs),
+    }
+
+
+def throughput(jobs: Sequence[JobResult], start: float) -> dict[str, Any]:
+    """Jobs/s and tokens/s of the successful jobs from `start` (the first arrival) to the last end."""
+    ok = [j for j in jobs if j.ok]
+    span = max(j.ended for j in ok) - start if ok else 0.0
+    return {
+        "span_s": span,
+        "jobs_per_s": len(ok) / span if span > 0 else 0.0,
+        "tokens_per_s": sum(j.tokens for j in ok) / span if span > 0 else 0.0,
+    }
+
+
+def unfinished_waits(run: Run) -> list[float]:
+    """The jobs of an open-loop run that never ended: each one's time in the system when the run gave
+    up (a lower bound on its latency). Prompt indices identify jobs: a run's prompts are distinct."""
+    ended = {j.prompt for j in run.jobs}
     return [
-        "| system | jobs | tokens/s | p50 latency (s) | p99 latency (s) | p50 TTFT (ms) |",
-        "|---|---:|---:|---:|---:|---:|",
-        *(table_row(run) for run in runs),
+        run.end - (run.start + offset)
+        for prompt, offset in zip(run.prompts, run.offsets, strict=True)
+        if prompt.index not in ended
     ]
 
 
-def failure_lines(runs: Sequence[SystemRun]) -> list[str]:
-    return [f"- {run.name} failure: {error}" for run in runs for error in run.summary()["errors"]]
+def itl_s(job: JobResult) -> float | None:
+    """Mean inter-token latency of a streamed job: (latency - TTFT) / (tokens - 1); None unstreamed."""
+    if not job.ok or job.ttft_s is None or job.tokens < 2 or job.ttft_s >= job.latency_s:
+        return None
+    return (job.latency_s - job.ttft_s) / (job.tokens - 1)
 
 
-def target_table(extra: dict[str, Any]) -> list[str]:
-    vs_naive, vs_raw = extra["conveyor_vs_naive"], extra["conveyor_vs_raw_b32"]
-    overhead = extra["ttft_overhead_s"]
-    overhead_ms = None if overhead is None else overhead * 1000
-    return [
-        "| target | value | goal | |",
-        "|---|---:|---:|---|",
-        f"| conveyor c32 / naive c32 throughput | {fmt(vs_naive)}x | >= {TARGET_VS_NAIVE}x "
-        f"| {verdict(vs_naive, TARGET_VS_NAIVE, True)} |",
-        f"| conveyor c32 / raw b32 throughput | {fmt(vs_raw)}x | >= {TARGET_VS_RAW}x "
-        f"| {verdict(vs_raw, TARGET_VS_RAW, True)} |",
-        f"| conveyor c1 p50 TTFT - raw prefill | {fmt(overhead, 1000, 1)} ms "
-        f"| <= {TARGET_TTFT_OVERHEAD_MS:.0f} ms "
-        f"| {verdict(overhead_ms, TARGET_TTFT_OVERHEAD_MS, False)} |",
+def job_figures(run: Run) -> dict[str, Any]:
+    """An open-loop run's counts, throughput (tokens of successful jobs / first arrival to last completion),
+    latency percentiles of the jobs that succeeded, and P99 over those plus the unfinished at their waits."""
+    ok = run.ok
+    waits = unfinished_waits(run)
+    latencies = [j.latency_s for j in ok]
+    first = run.start + min(run.offsets) if run.offsets else run.start
+    ttfts = [j.ttft_s for j in ok if j.ttft_s is not None]
+    itls = [v for v in (itl_s(j) for j in ok) if v is not None]
+    figures = {**counts(run.jobs, len(run.offsets)), "unfinished": len(waits)}
+    span = throughput(run.jobs, first)["span_s"]
+    return {
+        **figures,
+        "span_s": span,
+        "tokens_per_s": figures["tokens"] / span if span > 0 else 0.0,
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
+        "latency_p99_all_s": percentile(latencies + waits, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
+        "waited_s": run.end - first,
+        "load_average": list(run.load),
+        "errors": errors(run.jobs),
+    }
+
+
+def queue_wait_s(job: JobResult) -> float | None:
+    """started_at - created_at: the time a job waited anywhere (intake, broker, the step in progress)
+    before its prefill began. None without the job's timings."""
+    if "intake" not in job.phases_s or "handoff" not in job.phases_s:
+        return None
+    return job.phases_s["intake"] + job.phases_s["handoff"]
+
+
+def queue_waits(run: Run) -> list[tuple[float, float]]:
+    """(submit time from the run's start, queue wait) of each job that succeeded."""
+    return sorted((j.submitted - run.start, wait) for j in run.ok if (wait := queue_wait_s(j)) is not None)
+
+
+def wait_stats(waits: Sequence[tuple[float, float]], start: float, end: float) -> dict[str, Any]:
+    """Median and P95 queue wait of the jobs submitted in [start, end)."""
+    inside = [w for at, w in waits if start <= at < end]
+    return {"jobs": len(inside), "median_s": percentile(inside, 50), "p95_s": percentile(inside, 95)}
+
+
+def job_rows(run: Run) -> list[dict[str, Any]]:
+    """Every job of an open-loop run for the JSON: its class, submit time from the run's start, its
+    figures and status; the unfinished ones too."""
+    rows = [
+        {
+            "class": j.cls,
+            "prompt": j.prompt,
+            "submitted_s": round(j.submitted - run.start, 4),
+            "status": "succeeded" if j.ok else ("refused" if j.refused else "failed"),
+            "tokens": j.tokens,
+            "latency_s": j.latency_s,
+            "ttft_s": j.ttft_s,
+            "itl_s": itl_s(j),
+            "queue_wait_s": queue_wait_s(j),
+            "error": j.error,
+        }
+        for j in sorted(run.jobs, key=lambda j: j.submitted)
     ]
-
-
-def slice_notes(
-    runs: Sequence[SystemRun], extra: dict[str, Any], meta: dict[str, Any], prefill_runs: int
-) -> list[str]:
-    prefill, agreement = extra["raw_prefill"], extra["greedy_agreement_c1_vs_raw_b1"]
-    return [
-        f"- raw prefill, batch 1, prompt of {prefill['prompt_tokens']} tokens (median of {prefill_runs}): "
-        f"{fmt(prefill['seconds'], 1000, 1)} ms",
-        f"- conveyor c1 p50 TTFT: client {fmt(extra['conveyor_c1_p50_ttft_s'], 1000, 1)} ms, server "
-        f"(first_token_at - created_at) {fmt(extra['conveyor_c1_p50_server_ttft_s'], 1000, 1)} ms",
-        f"- conveyor c32 mean batch size: {fmt(extra['conveyor_c32_mean_batch_size'], digits=1)} over "
-        f"{len(extra['conveyor_c32_batch_sizes'])} batches (sizes {extra['conveyor_c32_batch_sizes']}; "
-        f"mean over jobs {fmt(extra['conveyor_c32_job_weighted_batch_size'], digits=1)})",
-        "- 1-minute load average at the start and end of each system (2 cores; other work skews results): "
-        + ", ".join(f"{r.name} {r.load[0]:.1f}-{r.load[1]:.1f}" for r in runs),
-        f"- greedy agreement, conveyor c1 vs raw b1: {agreement['identical']}/"
-        f"{agreement['compared']} identical",
-        f"- prompt tokens (chat-templated): {meta['prompt_tokens']}; "
-        f"user message tokens: {meta['user_tokens']}",
+    ended = {j.prompt for j in run.jobs}
+    rows += [
+        {"class": run.name, "prompt": p.index, "submitted_s": round(o, 4), "status": "unfinished"}
+        for p, o in zip(run.prompts, run.offsets, strict=True)
+        if p.index not in ended
     ]
-
-
-def markdown(
-    runs: Sequence[SystemRun], extra: dict[str, Any], meta: dict[str, Any], *, prefill_runs: int
-) -> str:
-    """The slice report: the system table, the targets, the notes behind them, any failures."""
-    lines = [
-        f"# Conveyor slice benchmark ({meta['mode']})",
-        "",
-        f"{meta['model']}, fp32, CPU ({meta['cpus']} cores, torch threads {meta['torch_threads']}), greedy, "
-        f"{meta['max_tokens']} tokens per job; {meta['started']}, commit {meta['commit']}.",
-        "",
-        *system_table(runs),
-        "",
-        *target_table(extra),
-        "",
-        *slice_notes(runs, extra, meta, prefill_runs),
-        *failure_lines(runs),
-    ]
-    return "\n".join(lines) + "\n"
+    return rows
 
 
 # ---------------------------------------------------------------- files
@@ -247,52 +377,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def report_run(run: SystemRun) -> None:
-    say(
-        f"{run.name}: {len(run.ok_jobs)}/{len(run.jobs)} jobs in {run.wall_s:.1f} s, "
-        f"{run.tokens_per_s():.1f} tokens/s (load average {run.load[0]:.2f} -> {run.load[1]:.2f})"
-    )
-
-
-def job_record(job: JobResult) -> dict[str, Any]:
-    record = asdict(job)
-    record.pop("token_ids")
-    return record
-
-
-def systems_record(runs: Sequence[SystemRun]) -> dict[str, Any]:
-    """Each system's summary, note, load average and jobs (without their token ids), by name."""
-    return {
-        run.name: {
-            **run.summary(),
-            "note": run.note,
-            "load_average": list(run.load),
-            "jobs_detail": [job_record(j) for j in run.jobs],
-        }
-        for run in runs
-    }
-
-
-def results_payload(runs: Sequence[SystemRun], extra: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The slice's JSON: the run's metadata, the targets, the derived figures, every system."""
-    return {
-        "meta": meta,
-        "targets": {
-            "conveyor_vs_naive": TARGET_VS_NAIVE,
-            "conveyor_vs_raw_b32": TARGET_VS_RAW,
-            "ttft_overhead_ms": TARGET_TTFT_OVERHEAD_MS,
-        },
-        "derived": extra,
-        "systems": systems_record(runs),
-    }
-
-
 def in_process_meta(command: str) -> dict[str, str]:
     """What an in-process benchmark's report says about its run: the command, torch, when, the
     commit (CONVEYOR_COMMIT) and the load average at the end."""
-    import os
-    import time
-
     import torch
 
     return {
@@ -304,9 +391,14 @@ def in_process_meta(command: str) -> dict[str, str]:
     }
 
 
-def write_results(name: str, text: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> None:
-    """`text` to `<name>.md` and `payload` to `<name>.json`, in `directory`."""
+def write_results(
+    name: str, text: str, payload: dict[str, Any] | None, directory: Path = RESULTS_DIR
+) -> None:
+    """`text` to `<name>.md` and `payload` (unless None) to `<name>.json`, in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{name}.md").write_text(text)
-    (directory / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    say(f"wrote {directory / f'{name}.md'} and {directory / f'{name}.json'}")
+    written = [directory / f"{name}.md"]
+    if payload is not None:
+        (directory / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+        written.append(directory / f"{name}.json")
+    say(f"wrote {' and '.join(map(str, written))}")

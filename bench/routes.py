@@ -31,12 +31,10 @@ from typing import Any
 
 import httpx
 
-from bench.load import JobResult, failure, follow, load_client
-from bench.processes import free_port, say, server_process, terminate_on_sigterm, wait_ready
-from bench.prompts import Prompt
-from bench.replicas import prompt as note_prompt
+from bench.load import JobResult, conveyor_job, load_client, loadavg
+from bench.prompts import note, text_prompt
 from bench.report import git_commit, percentile, write_results
-from bench.slice import MODEL_DIR, MODEL_NAME, conveyor_env
+from bench.systems import MODEL_DIR, MODEL_NAME, conveyor, say, terminate_on_sigterm
 
 GEMMA = "gemma-3-270m"
 PLAIN = [
@@ -59,7 +57,7 @@ REASONING = [
 
 def long_prompts(n: int) -> list[str]:
     """Notes of 400 words (about 2,900 characters): over auto's max_prompt_chars of 2,000."""
-    return [note_prompt(i, 400) for i in range(n)]
+    return [note(i, 400) for i in range(n)]
 
 
 @dataclass
@@ -87,33 +85,20 @@ class Cell:
         }
 
 
-async def one_job(client: httpx.AsyncClient, model: str, text: str, index: int, max_tokens: int) -> JobResult:
-    """POST /v1/jobs with a raw prompt for exactly `max_tokens` tokens, then follow its events."""
-    prompt = Prompt(index, [], 0, [])
-    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    started = time.perf_counter()
-    try:
-        answer = await client.post("/v1/jobs", json=body)
-        if answer.status_code != 202:
-            return failure(prompt, started, f"HTTP {answer.status_code}: {answer.text[:200]}")
-        return await follow(client, prompt, answer.json()["urls"]["events"], started)
-    except httpx.HTTPError as exc:
-        return failure(prompt, started, f"{type(exc).__name__}: {exc}")
-
-
 async def measure(
     base_url: str, sets: dict[str, list[str]], routes: list[str], max_tokens: int
 ) -> list[Cell]:
     """Every set through every route, one job at a time; the routes take turns per prompt, so a
     change of machine load falls on all of them alike."""
     cells = {(name, route): Cell(name, route, []) for name in sets for route in routes}
+    jobs = {route: conveyor_job(max_tokens, model=route) for route in routes}
     async with load_client(base_url, 1) as client:
         for model in routes[1:]:  # warm each pipeline (first-step allocations) outside the figures
-            await one_job(client, model, PLAIN[0], -1, max_tokens)
+            await jobs[model](client, text_prompt(-1, PLAIN[0]))
         for name, texts in sets.items():
             for i, text in enumerate(texts):
                 for route in routes:
-                    cells[(name, route)].jobs.append(await one_job(client, route, text, i, max_tokens))
+                    cells[(name, route)].jobs.append(await jobs[route](client, text_prompt(i, text)))
             say(f"{name}: {len(texts)} prompts x {len(routes)} routes done")
     return list(cells.values())
 
@@ -184,24 +169,18 @@ def main() -> None:
         "max_tokens": args.max_tokens,
     }
     with tempfile.TemporaryDirectory(prefix="bench-routes-") as tmp:
-        port = free_port()
-        env = conveyor_env(port, Path(tmp))
-        env["CONVEYOR_MODELS"] = json.dumps({MODEL_NAME: str(MODEL_DIR), GEMMA: str(gemma)})
-        meta["dtype"] = env.setdefault("CONVEYOR_DTYPE", "auto")
-        env["CONVEYOR_METRICS_PORT"] = "0"  # only the api's are read; the usual ports may be taken
-        argv = [sys.executable, "-m", "app.cli", "up", "--model", MODEL_NAME, "--model", GEMMA]
-        log = Path(tmp) / "conveyor-up.log"
-        load_start = os.getloadavg()[0]
-        with server_process("conveyor up", argv, env, log, stop_timeout_s=60.0) as process:
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(f"{base}/readyz", process, 300.0, log)
-            except RuntimeError:
-                say(log.read_text()[-3000:])  # the log goes with the temporary directory
-                raise
-            policy = httpx.get(f"{base}/v1/models/auto", timeout=10).json()["route"]
-            cells = asyncio.run(measure(base, sets, routes, args.max_tokens))
-        meta["load"] = (load_start, os.getloadavg()[0])
+        settings = {
+            "CONVEYOR_MODELS": json.dumps({MODEL_NAME: str(MODEL_DIR), GEMMA: str(gemma)}),
+            "CONVEYOR_DTYPE": os.environ.get("CONVEYOR_DTYPE", "auto"),
+            "CONVEYOR_METRICS_PORT": "0",  # only the api's are read; the usual ports may be taken
+        }
+        meta["dtype"] = settings["CONVEYOR_DTYPE"]
+        load_start = loadavg()
+        args_up = ["--model", MODEL_NAME, "--model", GEMMA]
+        with conveyor("conveyor up", Path(tmp), settings, args=args_up) as system:
+            policy = httpx.get(f"{system.base_url}/v1/models/auto", timeout=10).json()["route"]
+            cells = asyncio.run(measure(system.base_url, sets, routes, args.max_tokens))
+        meta["load"] = (load_start, loadavg())
     text = report(cells, meta, policy)
     print(text)
     write_results("routes", text, {"meta": meta, "policy": policy, "cells": [c.summary() for c in cells]})

@@ -38,34 +38,57 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.load import conveyor_job, load_client
-from bench.processes import say, terminate_on_sigterm
-from bench.prompts import SEED, Prompt, make_prompts
-from bench.report import git_commit, token_stats, write_results
-from bench.scheduling_load import (
-    Timed,
+from bench.load import (
+    JobResult,
     TokenLog,
-    batch_stats,
-    class_summary,
     closed_loop_until,
+    conveyor_job,
     cycled,
+    load_client,
+    loadavg,
     open_loop,
+    open_run,
     poisson_arrivals,
-    throughput,
 )
-from bench.scheduling_report import markdown, payload
-from bench.scheduling_stack import Model, Probe, Stack, batch_log, chosen_model, stack, warm_up
+from bench.prompts import SEED, Prompt, make_prompts
+from bench.report import (
+    Target,
+    class_summary,
+    fmt,
+    git_commit,
+    job_record,
+    jobs_cell,
+    ratio,
+    row,
+    target_rows,
+    throughput,
+    token_stats,
+    write_results,
+)
+from bench.systems import (
+    Model,
+    Probe,
+    System,
+    batch_log,
+    chosen_model,
+    conveyor,
+    say,
+    terminate_on_sigterm,
+    warm_up,
+)
 
 HIGH_SEED = SEED + 1  # the high stream's arrivals and prompts
 POISSON_SEED = SEED + 2
 SHORT_USER_TOKENS = (10, 30)  # the high jobs' user messages: short interactive requests
+NOISE = 0.05  # a throughput ratio this close under 1.0 is equal within this machine's noise
 
 
 @dataclass(frozen=True)
@@ -81,15 +104,26 @@ class Plan:
     drain_cap_s: float = 180.0  # after the last arrival, jobs still running are given up after this
 
 
-def loadavg() -> float:
-    return os.getloadavg()[0]
+def targets(load: float) -> list[Target]:
+    at = f"at {load:.0%} load"
+    return [
+        Target("high_p95_ttft_saturated_vs_unloaded", "high P95 TTFT, saturated / unloaded", 1.5, False),
+        Target("p99_ttft_continuous_vs_request", f"P99 TTFT {at}, continuous / request", 0.5, False),
+        Target(
+            "throughput_continuous_vs_request",
+            f"throughput {at}, continuous / request",
+            1.0,
+            True,
+            noise=NOISE,
+        ),
+    ]
 
 
 # ---------------------------------------------------------------- experiments
 
 
 async def priority_run(
-    stack: Stack, plan: Plan, highs: list[Prompt], normals: list[Prompt]
+    system: System, plan: Plan, highs: list[Prompt], normals: list[Prompt]
 ) -> dict[str, Any]:
     """Phase A (high alone), phase B (high under normal saturation), phase C (normal alone: capacity)."""
     offsets = poisson_arrivals(plan.high_rate, plan.duration_s, HIGH_SEED)
@@ -97,14 +131,14 @@ async def priority_run(
     high = conveyor_job(plan.high_tokens, priority="high")
     tokens = TokenLog()
     normal = conveyor_job(plan.normal_tokens, priority="normal", on_token=tokens.add)
-    unloaded: list[Timed] = []
-    loaded: list[Timed] = []
-    normal_done: list[Timed] = []
+    unloaded: list[JobResult] = []
+    loaded: list[JobResult] = []
+    normal_done: list[JobResult] = []
     normal_submits: list[float] = []
-    probe = Probe(stack)
+    probe = Probe(system)
     probing = asyncio.create_task(probe.run())
     load = [loadavg()]
-    async with load_client(stack.base_url, plan.normal_clients + 32) as client:
+    async with load_client(system.base_url, plan.normal_clients + 32) as client:
         a_start = time.perf_counter() + 0.2
         say(f"priority A: {len(offsets)} high jobs alone over {plan.duration_s:.0f} s")
         await open_loop(client, high, high_prompts, offsets, cls="high", start=a_start, done=unloaded)
@@ -142,9 +176,9 @@ async def priority_run(
             await asyncio.wait_for(loops, plan.drain_cap_s)
         except TimeoutError:
             say(f"priority: normal jobs still in flight after {plan.drain_cap_s:.0f} s, given up")
-    batches = await batch_log(stack)
+    batches = await batch_log(system)
     await stop_probe(probing)
-    in_b = [t for t in normal_done if b_start <= t.submitted < b_end]
+    in_b = [j for j in normal_done if b_start <= j.submitted < b_end]
     b_tokens = tokens.between(b_start, b_end) / (b_end - b_start)
     c_tokens = tokens.between(b_end, c_end) / (c_end - b_end)
     return {
@@ -154,7 +188,7 @@ async def priority_run(
         "saturated_normal_tokens_per_s": b_tokens,
         "capacity_tokens_per_s": c_tokens,
         "capacity_jobs_per_s": c_tokens / plan.normal_tokens,
-        "capacity_completions_per_s": sum(1 for t in normal_done if b_end <= t.ended < c_end)
+        "capacity_completions_per_s": sum(1 for j in normal_done if b_end <= j.ended < c_end)
         / (c_end - b_end),
         "windows_s": {"unloaded": a_end - a_start, "saturated": b_end - b_start, "capacity": c_end - b_end},
         "probe": {
@@ -169,47 +203,41 @@ async def priority_run(
         },
         "load_average": load,
         "high_arrivals": len(offsets),
-        "jobs": [job_line(t, a_start, "unloaded") for t in unloaded]
-        + [job_line(t, b_start, "saturated") for t in (*loaded, *in_b)],
+        "jobs": [job_line(j, a_start, "unloaded") for j in unloaded]
+        + [job_line(j, b_start, "saturated") for j in (*loaded, *in_b)],
     }
 
 
 async def poisson_run(
-    stack: Stack, plan: Plan, prompts: list[Prompt], offsets: list[float]
+    system: System, plan: Plan, prompts: list[Prompt], offsets: list[float]
 ) -> dict[str, Any]:
     """Open-loop arrivals at `offsets`; waits for the last job, up to `drain_cap_s` after the last arrival."""
-    done: list[Timed] = []
-    probe = Probe(stack)
+    probe = Probe(system)
     probing = asyncio.create_task(probe.run())
-    load = [loadavg()]
     job = conveyor_job(plan.normal_tokens)
-    async with load_client(stack.base_url, 256) as client:
-        start = time.perf_counter() + 0.2
-        arrivals = open_loop(client, job, prompts, offsets, cls=stack.name, start=start, done=done)
-        try:
-            await asyncio.wait_for(arrivals, timeout=offsets[-1] + 0.2 + plan.drain_cap_s)
-        except TimeoutError:
-            say(
-                f"{stack.name}: {len(offsets) - len(done)} jobs unfinished "
-                f"{plan.drain_cap_s:.0f} s after the last arrival"
-            )
-        end = time.perf_counter()
-    load.append(loadavg())
-    batches = await batch_log(stack)
+    run = await open_run(
+        system.base_url, job, prompts, offsets, cls=system.name, drain_cap_s=plan.drain_cap_s, clients=256
+    )
+    if len(run.jobs) < len(offsets):
+        say(
+            f"{system.name}: {len(offsets) - len(run.jobs)} jobs unfinished "
+            f"{plan.drain_cap_s:.0f} s after the last arrival"
+        )
+    batches = await batch_log(system)
     await stop_probe(probing)
-    summary = class_summary(done, submitted=len(offsets))
-    summary.update(throughput(done, start))
+    summary = class_summary(run.jobs, submitted=len(offsets))
+    summary.update(throughput(run.jobs, run.start))
     summary["drain_s"] = max(0.0, summary["span_s"] - offsets[-1])
     say(
-        f"{stack.name}: {summary['ok']}/{len(offsets)} ok, {summary['jobs_per_s']:.2f} jobs/s, "
+        f"{system.name}: {summary['ok']}/{len(offsets)} ok, {summary['jobs_per_s']:.2f} jobs/s, "
         f"TTFT p99 {summary['ttft_p99_s'] or 0:.2f} s"
     )
     return {
         "summary": summary,
-        "probe": probe.window(start, end),
-        "batches": batch_stats(batches, start, end),
-        "load_average": load,
-        "jobs": [job_line(t, start, "poisson") for t in done],
+        "probe": probe.window(run.start, run.end),
+        "batches": batch_stats(batches, run.start, run.end),
+        "load_average": list(run.load),
+        "jobs": [job_line(j, run.start, "poisson") for j in run.jobs],
     }
 
 
@@ -219,10 +247,230 @@ async def stop_probe(probing: asyncio.Task[None]) -> None:
     await asyncio.wait({probing}, timeout=5.0)
 
 
-def job_line(t: Timed, origin: float, phase: str) -> dict[str, Any]:
+def job_line(job: JobResult, origin: float, phase: str) -> dict[str, Any]:
     """One job for the JSON: its phase and class, submit time from the phase's start, its result."""
-    record = {k: v for k, v in asdict(t.job).items() if k != "token_ids"}
-    return {"phase": phase, "class": t.cls, "submitted_s": t.submitted - origin, **record}
+    return {"phase": phase, "class": job.cls, "submitted_s": job.submitted - origin, **job_record(job)}
+
+
+def batch_stats(entries: Sequence[tuple[float, dict[str, str]]], start: float, end: float) -> dict[str, Any]:
+    """What the batcher and the workers did in [start, end), from the batch log (time, fields) in order.
+
+    A dispatch entry has a `bucket`; a batch that joined a running one has a second entry with
+    `joined` (its host). A dispatched batch with no join entry ran on its own: every batch does with
+    request-level batching; with continuous batching, one that found no running batch with room.
+    The longest gap counts from `start` to the first dispatch, between dispatches, and from the last
+    one to `end`: time in which no new batch was started.
+    """
+    joined_ids = {f["batch_id"] for _, f in entries if "joined" in f}
+    dispatched = [(t, f) for t, f in entries if "bucket" in f and start <= t < end]
+    hosts = Counter(f["joined"] for t, f in entries if "joined" in f and start <= t < end)
+    times = [start, *(t for t, _ in dispatched), end]
+    return {
+        "dispatched": len(dispatched),
+        "joined": sum(1 for _, f in dispatched if f["batch_id"] in joined_ids),
+        "ran_alone": sum(1 for _, f in dispatched if f["batch_id"] not in joined_ids),
+        "sizes": [int(f["size"]) for _, f in dispatched],
+        "joins_into_busiest_host": max(hosts.values(), default=0),
+        "longest_gap_s": max(b - a for a, b in zip(times, times[1:], strict=False)),
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float | None]:
+    """High P95 TTFT saturated/unloaded; P99 TTFT and jobs/s continuous/request (None where missing)."""
+    prio, poisson = results.get("priority", {}), results.get("poisson", {})
+    cont = (poisson.get("continuous") or {}).get("summary") or {}
+    req = (poisson.get("request") or {}).get("summary") or {}
+    return {
+        "high_p95_ttft_saturated_vs_unloaded": ratio(
+            (prio.get("high_saturated") or {}).get("ttft_p95_s"),
+            (prio.get("high_unloaded") or {}).get("ttft_p95_s"),
+        ),
+        "p99_ttft_continuous_vs_request": ratio(cont.get("ttft_p99_s"), req.get("ttft_p99_s")),
+        "throughput_continuous_vs_request": ratio(cont.get("jobs_per_s"), req.get("jobs_per_s")),
+    }
+
+
+def ttft_row(name: str, s: dict[str, Any]) -> str:
+    """| name | jobs | TTFT p50 / p95 / p99 (ms) | latency p50 / p99 (s) |"""
+    return row(
+        name,
+        jobs_cell(s),
+        *(fmt(s[f"ttft_p{q}_s"], 1000, 0) for q in (50, 95, 99)),
+        fmt(s["latency_p50_s"]),
+        fmt(s["latency_p99_s"]),
+    )
+
+
+TTFT_HEADER = [
+    "| jobs | ok/submitted | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) "
+    "| latency p50 (s) | latency p99 (s) |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+]
+
+
+def batch_line(name: str, b: dict[str, Any]) -> str:
+    """What the batch log says about one window: dispatches, joins, batches alone, the longest stall."""
+    sizes = sorted(b["sizes"]) or [0]
+    return (
+        f"- {name}: {b['dispatched']} batches dispatched (size median {sizes[len(sizes) // 2]}, "
+        f"max {sizes[-1]}); {b['joined']} joined a running batch ({b['joins_into_busiest_host']} joins "
+        f"into the busiest host), {b['ran_alone']} ran on their own; longest time with no batch "
+        f"dispatched: {b['longest_gap_s']:.1f} s"
+    )
+
+
+def priority_section(prio: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    plan = meta["plan"]
+    if "error" in prio:
+        return [f"Not measured: {prio['error']}"]
+    sat, cap = prio["probe"]["saturated"], prio["probe"]["capacity"]
+    return [
+        f"`high` jobs arrive as a seeded Poisson stream ({plan['high_rate']:g}/s for "
+        f"{plan['duration_s']:.0f} s, {prio['high_arrivals']} jobs; prompts of {meta['high_prompt_tokens']} "
+        f"tokens; {plan['high_tokens']} tokens each), first alone, then with the same schedule while "
+        f"{plan['normal_clients']} closed-loop `normal` clients ({plan['normal_tokens']} tokens a job, "
+        f"prompts of {meta['normal_prompt_tokens']} tokens) saturate the stack. Continuous batching, "
+        "default settings.",
+        "",
+        "| phase | class " + TTFT_HEADER[0].removeprefix("| jobs "),
+        "|---" + TTFT_HEADER[1],
+        ttft_row("unloaded | high", prio["high_unloaded"]),
+        ttft_row("saturated | high", prio["high_saturated"]),
+        ttft_row("saturated | normal", prio["normal_saturated"]),
+        "",
+        f"- normal throughput while saturated: {prio['saturated_normal_tokens_per_s']:.1f} tokens/s; "
+        f"alone afterwards (the capacity window, {prio['windows_s']['capacity']:.0f} s): "
+        f"{prio['capacity_tokens_per_s']:.1f} tokens/s = {prio['capacity_jobs_per_s']:.2f} jobs/s "
+        f"({prio['capacity_completions_per_s']:.2f} completions/s)",
+        "- jobs waiting in the intake while saturated, median / max: "
+        f"{fmt(sat['waiting_median'], digits=0)} / "
+        f"{fmt(sat['waiting_max'], digits=0)} (capacity window: {fmt(cap['waiting_median'], digits=0)} / "
+        f"{fmt(cap['waiting_max'], digits=0)})",
+        f"- stage 0 step time (worker's EWMA, prefills and decode steps), median: unloaded "
+        f"{fmt(prio['probe']['unloaded']['step_ewma_median_s'], 1000, 0)} ms, saturated "
+        f"{fmt(sat['step_ewma_median_s'], 1000, 0)} ms",
+        f"- high P95 TTFT on the server's clock (first_token_at - created_at): unloaded "
+        f"{fmt(prio['high_unloaded']['server_ttft_p95_s'], 1000, 0)} ms, saturated "
+        f"{fmt(prio['high_saturated']['server_ttft_p95_s'], 1000, 0)} ms; P95 of its parts, unloaded / "
+        "saturated: "
+        + ", ".join(
+            f"{name} {fmt(prio['high_unloaded']['phases_p95_s'].get(name), 1000, 0)} / "
+            f"{fmt(prio['high_saturated']['phases_p95_s'].get(name), 1000, 0)} ms"
+            for name in ("intake", "handoff", "prefill")
+        )
+        + " (intake: created -> scheduled; handoff: -> started on stage 0; prefill: -> first token)",
+        f"- windows: unloaded {prio['windows_s']['unloaded']:.0f} s, saturated "
+        f"{prio['windows_s']['saturated']:.0f} s (each high stream's window lasts until its last job ends)",
+        batch_line("batches while saturated", prio["batches"]["saturated"]),
+        batch_line("batches in the capacity window", prio["batches"]["capacity"]),
+    ]
+
+
+def poisson_row(mode: str, run: dict[str, Any]) -> str:
+    if "error" in run:
+        return f"| {mode} | not measured | | | | | | | | | |"
+    s, probe = run["summary"], run["probe"]
+    return row(
+        mode,
+        jobs_cell(s),
+        fmt(s["jobs_per_s"]),
+        fmt(s["tokens_per_s"], digits=1),
+        *(fmt(s[f"ttft_p{q}_s"], 1000, 0) for q in (50, 95, 99)),
+        fmt(s["latency_p50_s"]),
+        fmt(s["latency_p99_s"]),
+        fmt(s["drain_s"], digits=1),
+        f"{fmt(probe['waiting_median'], digits=0)} / {fmt(probe['waiting_max'], digits=0)}",
+    )
+
+
+def poisson_section(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    plan, prio = meta["plan"], results["priority"]
+    if not results["poisson"]:
+        return ["Not measured (--priority-only, or no capacity figure from the priority stack)."]
+    return [
+        f"Capacity (continuous batching, {plan['normal_clients']} closed-loop clients, "
+        f"{plan['normal_tokens']} tokens a job): {prio['capacity_jobs_per_s']:.2f} jobs/s. Poisson arrivals "
+        f"at {plan['load']:.0%} of it, {results['poisson_rate_jobs_per_s']:.2f} jobs/s for "
+        f"{plan['poisson_s']:.0f} s ({results['poisson_arrivals']} jobs, seed {meta['seeds']['poisson']}), "
+        "the same schedule and prompts on two fresh stacks that differ only in CONVEYOR_BATCHING. "
+        "Throughput: first arrival to last completion.",
+        "",
+        "| batching | ok/submitted | jobs/s | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) "
+        "| latency p50 (s) | latency p99 (s) | drain (s) | waiting median / max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(poisson_row(mode, run) for mode, run in results["poisson"].items()),
+        "",
+        *(
+            batch_line(f"{mode}, batches", run["batches"])
+            for mode, run in results["poisson"].items()
+            if "batches" in run
+        ),
+    ]
+
+
+def notes(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    lines = []
+    loads = [("priority", results["priority"].get("load_average"))]
+    loads += [(f"poisson {m}", r.get("load_average")) for m, r in results["poisson"].items()]
+    lines.append(
+        "- 1-minute load average at the start and end of each phase (2 cores, shared; other work skews "
+        "absolute numbers, not ratios within a run): "
+        + ", ".join(f"{name} {' -> '.join(f'{v:.1f}' for v in values)}" for name, values in loads if values)
+    )
+    errors = [f"- {name}: {error}" for name, s in summaries(results) for error in (s.get("errors") or [])]
+    return lines + errors
+
+
+def summaries(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    prio = results["priority"]
+    found = [
+        (f"priority {k}", prio[k])
+        for k in ("high_unloaded", "high_saturated", "normal_saturated")
+        if k in prio
+    ]
+    found += [(f"poisson {m}", r["summary"]) for m, r in results["poisson"].items() if "summary" in r]
+    return found
+
+
+def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    plan = meta["plan"]
+    shortened = (
+        "" if meta["default_plan"] else " Shortened or changed from the defaults: see the plan in the JSON."
+    )
+    lines = [
+        f"# Scheduling benchmark ({meta['model']})",
+        "",
+        f"{meta['model']}, fp32, CPU ({meta['cpus']} cores), greedy, ignore_eos; {meta['started']}, commit "
+        f"{meta['commit']}; {meta['bench_wall_s'] / 60:.1f} min in all.{shortened} TTFT and latency on the "
+        "client's clock.",
+        "",
+        "## Priority under saturation",
+        "",
+        *priority_section(results["priority"], meta),
+        "",
+        "## Iteration-level (continuous) against request-level batching, Poisson load",
+        "",
+        *poisson_section(results, meta),
+        "",
+        "## Targets",
+        "",
+        *target_rows(targets(plan["load"]), ratios(results)),
+        "",
+        *notes(results, meta),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def payload(results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "targets": {t.key: t.goal for t in targets(meta["plan"]["load"])},
+        "ratios": ratios(results),
+        "results": results,
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -235,13 +483,13 @@ def run_stack(
     *,
     batching: str,
     warm: list[Prompt],
-    body: Callable[[Stack], Coroutine[Any, Any, dict[str, Any]]],
+    body: Callable[[System], Coroutine[Any, Any, dict[str, Any]]],
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Start a stack, warm it up, run `body` on it; {"error": ...} if the stack did not come up."""
     try:
-        with stack(name, model, workdir, {"CONVEYOR_BATCHING": batching}) as s:
-            asyncio.run(warm_up(s, warm))
-            return asyncio.run(body(s)), s.env
+        with conveyor(name, workdir, {"CONVEYOR_BATCHING": batching}, model=model) as system:
+            warm_up(system, warm)
+            return asyncio.run(body(system)), dict(system.env)
     except RuntimeError as exc:
         say(f"{name}: not measured: {exc}")
         return {"error": str(exc)}, {}

@@ -15,7 +15,8 @@ not stream, so its TTFT is its latency. For raw generate a job's latency is its 
 TTFT the moment that call produced its first token. Per system: throughput in generated tokens/s over
 the whole run (tokens of successful jobs / wall time from the first submit to the last completion),
 P50/P99 latency and P50 TTFT. The raw prefill time (one forward pass over one prompt at batch 1, median
-of a few runs) is the floor Conveyor's c1 TTFT is compared with. One warm-up job per system is not counted.
+of a few runs) is the floor Conveyor's c1 TTFT is compared with. A server's warm-up jobs (bench.systems'
+`warm_up`) are not counted.
 
 The prompts are a seeded list of chat requests whose user messages span roughly 10 to 120 tokens (the
 chat template adds its system prompt); every system gets the same token ids. The concurrent systems run
@@ -34,17 +35,13 @@ REDIS_URL is set); the logs of both servers are kept in a temporary directory wh
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
-import json
 import os
 import platform
-import secrets
-import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,28 +49,37 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from bench.load import Job, JobResult, conveyor_job, naive_job, run_load
-from bench.processes import ROOT, free_port, say, server_process, terminate_on_sigterm, wait_ready
+from bench.load import JobResult, Run, closed_run
 from bench.prompts import SEED, Prompt, make_prompts, spread
-from bench.raw import PREFILL_RUNS, load_model, prefill_s, run_raw
+from bench.raw import PREFILL_RUNS, prefill_s, raw_runs
 from bench.report import (
-    SystemRun,
-    derived,
+    Target,
+    failed,
+    failure_lines,
+    fmt,
     git_commit,
-    markdown,
+    greedy_agreement,
+    percentile,
+    ratio,
     report_run,
-    results_payload,
+    system_table,
+    systems_record,
+    target_rows,
     token_stats,
     write_results,
 )
-
-MODEL_NAME = "SmolLM2-135M-Instruct"
-MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
+from bench.systems import MODEL_DIR, MODEL_NAME, System, conveyor, naive, say, terminate_on_sigterm, warm_up
 
 MAX_TOKENS = 64
 CONCURRENCY = 32
 BATCH = 32
-READY_TIMEOUT_S = 120.0
+TARGETS = [
+    Target("conveyor_vs_naive", "conveyor c32 / naive c32 throughput", 3.8, True),
+    Target("conveyor_vs_raw_b32", "conveyor c32 / raw b32 throughput", 0.7, True),
+    Target(
+        "ttft_overhead_ms", "conveyor c1 p50 TTFT - raw prefill", 30, False, unit=" ms", scale=1000, digits=1
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -87,38 +93,26 @@ FULL = Mode("full", concurrent_jobs=64, sequential_jobs=8)
 QUICK = Mode("quick", concurrent_jobs=32, sequential_jobs=4)
 
 
-def measure(
-    name: str, base_url: str, job: Job, warmup: Job, prompts: Sequence[Prompt], concurrency: int
-) -> SystemRun:
-    """One warm-up job, then the prompts under `concurrency` closed-loop clients."""
-    warm = asyncio.run(run_load(base_url, warmup, prompts[:1], 1))[0][0]
-    if not warm.ok:
-        say(f"{name}: warm-up job failed: {warm.error}")
-    load = os.getloadavg()[0]
-    jobs, wall = asyncio.run(run_load(base_url, job, prompts, concurrency))
-    run = SystemRun(name, jobs, wall, load=(load, os.getloadavg()[0]))
-    report_run(run)
-    return run
+def measure(system: System, loads: Sequence[tuple[str, Sequence[Prompt], int]]) -> list[Run]:
+    """The system warmed up, then each (name, prompts, concurrency) as a closed loop, `MAX_TOKENS` a job."""
+    warm_up(system, loads[0][1])
+    runs = []
+    for name, prompts, clients in loads:
+        runs.append(closed_run(name, system.base_url, system.make(MAX_TOKENS), prompts, clients))
+        report_run(runs[-1])
+    return runs
 
 
-def not_run(name: str, prompts: Sequence[Prompt], error: str) -> SystemRun:
+def not_run(name: str, prompts: Sequence[Prompt], error: str) -> Run:
     say(f"{name}: not measured: {error}")
-    return SystemRun(name, [JobResult(p.index, False, 0.0, None, 0, error) for p in prompts], 0.0, note=error)
-
-
-# ---------------------------------------------------------------- systems
+    return Run(name, [JobResult(p.index, False, 0.0, None, 0, error) for p in prompts], note=error)
 
 
 def bench_raw(
     tokenizer: Any, all_prompts: list[Prompt], few: list[Prompt]
-) -> tuple[list[SystemRun], dict[str, Any]]:
-    model = load_model(MODEL_DIR)
-    pad_id = int(tokenizer.pad_token_id)
-    runs = []
-    for prompts, batch in ((few, 1), (all_prompts, BATCH)):
-        run = run_raw(model, prompts, pad_id, batch, MAX_TOKENS)
-        report_run(run)
-        runs.append(run)
+) -> tuple[list[Run], dict[str, Any]]:
+    plan = [(few, 1), (all_prompts, BATCH)]
+    model, runs = raw_runs(MODEL_DIR, plan, int(tokenizer.pad_token_id), MAX_TOKENS)
     median_prompt = sorted(few, key=lambda p: len(p.ids))[len(few) // 2]
     prefill = {
         "prompt": median_prompt.index,
@@ -134,64 +128,98 @@ def bench_raw(
     return runs, prefill
 
 
-def bench_naive(prompts: list[Prompt], workdir: Path) -> SystemRun:
-    port = free_port()
-    env = dict(os.environ, BENCH_MODEL_PATH=str(MODEL_DIR))
-    argv = [sys.executable, "-m", "uvicorn", "--factory", "bench.naive_server:app_from_env"]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    log = workdir / "naive-server.log"
-    name = f"naive server c{CONCURRENCY}"
-    try:
-        with server_process("naive server", argv, env, log, stop_timeout_s=15.0) as process:
-            base = f"http://127.0.0.1:{port}"
-            wait_ready(f"{base}/healthz", process, READY_TIMEOUT_S, log)
-            return measure(name, base, naive_job(MAX_TOKENS), naive_job(8), prompts, CONCURRENCY)
-    except RuntimeError as exc:
-        return not_run(name, prompts, f"naive server: {exc}")
-
-
-def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
-    """The user's environment (REDIS_URL and any CONVEYOR_* pass through) plus this run's own stack."""
-    env = dict(os.environ)
-    env.update(
-        CONVEYOR_FLOWER="false",
-        CONVEYOR_API_PORT=str(api_port),
-        CONVEYOR_NAMESPACE=f"bench-{secrets.token_hex(4)}",
-        CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),
-        # Its own home: the embedded Redis keeps its data away from a developer's .conveyor/redis.
-        CONVEYOR_HOME=str(workdir / "home"),
-        CONVEYOR_MODELS=json.dumps({MODEL_NAME: str(MODEL_DIR)}),
-        CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
-    )
-    env.setdefault("CONVEYOR_AUTH", "none")  # the load clients send no credential (loopback only)
-    return env
-
-
-def bench_conveyor(
+def bench_servers(
     all_prompts: list[Prompt], few: list[Prompt], workdir: Path
-) -> tuple[list[SystemRun], dict[str, str]]:
-    port = free_port()
-    env = conveyor_env(port, workdir)
-    used = {k: v for k, v in env.items() if k.startswith("CONVEYOR_") or k == "REDIS_URL"}
-    log = workdir / "conveyor-up.log"
-    names = ("conveyor c1", f"conveyor c{CONCURRENCY}")
+) -> tuple[list[Run], dict[str, str]]:
+    """The naive server at c32, then Conveyor at c1 and c32; a system that did not start is a run
+    of failed jobs."""
+    runs: list[Run] = []
+    naive_name, names = f"naive server c{CONCURRENCY}", ("conveyor c1", f"conveyor c{CONCURRENCY}")
     try:
-        with server_process(
-            "conveyor up", [sys.executable, "-m", "app.cli", "up"], env, log, stop_timeout_s=60.0
-        ) as process:
-            base = f"http://127.0.0.1:{port}"
-            started = time.perf_counter()
-            wait_ready(f"{base}/readyz", process, READY_TIMEOUT_S, log)
-            say(f"conveyor: ready after {time.perf_counter() - started:.1f} s")
-            job, warmup = conveyor_job(MAX_TOKENS), conveyor_job(8)
-            runs = [measure(names[0], base, job, warmup, few, 1)]
-            runs.append(measure(names[1], base, job, warmup, all_prompts, CONCURRENCY))
-            return runs, used
+        with naive(workdir) as system:
+            runs += measure(system, [(naive_name, all_prompts, CONCURRENCY)])
     except RuntimeError as exc:
-        error = f"conveyor: {exc}"
-        return [not_run(names[0], few, error), not_run(names[1], all_prompts, error)], used
-    finally:
-        shutil.rmtree(workdir / "home", ignore_errors=True)
+        runs.append(not_run(naive_name, all_prompts, str(exc)))
+    try:
+        with conveyor("conveyor up", workdir) as system:
+            runs += measure(system, [(names[0], few, 1), (names[1], all_prompts, CONCURRENCY)])
+            return runs, dict(system.env)
+    except RuntimeError as exc:
+        return [*runs, not_run(names[0], few, str(exc)), not_run(names[1], all_prompts, str(exc))], {}
+
+
+# ---------------------------------------------------------------- figures and report
+
+
+def derived(
+    runs: Mapping[str, Run], prefill: dict[str, Any], eos_ids: set[int], *, concurrency: int, batch: int
+) -> dict[str, Any]:
+    """The slice's figures: throughput ratios, TTFT against the raw prefill, Conveyor's batch sizes."""
+    c1, c32 = runs["conveyor c1"], runs[f"conveyor c{concurrency}"]
+    naive_run, raw32 = runs[f"naive server c{concurrency}"], runs[f"raw generate b{batch}"]
+    c1_ttft = percentile([j.ttft_s for j in c1.ok if j.ttft_s is not None], 50)
+    server_ttft = percentile([j.server_ttft_s for j in c1.ok if j.server_ttft_s is not None], 50)
+    batches = {j.batch_id: j.batch_size for j in c32.ok if j.batch_id and j.batch_size}
+    sizes = sorted(batches.values())
+    job_sizes = [j.batch_size for j in c32.ok if j.batch_size]
+    overhead = c1_ttft - prefill["seconds"] if c1_ttft is not None else None
+    return {
+        "conveyor_vs_naive": ratio(c32.tokens_per_s(), naive_run.tokens_per_s()),
+        "conveyor_vs_raw_b32": ratio(c32.tokens_per_s(), raw32.tokens_per_s()),
+        "raw_prefill": prefill,
+        "conveyor_c1_p50_ttft_s": c1_ttft,
+        "ttft_overhead_s": overhead,
+        "conveyor_c1_p50_server_ttft_s": server_ttft,
+        "conveyor_c32_p50_server_ttft_s": percentile(
+            [j.server_ttft_s for j in c32.ok if j.server_ttft_s is not None], 50
+        ),
+        "conveyor_c32_mean_batch_size": sum(sizes) / len(sizes) if sizes else None,
+        "conveyor_c32_job_weighted_batch_size": sum(job_sizes) / len(job_sizes) if job_sizes else None,
+        "conveyor_c32_batch_sizes": sizes,
+        "greedy_agreement_c1_vs_raw_b1": greedy_agreement(runs["raw generate b1"], c1, eos_ids),
+    }
+
+
+def notes(runs: Sequence[Run], extra: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    prefill, agreement = extra["raw_prefill"], extra["greedy_agreement_c1_vs_raw_b1"]
+    return [
+        f"- raw prefill, batch 1, prompt of {prefill['prompt_tokens']} tokens (median of {PREFILL_RUNS}): "
+        f"{fmt(prefill['seconds'], 1000, 1)} ms",
+        f"- conveyor c1 p50 TTFT: client {fmt(extra['conveyor_c1_p50_ttft_s'], 1000, 1)} ms, server "
+        f"(first_token_at - created_at) {fmt(extra['conveyor_c1_p50_server_ttft_s'], 1000, 1)} ms",
+        f"- conveyor c32 mean batch size: {fmt(extra['conveyor_c32_mean_batch_size'], digits=1)} over "
+        f"{len(extra['conveyor_c32_batch_sizes'])} batches (sizes {extra['conveyor_c32_batch_sizes']}; "
+        f"mean over jobs {fmt(extra['conveyor_c32_job_weighted_batch_size'], digits=1)})",
+        "- 1-minute load average at the start and end of each system (2 cores; other work skews results): "
+        + ", ".join(f"{r.name} {r.load[0]:.1f}-{r.load[1]:.1f}" for r in runs),
+        f"- greedy agreement, conveyor c1 vs raw b1: {agreement['identical']}/"
+        f"{agreement['compared']} identical",
+        f"- prompt tokens (chat-templated): {meta['prompt_tokens']}; "
+        f"user message tokens: {meta['user_tokens']}",
+    ]
+
+
+def markdown(runs: Sequence[Run], extra: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The slice report: the system table, the targets, the notes behind them, any failures."""
+    values = {  # the overhead's target is in ms: its value in seconds, shown times 1000
+        "conveyor_vs_naive": extra["conveyor_vs_naive"],
+        "conveyor_vs_raw_b32": extra["conveyor_vs_raw_b32"],
+        "ttft_overhead_ms": extra["ttft_overhead_s"],
+    }
+    lines = [
+        f"# Conveyor slice benchmark ({meta['mode']})",
+        "",
+        f"{meta['model']}, fp32, CPU ({meta['cpus']} cores, torch threads {meta['torch_threads']}), greedy, "
+        f"{meta['max_tokens']} tokens per job; {meta['started']}, commit {meta['commit']}.",
+        "",
+        *system_table(runs),
+        "",
+        *target_rows(TARGETS, values),
+        "",
+        *notes(runs, extra, meta),
+        *failure_lines(runs),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main
@@ -245,18 +273,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(few)} sequential; logs in {workdir}"
     )
     started = time.perf_counter()
-    raw_runs, prefill = bench_raw(tokenizer, prompts, few)
-    naive = bench_naive(prompts, workdir)
-    conveyor_runs, meta["conveyor_env"] = bench_conveyor(prompts, few, workdir)
-    runs = [*raw_runs, naive, *conveyor_runs]
+    raw, prefill = bench_raw(tokenizer, prompts, few)
+    servers, meta["conveyor_env"] = bench_servers(prompts, few, workdir)
+    runs = [*raw, *servers]
     meta["bench_wall_s"] = time.perf_counter() - started
     eos = tokenizer.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
     extra = derived({r.name: r for r in runs}, prefill, eos_ids, concurrency=CONCURRENCY, batch=BATCH)
-    text = markdown(runs, extra, meta, prefill_runs=PREFILL_RUNS)
+    text = markdown(runs, extra, meta)
     print(text)
-    write_results("slice", text, results_payload(runs, extra, meta))
-    return 0 if all(not r.summary()["failed"] for r in runs) else 1
+    payload = {
+        "meta": meta,
+        "targets": {t.key: t.goal for t in TARGETS},
+        "derived": extra,
+        "systems": systems_record(runs),
+    }
+    write_results("slice", text, payload)
+    return 1 if failed(runs) else 0
 
 
 if __name__ == "__main__":

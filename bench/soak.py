@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import json
 import random
-import secrets
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -42,12 +40,20 @@ from pathlib import Path
 import httpx
 import redis as redis_lib
 
-from bench.processes import child_pids, free_port, say, server_process, terminate_on_sigterm, wait_ready
-from bench.replicas import consecutive_ports
+from bench.load import JobResult, closed_loop_until, inference_job, poisson_arrivals
+from bench.prompts import Prompt
 from bench.report import RESULTS_DIR, git_commit
-from bench.scheduling_stack import Model, chosen_model
-from bench.slice import conveyor_env
-from bench.suite_systems import log_tail
+from bench.systems import (
+    Model,
+    System,
+    child_pids,
+    chosen_model,
+    consecutive_ports,
+    conveyor,
+    redis_server,
+    say,
+    terminate_on_sigterm,
+)
 
 SAMPLE_S = 15.0
 WATCH_S = 5.0
@@ -62,15 +68,6 @@ WORDS = "river stone cloud lantern orbit maple signal harbor copper meadow viole
 
 
 # ---------------------------------------------------------------- pure parts (tests/unit/test_soak_bench.py)
-
-
-def arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
-    """Poisson arrival times in [0, seconds) at `rate` per second (exponential gaps)."""
-    out, t = [], rng.expovariate(rate)
-    while t < seconds:
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 def kind_of(rng: random.Random, cancel: float, poison: float) -> str:
@@ -160,21 +157,26 @@ async def calibrate(
     client: httpx.AsyncClient, keys: dict[str, str], seconds: float, max_tokens: int
 ) -> float:
     """Jobs per second the stack finishes when kept saturated (a closed loop of 32 clients)."""
-    done, stop = 0, time.monotonic() + seconds
-
-    async def loop(c: int) -> None:
-        nonlocal done
-        headers = {"X-API-Key": keys["tenant-a"]}
-        i = c
-        while time.monotonic() < stop:
-            answer = await client.post("/v1/inference", json=job_body(i, max_tokens), headers=headers)
-            if answer.status_code == 200:
-                done += 1
-            i += 32
-
-    started = time.monotonic()
-    await asyncio.gather(*(loop(c) for c in range(32)))
-    return done / (time.monotonic() - started)
+    job = inference_job(lambda p: job_body(p.index, max_tokens), {"X-API-Key": keys["tenant-a"]})
+    done: list[JobResult] = []
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    loops = asyncio.create_task(
+        closed_loop_until(
+            client,
+            job,
+            lambda n: Prompt(n, [], 0, []),
+            clients=32,
+            cls="",
+            stagger_s=0.0,
+            stop=stop,
+            done=done,
+        )
+    )
+    await asyncio.sleep(seconds)
+    stop.set()
+    await loops  # the jobs in flight end
+    return sum(1 for j in done if j.ok) / (time.perf_counter() - started)
 
 
 async def one(
@@ -275,12 +277,12 @@ async def soak(
     args: argparse.Namespace,
     namespace: str,
 ) -> tuple[Tally, Samples]:
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed + 1)  # the traffic mix; the arrivals have the seed's own stream
     tally, samples = Tally(), Samples()
     stop = asyncio.Event()
     watching = asyncio.create_task(watch(redis, namespace, tally, stop))
     seconds = args.minutes * 60
-    times = arrivals(rate, seconds, rng)
+    times = poisson_arrivals(rate, seconds, args.seed)
     say(f"soak: {len(times)} arrivals over {args.minutes:g} min at {rate:.2f}/s")
     started = time.monotonic()
     tasks: set[asyncio.Task[None]] = set()
@@ -332,47 +334,39 @@ async def drain(client: httpx.AsyncClient, keys: dict[str, str], tally: Tally, t
     tally.stuck = list(waiting)
 
 
-async def run(args: argparse.Namespace, model: Model, workdir: Path) -> str:
+def run(args: argparse.Namespace, model: Model, workdir: Path) -> str:
     from app.api.auth import key_digest, new_api_key
-    from app.core.redis import start_embedded
 
     keys = {tenant: new_api_key() for tenant, _ in TENANTS}
-    port = free_port()
-    embedded, url = start_embedded(workdir / "redis", free_port(), password=secrets.token_hex(16))
-    env = {**conveyor_env(port, workdir), **model.env(), "REDIS_URL": url}
-    env |= {
+    settings = {
         "CONVEYOR_AUTH": "keys",
         "CONVEYOR_API_KEYS": json.dumps({key_digest(k): t for t, k in keys.items()}),
         "CONVEYOR_ENDED_JOB_TTL_S": str(args.ended_ttl_s),
         "CONVEYOR_METRICS_PORT": str(consecutive_ports(8)),
         "CONVEYOR_RATE_LIMITS": json.dumps({t: {"rps": 1000, "burst": 2000} for t in keys}),
     }
-    log = workdir / "up.log"
-    redis = redis_lib.Redis.from_url(url)
-    try:
-        with server_process("conveyor up", [sys.executable, "-m", "app.cli", "up"], env, log, 60.0) as up:
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(f"{base}/readyz", up, 300.0, log)
-            except RuntimeError:
-                say("conveyor up did not become ready; its log ends:\n" + log_tail(log))
-                raise
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-            async with httpx.AsyncClient(base_url=base, timeout=120.0, limits=limits) as client:
-                capacity = await calibrate(client, keys, args.calibrate_s, args.max_tokens)
-                say(f"capacity: {capacity:.2f} jobs/s")
-                t0 = time.time()
-                roots = [up.pid, embedded.pid]
-                namespace = env["CONVEYOR_NAMESPACE"]
-                tally, samples = await soak(client, keys, redis, roots, capacity * args.load, args, namespace)
-                await drain(
-                    client, keys, tally, 30.0
-                )  # what the watcher did not see end, as a client sees it
-                elapsed = time.time() - t0
-        text = log.read_text(errors="replace")
-    finally:
-        embedded.terminate()
+    with redis_server(workdir) as (url, redis_process):
+        with conveyor("conveyor up", workdir, settings | {"REDIS_URL": url}, model=model) as system:
+            capacity, elapsed, tally, samples = asyncio.run(measure(system, keys, [redis_process.pid], args))
+        text = system.log.read_text(errors="replace")
     return report(args, model, capacity, elapsed, tally, samples, tracebacks(text))
+
+
+async def measure(
+    system: System, keys: dict[str, str], roots: list[int], args: argparse.Namespace
+) -> tuple[float, float, Tally, Samples]:
+    """Capacity, then the soak at `--load` of it and the drain: the elapsed time, the tally, the samples."""
+    assert system.process is not None
+    redis = redis_lib.Redis.from_url(system.redis_url)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=120.0, limits=limits) as client:
+        capacity = await calibrate(client, keys, args.calibrate_s, args.max_tokens)
+        say(f"capacity: {capacity:.2f} jobs/s")
+        t0 = time.time()
+        roots = [system.process.pid, *roots]
+        tally, samples = await soak(client, keys, redis, roots, capacity * args.load, args, system.namespace)
+        await drain(client, keys, tally, 30.0)  # what the watcher did not see end, as a client sees it
+    return capacity, time.time() - t0, tally, samples
 
 
 def report(
@@ -458,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         model = chosen_model(args.model, Path(tmp))
         if model is None:
             return 1
-        text = asyncio.run(run(args, model, Path(tmp)))
+        text = run(args, model, Path(tmp))
     print(text)
     args.out.write_text(text)
     say(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """The benchmark suite: Conveyor against a naive server and Ray Serve: same model, prompts, machine and run.
 
-Systems (bench/suite_systems.py): the naive server (`model.generate` one request at a time), Ray Serve
+Systems (started by bench/systems.py): the naive server (`model.generate` one request at a time), Ray Serve
 (`@serve.batch` around `model.generate`, one replica of 2 CPUs), Conveyor with 1 stage and with 2
 stages, and in-process `model.generate` at batch 32 and 64 (the raw limit). Every job asks for its own
 number of tokens with EOS ignored, so every system does the same work: output lengths are a seeded
@@ -31,7 +31,14 @@ lognormal (median 64, clipped to 16-256), prompts bench.prompts' seeded chat req
 layout at the main rate only); the full plan (`make bench-full`) about an hour;
 `--rates` narrows its sweep (three rates: about 45 minutes). `--smoke --model tiny`
 runs the tests' tiny random Llama for seconds a phase: a check of the machinery, not a measurement.
-Writes bench/results/suite.md, suite.json, suite_latency_cdf.png, suite_load.png and suite_burst.png.
+Writes bench/results/suite.md, suite.json and three plots (matplotlib, Agg backend), drawn from the
+same results as the report:
+
+    suite_latency_cdf.png   end-to-end latency CDF per system at the comparison rate; the curve is a
+                            fraction of the jobs submitted, so unfinished jobs keep it below 1
+    suite_load.png          throughput and P99 latency (with unfinished jobs) against the offered load
+    suite_burst.png         Conveyor's queue wait (started_at - created_at) by submit time in the burst,
+                            per priority class, the burst window shaded
 """
 
 from __future__ import annotations
@@ -44,45 +51,98 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.processes import say, terminate_on_sigterm
-from bench.prompts import SEED, Prompt, make_prompts
-from bench.report import RESULTS_DIR, git_commit, token_stats, write_results
-from bench.scheduling_load import poisson_arrivals
-from bench.scheduling_stack import Model, chosen_model
-from bench.suite_load import (
-    BURST_FACTOR,
+from bench.load import (
     OUTPUT_MEDIAN,
     OUTPUT_SIGMA,
     OUTPUT_TOKENS,
-    OpenRun,
+    Run,
     burst_arrivals,
     burst_run,
-    job_figures,
-    job_rows,
     offered_tokens_per_s,
     open_run,
     output_lengths,
     peak_run,
-    queue_waits,
+    poisson_arrivals,
     sized,
-    wait_stats,
 )
-from bench.suite_plots import plot_all
-from bench.suite_report import markdown, payload
-from bench.suite_systems import CONVEYOR_1, CONVEYOR_2, SYSTEMS, System, raw_limit, start, warm_up_plain
+from bench.prompts import SEED, Prompt, make_prompts
+from bench.raw import raw_runs
+from bench.report import (
+    RESULTS_DIR,
+    Target,
+    fmt,
+    git_commit,
+    job_figures,
+    job_rows,
+    jobs_cell,
+    load_cell,
+    queue_waits,
+    ratio,
+    row,
+    summary,
+    target_rows,
+    token_stats,
+    wait_stats,
+    write_results,
+)
+from bench.systems import (
+    Model,
+    System,
+    chosen_model,
+    conveyor,
+    naive,
+    ray_serve,
+    say,
+    terminate_on_sigterm,
+    warm_up,
+)
 
+NAIVE = "naive server"
+RAY = "ray serve"
+CONVEYOR_1 = "conveyor 1 stage"
+CONVEYOR_2 = "conveyor 2 stages"
+SYSTEMS = (NAIVE, RAY, CONVEYOR_1, CONVEYOR_2)
+STAGE_SETTINGS: dict[str, dict[str, str]] = {
+    CONVEYOR_1: {},
+    # as bench/pipeline.py's 2-stage layout: a thread per stage worker, so the two share the 2 cores
+    CONVEYOR_2: {"CONVEYOR_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
+}
+COLORS = {NAIVE: "tab:red", RAY: "tab:orange", CONVEYOR_1: "tab:blue", CONVEYOR_2: "tab:green"}
 LENGTH_SEED = SEED + 10  # output lengths of the main prompt pool
 ARRIVAL_SEED = SEED + 11  # the sweep's Poisson schedule (one stream, scaled by each rate)
 HIGH_SEED = SEED + 12  # the burst's high prompts, lengths and arrivals
 BURST_SEED = SEED + 13  # the burst's normal arrivals
+BURST_FACTOR = 10.0
 PEAK_TOKENS = 64  # the peak and the raw limit: every job this long, as bench.slice's
 RAW_BATCHES = (32, 64)
+
+
+def conveyor_targets(name: str) -> list[Target]:
+    return [
+        Target(f"{name}: throughput vs naive", f"{name} / naive server throughput", 3.8, True),
+        Target(f"{name}: p99 vs naive", f"{name} / naive server P99 latency", 0.58, False),
+        Target(f"{name}: throughput vs ray", f"{name} / Ray Serve throughput", 1.2, True),
+        Target(f"{name}: p99 vs ray", f"{name} / Ray Serve P99 latency", 0.8, False),
+    ]
+
+
+TARGETS = [
+    *conveyor_targets(CONVEYOR_1),
+    *conveyor_targets(CONVEYOR_2),
+    Target("peak vs raw", f"{CONVEYOR_1} peak (closed loop) / raw generate, best batch", 0.8, True),
+    Target("burst high p95 wait", "burst: high P95 queue wait, during / before", 1.5, False),
+    Target(
+        "burst lost jobs", "burst: accepted jobs lost (failed or unfinished)", 0, False, unit="", digits=0
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -208,6 +268,20 @@ def workload(tokenizer: Any, plan: Plan) -> Workload:
     )
 
 
+@contextmanager
+def start(name: str, model: Model, workdir: Path, warm: list[Prompt]) -> Iterator[System]:
+    """One of SYSTEMS, started and warmed up."""
+    if name == NAIVE:
+        started = naive(workdir, model)
+    elif name == RAY:
+        started = ray_serve(workdir, model)
+    else:
+        started = conveyor(name, workdir, STAGE_SETTINGS[name], model=model)
+    with started as system:
+        warm_up(system, warm)
+        yield system
+
+
 # ---------------------------------------------------------------- phases
 
 
@@ -233,7 +307,7 @@ def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict
     return figures
 
 
-def point_figures(run: OpenRun, rate: float, lengths: list[int], window_s: float) -> dict[str, Any]:
+def point_figures(run: Run, rate: float, lengths: list[int], window_s: float) -> dict[str, Any]:
     return {
         "rate": rate,
         "offered_tokens_per_s": offered_tokens_per_s(lengths, window_s),
@@ -257,10 +331,10 @@ def burst(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
     b0, b1 = plan.burst_before_s, plan.burst_before_s + plan.burst_s
     end = b1 + plan.burst_after_s
     result: dict[str, Any] = {"window_s": {"before": [0.0, b0], "burst": [b0, b1], "after": [b1, end]}}
-    for cls, run in runs.items():
+    for run in runs:
         waits = queue_waits(run)
         figures = job_figures(run)
-        result[cls] = {
+        result[run.name] = {
             "arrivals": len(run.offsets),
             "before": wait_stats(waits, 0.0, b0),
             "during": wait_stats(waits, b0, b1),
@@ -283,7 +357,7 @@ def fmt_ms(seconds: float | None) -> str:
 
 def peak(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
     say(f"{system.name}: peak, {plan.peak_clients} closed-loop clients, {PEAK_TOKENS} tokens a job")
-    run = asyncio.run(
+    figures = asyncio.run(
         peak_run(
             system.base_url,
             system.make,
@@ -295,8 +369,8 @@ def peak(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
             window_s=plan.peak_window_s,
         )
     )
-    say(f"{system.name}: peak {run.tokens_per_s:.1f} tokens/s over {run.window_s:.0f} s")
-    return {**asdict(run), "tokens_per_s": run.tokens_per_s}
+    say(f"{system.name}: peak {figures['tokens_per_s']:.1f} tokens/s over {figures['window_s']:.0f} s")
+    return figures
 
 
 def phases_of(name: str, plan: Plan) -> list[tuple[str, float]]:
@@ -316,8 +390,6 @@ def bench_system(name: str, model: Model, work: Workload, plan: Plan, workdir: P
         while phases:
             with start(name, model, workdir, work.pool) as system:
                 out["starts"] += 1
-                if not system.streams:
-                    asyncio.run(warm_up_plain(system, work.pool))
                 while phases:
                     kind, rate = phases.pop(0)
                     if kind == "rate":
@@ -341,19 +413,365 @@ def bench_system(name: str, model: Model, work: Workload, plan: Plan, workdir: P
 
 
 def bench_raw(model: Model, tokenizer: Any, work: Workload, plan: Plan) -> dict[str, Any]:
-    runs = raw_limit(
-        model,
-        work.pool,
-        int(tokenizer.pad_token_id),
-        batches=RAW_BATCHES,
-        calls=plan.raw_calls,
-        max_tokens=PEAK_TOKENS,
-    )
+    """In-process `generate` at each batch size: `raw_calls` calls of `batch` prompts, `PEAK_TOKENS` each."""
+    batches = [(work.pool[: batch * plan.raw_calls], batch) for batch in RAW_BATCHES]
+    generator, runs = raw_runs(model.path, batches, int(tokenizer.pad_token_id), PEAK_TOKENS)
+    del generator
     gc.collect()
     return {
-        run.name: {**{k: v for k, v in run.summary().items()}, "batch": b, "load_average": list(run.load)}
+        run.name: {**summary(run), "batch": b, "load_average": list(run.load)}
         for run, b in zip(runs, RAW_BATCHES, strict=True)
     }
+
+
+# ---------------------------------------------------------------- report
+
+
+def point(results: dict[str, Any], name: str, rate: float) -> dict[str, Any] | None:
+    system = results.get("systems", {}).get(name) or {}
+    return (system.get("points") or {}).get(str(rate))
+
+
+def ratios(results: dict[str, Any], main_rate: float) -> dict[str, float | None]:
+    """Every target's value from the results; None where a figure is missing."""
+    out: dict[str, float | None] = {}
+    naive, ray = point(results, NAIVE, main_rate), point(results, RAY, main_rate)
+    for name in (CONVEYOR_1, CONVEYOR_2):
+        mine = point(results, name, main_rate)
+        for other, key in ((naive, "naive"), (ray, "ray")):
+            out[f"{name}: throughput vs {key}"] = (
+                ratio(mine["tokens_per_s"], other["tokens_per_s"]) if mine and other else None
+            )
+            out[f"{name}: p99 vs {key}"] = (
+                ratio(mine["latency_p99_all_s"], other["latency_p99_all_s"]) if mine and other else None
+            )
+    conveyor = results.get("systems", {}).get(CONVEYOR_1) or {}
+    raw_best = max((r["tokens_per_s"] for r in (results.get("raw") or {}).values()), default=None)
+    peak = (conveyor.get("peak") or {}).get("tokens_per_s")
+    out["peak vs raw"] = ratio(peak, raw_best)
+    burst = conveyor.get("burst")
+    if burst:
+        high = burst["high"]
+        out["burst high p95 wait"] = ratio(high["during"]["p95_s"], high["before"]["p95_s"])
+        out["burst lost jobs"] = float(
+            sum(burst[c]["counts"]["failed"] + burst[c]["counts"]["unfinished"] for c in ("normal", "high"))
+        )
+    else:
+        out["burst high p95 wait"] = out["burst lost jobs"] = None
+    return out
+
+
+def main_rows(results: dict[str, Any], rate: float) -> list[str]:
+    rows = [
+        "| system | ok/submitted | tokens/s | latency p50 (s) | p99, done (s) | p99 with unfinished (s) "
+        "| TTFT p50 (s) | ITL p50 (ms) | load average |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in SYSTEMS:
+        if name not in results.get("systems", {}):
+            continue
+        f = point(results, name, rate)
+        if f is None:
+            rows.append(f"| {name} | not measured | | | | | | | |")
+            continue
+        rows.append(
+            row(
+                name,
+                jobs_cell(f),
+                fmt(f["tokens_per_s"], digits=1),
+                fmt(f["latency_p50_s"]),
+                fmt(f["latency_p99_s"]),
+                fmt(f["latency_p99_all_s"]),
+                fmt(f["ttft_p50_s"]),
+                fmt(f["itl_p50_s"], 1000, 0) if f["itl_p50_s"] is not None else "(not streamed)",
+                load_cell(f.get("load_average")),
+            )
+        )
+    return rows
+
+
+def sweep_rows(results: dict[str, Any], rates: list[float]) -> list[str]:
+    rows = [
+        "| system | jobs/s | tokens/s asked | ok/submitted | tokens/s | p99 with unfinished (s) "
+        "| load average |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in SYSTEMS:
+        for rate in rates:
+            f = point(results, name, rate)
+            if f is None:
+                continue
+            rows.append(
+                row(
+                    name,
+                    f"{rate:g}",
+                    fmt(f["offered_tokens_per_s"], digits=1),
+                    jobs_cell(f),
+                    fmt(f["tokens_per_s"], digits=1),
+                    fmt(f["latency_p99_all_s"]),
+                    load_cell(f.get("load_average")),
+                )
+            )
+    return rows
+
+
+def peak_rows(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    rows = ["| system | tokens/s | how | load average |", "|---|---:|---|---:|"]
+    for name, r in (results.get("raw") or {}).items():
+        how = f"{r['jobs']} prompts, {r['jobs'] // r['batch']} `generate` call(s) of {r['batch']}, 64 tokens"
+        rows.append(
+            f"| {name} | {fmt(r['tokens_per_s'], digits=1)} | {how} | {load_cell(r['load_average'])} |"
+        )
+    peak = (results.get("systems", {}).get(CONVEYOR_1) or {}).get("peak")
+    if peak:
+        opens = meta["plan"]["peak_ramp_s"] + meta["plan"]["peak_warm_s"]
+        how = (
+            f"{peak['clients']} closed-loop clients (64 tokens a job), tokens received over "
+            f"{peak['window_s']:.0f} s from {opens:.0f} s after the first ({peak['jobs_ended']} jobs ended, "
+            f"{peak['failed']} failed)"
+        )
+        rows.append(
+            f"| {CONVEYOR_1} | {fmt(peak['tokens_per_s'], digits=1)} | {how} | {load_cell(peak['load'])} |"
+        )
+    return rows
+
+
+def burst_rows(burst: dict[str, Any]) -> list[str]:
+    rows = [
+        "| class | arrivals | phase | jobs | queue wait median (ms) | queue wait p95 (ms) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for cls in ("high", "normal"):
+        for phase in ("before", "during", "after"):
+            s = burst[cls][phase]
+            rows.append(
+                f"| {cls} | {burst[cls]['arrivals']} | {phase} | {s['jobs']} | {fmt(s['median_s'], 1000, 0)} "
+                f"| {fmt(s['p95_s'], 1000, 0)} |"
+            )
+    return rows
+
+
+def burst_section(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    conveyor = results.get("systems", {}).get(CONVEYOR_1) or {}
+    burst = conveyor.get("burst")
+    if not burst:
+        return [f"Not measured: {conveyor.get('error', 'conveyor 1 stage not in this run')}"]
+    plan = meta["plan"]
+    counts = "; ".join(
+        f"{cls}: " + ", ".join(f"{v} {k}" for k, v in burst[cls]["counts"].items())
+        for cls in ("normal", "high")
+    )
+    return [
+        f"`normal` jobs at {plan['burst_normal_rate']:g}/s for {plan['burst_before_s']:.0f} s, "
+        f"{10 * plan['burst_normal_rate']:g}/s for {plan['burst_s']:.0f} s, "
+        f"{plan['burst_normal_rate']:g}/s for {plan['burst_after_s']:.0f} s; `high` jobs at "
+        f"{plan['burst_high_rate']:g}/s throughout. Queue wait: started_at - created_at (until "
+        "its prefill began) from each job's final record, by submit time.",
+        "",
+        *burst_rows(burst),
+        "",
+        f"- jobs: {counts} (a lost job: accepted with 202, then failed or unfinished; refused: 429/503 "
+        "at submit)",
+    ]
+
+
+def notes(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    lines = [
+        f"- offered loads (jobs/s: arrivals in {meta['plan']['window_s']:.0f} s): "
+        + ", ".join(f"{r}: {n}" for r, n in meta["arrivals"].items()),
+        "- 1-minute load average (2 cores, shared with other work): start "
+        f"{load_cell(meta['load_average_start'][:1])}, end {load_cell(meta['load_average_end'][:1])}; "
+        "per run in the tables (before -> after)",
+        "- wall time per system: "
+        + ", ".join(f"{n} {s.get('wall_s', 0) / 60:.1f} min" for n, s in results.get("systems", {}).items()),
+    ]
+    for name, s in results.get("systems", {}).items():
+        if "error" in s:
+            lines.append(f"- {name}: not (fully) measured: {s['error']}")
+        for rate, f in (s.get("points") or {}).items():
+            lines += [f"- {name} @ {rate}/s: {e}" for e in f.get("errors") or []]
+    return lines
+
+
+def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    plan = meta["plan"]
+    main = plan["main_rate"]
+    main_point = next((point(results, n, main) for n in SYSTEMS if point(results, n, main) is not None), None)
+    asked = f", {main_point['offered_tokens_per_s']:.0f} tokens/s asked" if main_point else ""
+    lines = [
+        f"# Conveyor benchmark suite ({plan['name']}, {meta['model']})",
+        "",
+        f"Every number below comes from `{meta['command']}` ({meta['started']}, commit {meta['commit']}, "
+        f"{meta['bench_wall_s'] / 60:.1f} min in all).",
+        "",
+        f"{meta['model']}, fp32, CPU ({meta['cpus']} cores), greedy, EOS ignored: each job generates exactly "
+        f"its own length. Prompts: seeded chat requests ({meta['prompt_tokens']} tokens); output lengths "
+        f"lognormal (median {meta['output_lengths']['median']}, sigma {meta['output_lengths']['sigma']}) "
+        f"clipped to {meta['output_lengths']['bounds']}: {meta['output_tokens']}, "
+        f"mean {meta['output_mean']:.0f}. "
+        "Latency and TTFT on the client's clock; throughput = tokens of successful jobs / (first arrival to "
+        "last completion).",
+        "",
+        "## Targets",
+        "",
+        *target_rows(TARGETS, ratios(results, main)),
+        "",
+        f"## Open loop at {main:g} job/s (the comparison point)",
+        "",
+        f"Poisson arrivals for {plan['window_s']:.0f} s ({meta['arrivals'].get(str(main), 0)} jobs{asked}), "
+        f"the same on every system; each gets {plan['drain_cap_s']:.0f} s after the last arrival, then its "
+        "unfinished jobs count at the time they had waited (P99 with unfinished: a lower bound). "
+        "Non-streaming servers' TTFT is their latency.",
+        "",
+        *main_rows(results, main),
+        "",
+        "## Load sweep",
+        "",
+        *sweep_rows(results, list(plan["rates"])),
+        "",
+        "## Peak and the raw limit",
+        "",
+        *peak_rows(results, meta),
+        "",
+        f"## Burst ({CONVEYOR_1})",
+        "",
+        *burst_section(results, meta),
+        "",
+        "## Notes",
+        "",
+        *notes(results, meta),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def payload(results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "targets": {t.key: {"goal": t.goal, "at_least": t.at_least} for t in TARGETS},
+        "ratios": ratios(results, meta["plan"]["main_rate"]),
+        "results": results,
+    }
+
+
+# ---------------------------------------------------------------- plots
+
+
+def pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cdf_points(latencies: list[float], submitted: int) -> tuple[list[float], list[float]]:
+    """(sorted latencies, fraction of the submitted jobs done by each): a CDF that ends below 1 when
+    jobs never finished."""
+    ordered = sorted(latencies)
+    return ordered, [(i + 1) / submitted for i in range(len(ordered))] if submitted else []
+
+
+def latency_cdf(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    main = str(meta["plan"]["main_rate"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in SYSTEMS:
+        point = ((results["systems"].get(name) or {}).get("points") or {}).get(main)
+        if not point:
+            continue
+        latencies = [j["latency_s"] for j in point["jobs_detail"] if j["status"] == "succeeded"]
+        xs, ys = cdf_points(latencies, point["jobs"])
+        ax.step(
+            xs, ys, where="post", label=f"{name} ({point['ok']}/{point['jobs']} done)", color=COLORS.get(name)
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("end-to-end latency (s, log scale)")
+    ax.set_ylabel("fraction of submitted jobs done")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Latency CDF at {main} jobs/s ({meta['model']}, {meta['plan']['name']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (tput, p99) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name in SYSTEMS:
+        points = (results["systems"].get(name) or {}).get("points") or {}
+        ordered = sorted(points.values(), key=lambda p: p["offered_tokens_per_s"])
+        if not ordered:
+            continue
+        offered = [p["offered_tokens_per_s"] for p in ordered]
+        style = {"marker": "o", "label": name, "color": COLORS.get(name)}
+        tput.plot(offered, [p["tokens_per_s"] for p in ordered], **style)
+        p99.plot(offered, [p["latency_p99_all_s"] or float("nan") for p in ordered], **style)
+    top = max(
+        (
+            p["offered_tokens_per_s"]
+            for s in results["systems"].values()
+            for p in (s.get("points") or {}).values()
+        ),
+        default=1.0,
+    )
+    tput.plot([0, top], [0, top], linestyle=":", color="grey", label="= offered")
+    tput.set_xlabel("offered load (tokens/s asked)")
+    tput.set_ylabel("throughput (tokens/s)")
+    tput.set_title("Throughput")
+    p99.set_xlabel("offered load (tokens/s asked)")
+    p99.set_ylabel("P99 end-to-end latency (s), unfinished jobs included")
+    p99.set_yscale("log")
+    p99.set_title("P99 latency")
+    for ax in (tput, p99):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['model']}, {meta['plan']['name']} plan, {meta['cpus']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def burst_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    burst = (results["systems"].get(CONVEYOR_1) or {}).get("burst")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if burst:
+        start, end = burst["window_s"]["burst"]
+        ax.axvspan(start, end, color="grey", alpha=0.15, label="burst (normal x10)")
+        for cls, color in (("normal", "tab:blue"), ("high", "tab:red")):
+            waits = burst[cls]["waits"]
+            ax.scatter([a for a, _ in waits], [w * 1000 for _, w in waits], s=14, color=color, label=cls)
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "burst not measured", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("submit time (s from the start)")
+    ax.set_ylabel("queue wait, started_at - created_at (ms)")
+    ax.set_title(f"{CONVEYOR_1}: queue wait through a 10x burst ({meta['model']}, {meta['plan']['name']})")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_all(results: dict[str, Any], meta: dict[str, Any], directory: Path = RESULTS_DIR) -> None:
+    """The three PNGs; a missing matplotlib is reported, not fatal (the tables are written already)."""
+    try:
+        pyplot()
+    except ImportError as exc:
+        say(f"no plots: matplotlib is not installed ({exc}); pip install -e '.[bench]'")
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, draw in (
+        ("suite_latency_cdf.png", latency_cdf),
+        ("suite_load.png", load_plot),
+        ("suite_burst.png", burst_plot),
+    ):
+        draw(results, meta, directory / name)
+    say(f"wrote the plots suite_latency_cdf.png, suite_load.png and suite_burst.png in {directory}")
 
 
 # ---------------------------------------------------------------- main

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from bench.processes import ROOT, say
+from bench.systems import ROOT, say
 
 LAYOUTS = ("main thread", "loaded elsewhere", "spread", "compute thread")
 BATCH = 32
@@ -47,7 +47,7 @@ def decode_steps(seconds: float) -> dict[str, Any]:
 
     from app.partitions.layers import BatchState, StagePartition, left_pad
     from bench.prompts import make_prompts
-    from bench.scheduling_stack import smollm2
+    from bench.systems import smollm2
 
     model = smollm2()
     tokenizer = AutoTokenizer.from_pretrained(model.path)

@@ -16,24 +16,34 @@ from tiny import make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
-from bench.load import JobResult, conveyor_job, sse_events, sse_lines  # noqa: E402
-from bench.prompts import SEED, USER_TOKENS, Prompt, chat_ids, make_prompts, spread  # noqa: E402
-from bench.report import SystemRun, percentile, ratio, system_table  # noqa: E402
-from bench.scheduling_load import (  # noqa: E402
-    Timed,
+from bench.load import (  # noqa: E402
+    JobResult,
+    Run,
     TokenLog,
-    batch_stats,
-    class_summary,
     closed_loop_until,
+    completions_job,
+    conveyor_job,
     cycled,
-    jobs_cell,
+    inference_job,
     open_loop,
     poisson_arrivals,
-    throughput,
+    sse_events,
+    sse_lines,
     tokens_between,
-    ttft_row,
 )
-from bench.scheduling_report import ratios, target_rows, throughput_verdict  # noqa: E402
+from bench.prompts import SEED, USER_TOKENS, Prompt, chat_ids, make_prompts, spread  # noqa: E402
+from bench.report import (  # noqa: E402
+    class_summary,
+    jobs_cell,
+    percentile,
+    ratio,
+    summary,
+    system_table,
+    target_rows,
+    throughput,
+    verdict,
+)
+from bench.scheduling import NOISE, batch_stats, ratios, targets, ttft_row  # noqa: E402
 
 TOKENIZER = make_tokenizer()
 PROMPTS = make_prompts(TOKENIZER, 64)
@@ -79,11 +89,12 @@ def test_percentile_interpolates_between_closest_ranks():
     assert percentile([0.0, 10.0], 99) == 9.9
 
 
-def test_ratio_is_none_without_a_positive_denominator():
+def test_ratio_is_none_without_a_positive_denominator_or_without_a_figure():
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(0.0, 2.0) == 0.0
     assert ratio(1.0, 0.0) is None
     assert ratio(1.0, -1.0) is None
+    assert ratio(None, 2.0) is None and ratio(1.0, None) is None  # a figure not measured
 
 
 async def lines_of(items: list[str]) -> AsyncIterator[str]:
@@ -173,11 +184,11 @@ def test_summary_and_table_count_only_successful_jobs():
         JobResult(1, True, 3.0, 0.3, 64),
         JobResult(2, False, 0.5, None, 0, "HTTP 500"),
     ]
-    run = SystemRun("conveyor c2", jobs, wall_s=4.0)
-    summary = run.summary()
-    assert (summary["succeeded"], summary["failed"], summary["tokens"]) == (2, 1, 128)
-    assert summary["tokens_per_s"] == 32.0 and summary["p50_latency_s"] == 2.0
-    assert summary["errors"] == ["HTTP 500"]
+    run = Run("conveyor c2", jobs, wall_s=4.0)
+    s = summary(run)
+    assert (s["succeeded"], s["failed"], s["tokens"]) == (2, 1, 128)
+    assert s["tokens_per_s"] == 32.0 and s["p50_latency_s"] == 2.0
+    assert s["errors"] == ["HTTP 500"]
     assert system_table([run])[-1] == "| conveyor c2 | 2/3 (1 failed) | 32.0 | 2.00 | 2.98 | 200.0 |"
 
 
@@ -213,7 +224,8 @@ def test_cycled_goes_round_the_prompts():
 
 def timed_job(cls, submitted, latency, ttft, ok=True, refused=False, tokens=16):
     error = None if ok else ("POST /v1/jobs: HTTP 429" if refused else "job failed")
-    return Timed(cls, submitted, JobResult(0, ok, latency, ttft, tokens if ok else 0, error, refused=refused))
+    tokens = tokens if ok else 0
+    return JobResult(0, ok, latency, ttft, tokens, error, refused=refused, cls=cls, submitted=submitted)
 
 
 def test_class_summary_counts_refused_failed_and_unfinished_apart():
@@ -276,12 +288,13 @@ def test_ratios_and_verdicts_of_the_scheduling_targets():
         "p99_ttft_continuous_vs_request": 0.25,
         "throughput_continuous_vs_request": 0.97,
     }
-    rows = target_rows(r)
-    assert rows[2].endswith("| 1.25x | <= 1.5x | met |")
-    assert rows[3].endswith("| 0.25x | <= 0.5x | met |")
+    rows = target_rows(targets(0.7), r)
+    assert rows[2] == "| high P95 TTFT, saturated / unloaded | 1.25x | <= 1.5x | met |"
+    assert rows[3] == "| P99 TTFT at 70% load, continuous / request | 0.25x | <= 0.5x | met |"
     assert rows[4].endswith("| 0.97x | >= 1.0x | met (equal within noise) |")
-    assert throughput_verdict(0.9) == "missed" and throughput_verdict(1.2) == "met"
+    assert verdict(0.9, 1.0, True, NOISE) == "missed" and verdict(1.2, 1.0, True, NOISE) == "met"
     assert ratios({"priority": {"error": "x"}, "poisson": {}}) == dict.fromkeys(r)
+    assert target_rows(targets(0.7), {})[2].endswith("| n/a | <= 1.5x | n/a |")  # not measured
 
 
 def lines(chunks: list[str]) -> list[str]:
@@ -329,7 +342,7 @@ def test_conveyor_job_sends_priority_counts_tokens_and_marks_refusals():
 
 
 def test_open_and_closed_loops_on_a_fake_job():
-    async def go() -> tuple[float, list[Timed], list[Timed], list[float], int]:
+    async def go() -> tuple[float, list[JobResult], list[JobResult], list[float], int]:
         second_started = asyncio.Event()
 
         async def open_job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
@@ -351,10 +364,10 @@ def test_open_and_closed_loops_on_a_fake_job():
             return JobResult(prompt.index, True, 0.01, 0.01, 1)
 
         client = httpx.AsyncClient()  # never used by the fake jobs
-        opened: list[Timed] = []
+        opened: list[JobResult] = []
         start = time.perf_counter()
         await open_loop(client, open_job, PROMPTS[:3], [0.0, 0.01, 0.2], cls="o", start=start, done=opened)
-        closed: list[Timed] = []
+        closed: list[JobResult] = []
         submits: list[float] = []
         stop = asyncio.Event()
         loops = asyncio.create_task(
@@ -381,14 +394,14 @@ def test_open_and_closed_loops_on_a_fake_job():
 
     start, opened, closed, submits, most = asyncio.run(go())
     # open loop: the second job is submitted before the first ends, the third on schedule
-    assert sorted(t.job.prompt for t in opened) == [0, 1, 2]
-    by_prompt = {t.job.prompt: t for t in opened}
+    assert sorted(t.prompt for t in opened) == [0, 1, 2]
+    by_prompt = {t.prompt: t for t in opened}
     assert by_prompt[1].submitted < by_prompt[0].ended
     assert 0.19 < by_prompt[2].submitted - start < 0.35
     # closed loop: two clients, one job each at a time, every submitted job ended
     assert most == 2
     assert len(closed) == len(submits) >= 4 and {t.cls for t in closed} == {"n"}
-    assert sorted(t.job.prompt for t in closed[:4]) == [0, 1, 2, 3]
+    assert sorted(t.prompt for t in closed[:4]) == [0, 1, 2, 3]
 
 
 def test_the_ray_serve_batches_are_read_from_its_log() -> None:
@@ -406,3 +419,148 @@ def test_the_ray_serve_batches_are_read_from_its_log() -> None:
     assert batch_sizes(log) == [1, 32, 7]
     assert describe(batch_sizes(log)) == "3 batches, mean 13.3, max 32; sizes: 1x1, 7x1, 32x1"
     assert describe([]) == "no batches"
+
+
+# ---------------------------------------------------------------- one record, one client each
+
+
+def test_a_closed_loop_client_backs_off_after_any_failed_job_and_may_take_prompts_from_a_function(
+    monkeypatch,
+):
+    """A job that fails at once (not only a refused one) is not resubmitted in a tight loop."""
+    import bench.load
+
+    monkeypatch.setattr(bench.load, "BACKOFF_S", 0.2)
+    seen: list[int] = []
+
+    async def failing(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
+        seen.append(prompt.index)
+        return JobResult(prompt.index, False, 0.0, None, 0, "HTTP 500")
+
+    async def go() -> list[JobResult]:
+        done: list[JobResult] = []
+        stop = asyncio.Event()
+        loops = asyncio.create_task(
+            closed_loop_until(
+                httpx.AsyncClient(),
+                failing,
+                lambda n: Prompt(n, [], 0, [], f"prompt {n}"),  # a fresh prompt per job, not a list's round
+                clients=2,
+                cls="c",
+                stagger_s=0.0,
+                stop=stop,
+                done=done,
+            )
+        )
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(loops, 1.0)
+        return done
+
+    done = asyncio.run(go())
+    assert 2 <= len(done) <= 8  # without the back-off: thousands in half a second
+    assert sorted(seen)[:4] == [0, 1, 2, 3] and {j.cls for j in done} == {"c"}
+
+
+def test_completions_job_times_chunks_and_checks_the_token_count():
+    """The peers' client: streamed /v1/completions, TTFT at the first chunk with text, the gaps after it."""
+    bodies: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        chunks = [{"choices": [{"text": f"t{i}"}]} for i in range(body["max_tokens"])]
+        chunks.append({"choices": [{"text": ""}], "usage": {"completion_tokens": 3}})
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    async def go(max_tokens: int) -> JobResult:
+        async with httpx.AsyncClient(base_url="http://peer", transport=httpx.MockTransport(handle)) as client:
+            extra = {"ignore_eos": None, "generation_config": "{}"}
+            job = completions_job(max_tokens, model="m", extra=extra)
+            return await job(client, Prompt(3, [], 0, [], "some words"))
+
+    good = asyncio.run(go(3))
+    assert good.ok and good.tokens == 3 and good.prompt == 3 and len(good.gaps_s) == 2
+    assert good.ttft_s is not None and 0 <= good.ttft_s <= good.latency_s
+    assert bodies[0]["prompt"] == "some words" and bodies[0]["model"] == "m" and bodies[0]["stream"] is True
+    assert "ignore_eos" not in bodies[0] and bodies[0]["generation_config"] == "{}"  # None drops a field
+    assert asyncio.run(go(4)).error == "generated 3 tokens, not 4"  # usage says 3
+
+
+def test_inference_job_reads_the_finished_job_and_marks_refusals():
+    answers = iter(
+        [
+            httpx.Response(
+                200, json={"status": "succeeded", "usage": {"completion_tokens": 5}, "model": "m"}
+            ),
+            httpx.Response(200, json={"status": "failed", "usage": {"completion_tokens": 0}}),
+            httpx.Response(429, json={"error": {"code": "rate_limited"}}),
+        ]
+    )
+    sent: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/inference" and request.headers["X-API-Key"] == "k"
+        sent.append(json.loads(request.content))
+        return next(answers)
+
+    async def go() -> list[JobResult]:
+        job = inference_job(lambda p: {"prompt": p.text, "seed": p.index}, {"X-API-Key": "k"})
+        async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(handle)) as client:
+            return [await job(client, Prompt(i, [], 0, [], f"p{i}")) for i in range(3)]
+
+    ok, failed, refused = asyncio.run(go())
+    assert ok.ok and ok.tokens == 5 and ok.model == "m" and sent[0] == {"prompt": "p0", "seed": 0}
+    assert not failed.ok and not failed.refused
+    assert not refused.ok and refused.refused
+
+
+def test_conveyor_job_sends_a_raw_prompt_and_a_model_when_given():
+    """bench.routes' jobs: a prompt's text rather than chat messages, addressed to a model or route."""
+    seen: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            seen.append(json.loads(request.content))
+        return conveyor_server(2, 2).handler(request)
+
+    async def go() -> JobResult:
+        async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(handle)) as client:
+            return await conveyor_job(2, model="auto")(client, Prompt(0, [], 0, [], "What is 2 + 2?"))
+
+    assert asyncio.run(go()).ok
+    assert seen[0]["prompt"] == "What is 2 + 2?" and "messages" not in seen[0] and seen[0]["model"] == "auto"
+
+
+def test_a_job_record_leaves_out_tokens_and_what_the_load_shape_marked():
+    """The results' JSON keeps its layout: the merged record's load-shape fields are not in it."""
+    from bench.report import job_record
+
+    job = JobResult(1, True, 2.0, 0.5, 4, token_ids=[1, 2], gaps_s=[0.1], cls="high", submitted=9.0)
+    record = job_record(job)
+    assert {"token_ids", "gaps_s", "cls", "submitted"}.isdisjoint(record)
+    assert record["prompt"] == 1 and record["latency_s"] == 2.0 and job.ended == 11.0
+
+
+def test_target_rows_show_units_scales_and_counts():
+    from bench.report import Target
+
+    rows = target_rows(
+        [
+            Target("overhead", "c1 TTFT - prefill", 30, False, unit=" ms", scale=1000, digits=1),
+            Target("lost", "jobs lost", 0, False, unit="", digits=0),
+        ],
+        {"overhead": 0.019, "lost": 2.0},
+    )
+    assert rows[2] == "| c1 TTFT - prefill | 19.0 ms | <= 30 ms | met |"
+    assert rows[3] == "| jobs lost | 2 | <= 0 | missed |"
+
+
+def test_each_start_of_a_system_gets_a_log_of_its_own(tmp_path):
+    from bench.systems import fresh_log
+
+    first = fresh_log(tmp_path, "host A: api, batcher")
+    assert first.name == "host-A-api-batcher.log"
+    first.write_text("")
+    assert fresh_log(tmp_path, "host A: api, batcher").name == "host-A-api-batcher-2.log"

@@ -9,11 +9,12 @@ import random
 import pytest
 
 from bench import soak
-from bench.scheduling_stack import Model
+from bench.load import poisson_arrivals
+from bench.systems import Model
 
 
 def test_poisson_arrivals_come_at_the_asked_rate() -> None:
-    times = soak.arrivals(10.0, 600.0, random.Random(1))
+    times = poisson_arrivals(10.0, 600.0, seed=1)  # the soak's arrivals (bench.load's, as every benchmark's)
     assert times == sorted(times) and 0 < times[0] and times[-1] < 600
     assert len(times) == pytest.approx(6000, rel=0.05)
 

@@ -11,24 +11,26 @@ from tiny import make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
-from bench.load import JobResult  # noqa: E402
-from bench.prompts import make_prompts  # noqa: E402
-from bench.scheduling_load import Timed, poisson_arrivals  # noqa: E402
-from bench.suite_load import (  # noqa: E402
+from bench.load import (  # noqa: E402
     OUTPUT_TOKENS,
-    OpenRun,
+    JobResult,
+    Run,
     burst_arrivals,
-    itl_s,
-    job_figures,
     offered_tokens_per_s,
     output_lengths,
+    poisson_arrivals,
+)
+from bench.prompts import make_prompts  # noqa: E402
+from bench.report import (  # noqa: E402
+    itl_s,
+    job_figures,
+    job_rows,
     queue_waits,
+    target_rows,
     unfinished_waits,
     wait_stats,
 )
-from bench.suite_plots import cdf_points  # noqa: E402
-from bench.suite_report import TARGETS, ratios, target_rows  # noqa: E402
-from bench.suite_systems import CONVEYOR_1, CONVEYOR_2, NAIVE, RAY  # noqa: E402
+from bench.suite import CONVEYOR_1, CONVEYOR_2, NAIVE, RAY, TARGETS, cdf_points, ratios  # noqa: E402
 
 PROMPTS = make_prompts(make_tokenizer(), 16)
 
@@ -89,19 +91,23 @@ def test_offered_load_is_the_tokens_asked_per_second_of_the_window():
 def timed(
     index: int, submitted: float, latency: float, *, ok=True, refused=False, tokens=10, ttft=None, wait=None
 ):
-    job = JobResult(index, ok, latency, ttft, tokens if ok else 0, None if ok else "boom", refused=refused)
+    error = None if ok else "boom"
+    job = JobResult(
+        index, ok, latency, ttft, tokens if ok else 0, error, refused=refused, cls="s", submitted=submitted
+    )
     if wait is not None:
         job.phases_s = {"intake": wait / 4, "handoff": wait * 3 / 4}
-    return Timed("s", submitted, job)
+    return job
 
 
 def test_job_figures_count_unfinished_at_their_wait_and_span_first_arrival_to_last_end():
     prompts = PROMPTS[:5]
     start = 100.0
-    run = OpenRun(
+    run = Run(
+        "s",
         offsets=[0.0, 1.0, 2.0, 3.0, 4.0],
         prompts=prompts,
-        done=[
+        jobs=[
             timed(0, 100.0, 2.0, ttft=0.5),
             timed(1, 101.0, 4.0, ttft=1.0),
             timed(2, 102.0, 0.1, ok=False, refused=True),
@@ -116,6 +122,15 @@ def test_job_figures_count_unfinished_at_their_wait_and_span_first_arrival_to_la
     assert f["tokens"] == 20 and f["span_s"] == 5.0 and f["tokens_per_s"] == 4.0  # 100 -> 105
     assert f["latency_p99_s"] < 4.0 < f["latency_p99_all_s"] <= 16.0
     assert f["itl_p50_s"] is not None and f["waited_s"] == 20.0
+    rows = job_rows(run)  # every job for the JSON, the unfinished one too, at its submit time
+    assert [(r["prompt"], r["status"]) for r in rows] == [
+        (0, "succeeded"),
+        (1, "succeeded"),
+        (2, "refused"),
+        (3, "failed"),
+        (4, "unfinished"),
+    ]
+    assert rows[1]["submitted_s"] == 1.0 and rows[4]["submitted_s"] == 4.0 and rows[0]["class"] == "s"
 
 
 def test_itl_is_the_mean_gap_after_the_first_token_and_none_unstreamed():
@@ -126,10 +141,11 @@ def test_itl_is_the_mean_gap_after_the_first_token_and_none_unstreamed():
 
 
 def test_queue_waits_by_submit_time_and_their_window_stats():
-    run = OpenRun(
+    run = Run(
+        "s",
         offsets=[0.0, 1.0, 2.0],
         prompts=PROMPTS[:3],
-        done=[timed(0, 10.0, 1.0, wait=0.02), timed(1, 11.0, 1.0, wait=0.04), timed(2, 12.5, 1.0)],
+        jobs=[timed(0, 10.0, 1.0, wait=0.02), timed(1, 11.0, 1.0, wait=0.04), timed(2, 12.5, 1.0)],
         start=10.0,
         end=20.0,
     )
@@ -188,7 +204,7 @@ def test_ratios_against_the_naive_server_ray_and_the_raw_limit():
 
 
 def test_target_rows_give_a_verdict_each():
-    rows = target_rows(ratios(results(conveyor_p99=40.0, high_during=0.1), 1.0))
+    rows = target_rows(TARGETS, ratios(results(conveyor_p99=40.0, high_during=0.1), 1.0))
     assert len(rows) == 2 + len(TARGETS)
     by_label = {row.split(" | ")[0].removeprefix("| "): row for row in rows[2:]}
     assert by_label[f"{CONVEYOR_1} / naive server throughput"].endswith("| met |")

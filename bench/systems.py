@@ -1,0 +1,518 @@
+"""Every system a benchmark starts and stops, and the processes under them.
+
+    conveyor            `python -m app.cli up` with this run's own namespace, ports and home, a model
+                        (`Model`: SmolLM2 or the tests' tiny random Llama) and settings over them
+    naive server        bench/naive_server.py under uvicorn: `model.generate` one request at a time
+    ray serve           bench/rayserve_app.py: one replica, `@serve.batch` around `generate`
+    vllm                vLLM's CPU build in its own virtualenv (.conveyor/bench-venvs/vllm)
+    transformers serve  `transformers serve --continuous-batching`, the project's transformers
+    redis               an embedded redis-server of its own (app.core.redis.start_embedded)
+
+Each is a context manager that yields a `System` (its name, base URL and log; for Conveyor the
+settings it saw and its process) once it answers, and on the way out stops it and whatever it
+started: a server runs in its own session with its output in a log file, gets SIGTERM, then SIGKILL
+after a timeout, and its leftover descendants are killed. A system that does not come up raises
+RuntimeError with the reason and the end of its log, which a benchmark reports in place of its
+figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C so that those exits run.
+
+Not here, and why: raw `generate` (bench/raw.py) is loaded in process, not started, and imports
+torch; the tests' stack launcher (tests/conftest.py `start_stack`) stays the tests' own: it clears
+the caller's CONVEYOR_* settings and pins fp32 so that tests compare tokens with `generate`, where a
+benchmark passes the user's settings through (REDIS_URL, CONVEYOR_TORCH_THREADS) and runs the
+defaults it measures. Both take the tiny model from tests/tiny.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.load import Job, conveyor_job, load_client, naive_job
+from bench.prompts import Prompt
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: servers run there
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
+VLLM_VENV = ROOT / ".conveyor" / "bench-venvs" / "vllm"
+READY_TIMEOUT_S = 300.0
+LOG_TAIL_LINES = 6
+PROBE_EVERY_S = 0.5
+
+
+def say(line: str) -> None:
+    """A progress line on stderr (stdout is for the results)."""
+    print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+
+def terminate_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` stops the servers it started."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+
+    def env(self) -> dict[str, str]:
+        return {
+            "CONVEYOR_MODELS": json.dumps({self.name: str(self.path)}),
+            "CONVEYOR_DEFAULT_MODEL": self.name,
+        }
+
+
+def smollm2() -> Model:
+    return Model(MODEL_NAME, MODEL_DIR)
+
+
+def tiny(workdir: Path) -> Model:
+    """The tests' tiny random Llama (tests/tiny.py): the stack's machinery without the model's cost."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import make_tiny_model
+
+    return Model("tiny", make_tiny_model(workdir / "tiny-model", context=2048))
+
+
+def chosen_model(name: str, workdir: Path) -> Model | None:
+    """`tiny` (made in `workdir`) or SmolLM2; None, said, when SmolLM2 has not been pulled yet."""
+    model = tiny(workdir) if name == "tiny" else smollm2()
+    if not (model.path / "config.json").exists():
+        say(f"no model at {model.path}; run `.venv/bin/conveyor model pull` first")
+        return None
+    return model
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def consecutive_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (`conveyor up` numbers its children's metrics ports)."""
+    for _ in range(100):
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@contextmanager
+def server_process(
+    name: str,
+    argv: list[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    stop_timeout_s: float,
+    cwd: Path = ROOT,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `argv` in `cwd` (a `python -m` there imports that tree's code) with its output in
+    `log_path`; on the way out SIGTERM it, SIGKILL after the timeout."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        say(f"{name}: started pid {process.pid}, log {log_path}")
+        try:
+            yield process
+        finally:
+            stop(name, process, stop_timeout_s)
+
+
+def stop(name: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if process.poll() is not None:
+        say(f"{name}: had already exited with code {process.returncode}")
+        return
+    descendants = child_pids(process.pid)
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout_s)
+        say(f"{name}: stopped (exit code {code})")
+    except subprocess.TimeoutExpired:
+        say(f"{name}: did not stop within {timeout_s:.0f} s; killing it and its children")
+        process.kill()
+        process.wait()
+    for pid in descendants:  # normally already gone: `up` stops its own children
+        kill_pid(pid)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of `pid` (Linux /proc), so that nothing a killed parent started outlives us."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    say(f"killed leftover process {pid}")
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> None:
+    """Poll `url` until it answers 200; RuntimeError if the process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"exited with code {process.returncode} before ready; see {log_path}")
+            try:
+                answer = client.get(url)
+                if answer.status_code == 200:
+                    return
+                last = f"{answer.status_code} {answer.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}"
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s (last: {last}); see {log_path}")
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last non-empty lines of a log, for a reason why a system did not come up."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    kept = [line.strip()[:200] for line in text if line.strip()][-lines:]
+    return " | ".join(kept)[-1200:]
+
+
+def fresh_log(workdir: Path, name: str) -> Path:
+    """`name.log` (spaces as dashes), or `name-2.log` and so on when the system was started before."""
+    stem, n = re.sub(r"[^\w.-]+", "-", name).strip("-"), 1
+    while (workdir / f"{stem}{'' if n == 1 else f'-{n}'}.log").exists():
+        n += 1
+    return workdir / f"{stem}{'' if n == 1 else f'-{n}'}.log"
+
+
+@contextmanager
+def started(
+    name: str,
+    argv: list[str],
+    env: Mapping[str, str],
+    log: Path,
+    ready_url: str | None,
+    *,
+    stop_timeout_s: float,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    cwd: Path = ROOT,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process, once `ready_url` answers 200 (at once when None); a start that fails raises
+    RuntimeError with the end of its log."""
+    with server_process(name, argv, env, log, stop_timeout_s, cwd) as process:
+        began = time.perf_counter()
+        if ready_url is not None:
+            try:
+                wait_ready(ready_url, process, ready_timeout_s, log)
+            except RuntimeError as exc:
+                tail = log_tail(log)
+                raise RuntimeError(f"{name}: {exc}" + (f"; log ends: {tail}" if tail else "")) from exc
+            say(f"{name}: ready after {time.perf_counter() - began:.1f} s")
+        yield process
+
+
+# ---------------------------------------------------------------- systems
+
+
+@dataclass(frozen=True)
+class System:
+    """A running system: where to reach it and what its jobs are."""
+
+    name: str
+    base_url: str
+    log: Path
+    make: Callable[..., Job] = conveyor_job  # a job client for n tokens (Conveyor's: and a priority)
+    streams: bool = True  # its TTFT is a first token (SSE), not the whole answer
+    process: subprocess.Popen[bytes] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # Conveyor: CONVEYOR_* and REDIS_URL it saw
+    model: str = MODEL_NAME  # the name it serves the model by
+    extra: Mapping[str, object] = field(default_factory=dict)  # its /v1/completions' own fields
+
+    @property
+    def namespace(self) -> str:
+        return self.env.get("CONVEYOR_NAMESPACE", "")
+
+    @property
+    def redis_url(self) -> str:
+        return self.env.get("REDIS_URL") or f"redis://127.0.0.1:{self.env['CONVEYOR_EMBEDDED_REDIS_PORT']}/0"
+
+
+def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
+    """The user's environment (REDIS_URL and any CONVEYOR_* pass through) plus this run's own stack."""
+    env = dict(os.environ)
+    env.update(
+        CONVEYOR_FLOWER="false",
+        CONVEYOR_API_PORT=str(api_port),
+        CONVEYOR_NAMESPACE=f"bench-{secrets.token_hex(4)}",
+        CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),
+        # Its own home: the embedded Redis keeps its data away from a developer's .conveyor/redis.
+        CONVEYOR_HOME=str(workdir / "home"),
+        CONVEYOR_EMBEDDING_STAGES="0",  # only the generation pipeline is measured
+    )
+    env.setdefault("CONVEYOR_AUTH", "none")  # the load clients send no credential (loopback only)
+    return env
+
+
+@contextmanager
+def conveyor(
+    name: str,
+    workdir: Path,
+    settings: Mapping[str, str] | None = None,
+    *,
+    model: Model | None = None,
+    args: Sequence[str] = (),
+    cwd: Path = ROOT,
+    ready: bool = True,
+) -> Iterator[System]:
+    """`conveyor up [args]` run in `cwd` (bench.ab: an earlier commit's tree) with this run's own
+    namespace, ports and home (`conveyor_env`), the model (SmolLM2 unless given) and `settings` over
+    them; its home is removed afterwards. `ready=False`: no wait for /readyz (a host without the api)."""
+    model, port = model or smollm2(), free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**conveyor_env(port, workdir), **model.env(), **(settings or {})}
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, name)
+    ready_url = f"{base}/readyz" if ready else None
+    argv = [sys.executable, "-m", "app.cli", "up", *args]
+    try:
+        with started(name, argv, env, log, ready_url, stop_timeout_s=60.0, cwd=cwd) as process:
+            used = {k: v for k, v in env.items() if k.startswith("CONVEYOR_") or k == "REDIS_URL"}
+            yield System(name, base, log, process=process, env=used, model=model.name)
+    finally:
+        shutil.rmtree(env["CONVEYOR_HOME"], ignore_errors=True)
+
+
+@contextmanager
+def naive(workdir: Path, model: Model | None = None) -> Iterator[System]:
+    """bench/naive_server.py under uvicorn; stopped with requests still queued, it does not serve them."""
+    model, port = model or smollm2(), free_port()
+    env = {**os.environ, "BENCH_MODEL_PATH": str(model.path)}
+    argv = [
+        sys.executable, "-m", "uvicorn", "--factory", "bench.naive_server:app_from_env",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        "--timeout-graceful-shutdown", "1",
+    ]  # fmt: skip
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "naive-server")
+    with started("naive server", argv, env, log, f"{base}/healthz", stop_timeout_s=5.0) as process:
+        yield System("naive server", base, log, naive_job, streams=False, process=process, model=model.name)
+
+
+@contextmanager
+def ray_serve(workdir: Path, model: Model | None = None) -> Iterator[System]:
+    """bench/rayserve_app.py in its own process (Ray's own processes are its children)."""
+    try:
+        import ray  # noqa: F401  (only whether the `bench` extra is installed)
+    except ImportError as exc:
+        raise RuntimeError(f"ray serve: Ray is not installed ({exc}); pip install -e '.[bench]'") from exc
+    from bench.rayserve_app import batch_sizes, describe
+
+    model, port = model or smollm2(), free_port()
+    argv = [sys.executable, "-m", "bench.rayserve_app", "--model", str(model.path), "--port", str(port)]
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "ray-serve")
+    with started("ray serve", argv, os.environ, log, f"{base}/healthz", stop_timeout_s=30.0) as process:
+        try:
+            yield System("ray serve", base, log, naive_job, streams=False, process=process, model=model.name)
+        finally:  # what `@serve.batch` formed, not what it may form (max 32)
+            say(f"ray serve: {describe(batch_sizes(log.read_text(errors='replace')))}")
+
+
+@contextmanager
+def vllm(workdir: Path, model: Model | None = None) -> Iterator[System]:
+    """vLLM's OpenAI server from its virtualenv (`python -m bench.peers --help` says how to install it)."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"vLLM is not installed in {VLLM_VENV}: see `python -m bench.peers --help`")
+    model, port = model or smollm2(), free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model.path), "--served-model-name", model.name,
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "vllm")
+    # vLLM compiles its model at start-up
+    with started("vllm", argv, env, log, f"{base}/health", stop_timeout_s=60.0, ready_timeout_s=600.0) as p:
+        yield System("vllm", base, log, process=p, model=model.name)
+
+
+def vllm_version() -> str:
+    found = sorted((VLLM_VENV / "lib").glob("python3*/site-packages/vllm_cpu-*.dist-info"))
+    return found[0].name.removeprefix("vllm_cpu-").removesuffix(".dist-info") if found else "unknown"
+
+
+@contextmanager
+def transformers_serve(workdir: Path, model: Model | None = None, *, min_tokens: int = 0) -> Iterator[System]:
+    """`transformers serve --continuous-batching`, the model preloaded, bf16 on the CPU. It refuses
+    `ignore_eos` (422): its requests ask for `min_tokens` through `generation_config` instead."""
+    model, port = model or smollm2(), free_port()
+    argv = [
+        str(Path(sys.executable).parent / "transformers"), "serve", str(model.path),
+        "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    extra: dict[str, object] = {
+        "model": str(model.path),  # the server is pinned to the path it preloaded
+        "ignore_eos": None,
+        "generation_config": json.dumps({"min_new_tokens": min_tokens}),
+    }
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "transformers")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with started("transformers serve", argv, env, log, f"{base}/health", stop_timeout_s=60.0) as p:
+        yield System("transformers serve", base, log, process=p, model=model.name, extra=extra)
+
+
+@contextmanager
+def redis_server(
+    workdir: Path, appendfsync: str = "everysec"
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """An embedded Redis of its own (the bundled redis-server, a random password): its URL and process."""
+    from app.core.redis import start_embedded
+
+    process, url = start_embedded(
+        workdir / f"redis-{secrets.token_hex(2)}",
+        free_port(),
+        password=secrets.token_hex(16),
+        appendfsync=appendfsync,
+    )
+    try:
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def warm_up(system: System, prompts: Sequence[Prompt], job: Job | None = None) -> None:
+    """Two jobs one after the other, then four at once (8 tokens unless `job` is given): first
+    forwards, thread pools and batch shapes, not counted."""
+    job = job or system.make(8)
+
+    async def run() -> None:
+        async with load_client(system.base_url, 4) as client:
+            for prompt in prompts[:2]:
+                result = await job(client, prompt)
+                if not result.ok:
+                    say(f"{system.name}: warm-up job failed: {result.error}")
+            await asyncio.gather(*(job(client, p) for p in prompts[:4]))
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- what a Conveyor stack reports
+
+
+async def batch_log(system: System) -> list[tuple[float, dict[str, str]]]:
+    """The stack's batch log: (perf_counter time, fields) per entry, oldest first.
+
+    An entry id's milliseconds are Redis's clock (unix time, the same machine): mapped onto this
+    process's perf_counter, on which every window of a benchmark is measured.
+    """
+    import redis.asyncio as aioredis
+
+    from app.core.keys import Keys
+
+    client = aioredis.from_url(system.redis_url, decode_responses=True)
+    try:
+        entries: Any = await client.xrange(Keys(system.namespace).batch_log())
+    finally:
+        await client.aclose()
+    offset = time.time() - time.perf_counter()
+    return [(int(entry_id.split("-")[0]) / 1000.0 - offset, fields) for entry_id, fields in entries]
+
+
+@dataclass
+class Probe:
+    """Samples a stack's Redis every `PROBE_EVERY_S` while load runs: (perf_counter, jobs waiting per
+    class in the intake streams, stage 0's step-time EWMA as its worker reports it)."""
+
+    system: System
+    samples: list[tuple[float, dict[str, int], float | None]] = field(default_factory=list)
+
+    async def run(self) -> None:
+        import redis.asyncio as aioredis
+
+        from app.core.keys import PRIORITIES, Keys
+
+        keys = Keys(self.system.namespace)
+        client = aioredis.from_url(self.system.redis_url)
+        try:
+            while True:
+                pipe = client.pipeline(transaction=False)
+                for priority in PRIORITIES:
+                    pipe.xlen(keys.intake(priority))
+                pipe.hget(keys.latency(self.system.model), "0")
+                *depths, latency = await pipe.execute()
+                step = json.loads(latency).get("ewma_s") if latency else None
+                self.samples.append((time.perf_counter(), dict(zip(PRIORITIES, depths, strict=True)), step))
+                await asyncio.sleep(PROBE_EVERY_S)
+        except Exception as exc:  # a probe that cannot read leaves the figures out; the run goes on
+            say(f"{self.system.name}: probe stopped: {type(exc).__name__}: {exc}")
+        finally:
+            await client.aclose()
+
+    def window(self, start: float, end: float) -> dict[str, Any]:
+        """Waiting jobs (all classes; normal) and stage 0's step EWMA over [start, end): median and max."""
+        inside = [s for s in self.samples if start <= s[0] < end]
+        waiting = [sum(d.values()) for _, d, _ in inside]
+        normal = [d.get("normal", 0) for _, d, _ in inside]
+        steps = [s for _, _, s in inside if s is not None]
+        return {
+            "samples": len(inside),
+            "waiting_median": statistics.median(waiting) if waiting else None,
+            "waiting_max": max(waiting) if waiting else None,
+            "normal_waiting_median": statistics.median(normal) if normal else None,
+            "normal_waiting_max": max(normal) if normal else None,
+            "step_ewma_median_s": statistics.median(steps) if steps else None,
+        }
