@@ -288,7 +288,13 @@ class System:
 
     @property
     def redis_url(self) -> str:
-        return self.env.get("REDIS_URL") or f"redis://127.0.0.1:{self.env['CONVEYOR_EMBEDDED_REDIS_PORT']}/0"
+        """REDIS_URL, or the stack's embedded Redis: its password is in the stack's home (while it runs)."""
+        if self.env.get("REDIS_URL"):
+            return self.env["REDIS_URL"]
+        from app.core.redis import embedded_url, password_file
+
+        password = password_file(Path(self.env["CONVEYOR_HOME"])).read_text().strip()
+        return embedded_url("127.0.0.1", int(self.env["CONVEYOR_EMBEDDED_REDIS_PORT"]), password)
 
 
 def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:

@@ -557,6 +557,19 @@ def test_target_rows_show_units_scales_and_counts():
     assert rows[3] == "| jobs lost | 2 | <= 0 | missed |"
 
 
+def test_a_stacks_redis_url_carries_its_embedded_redis_password(tmp_path):
+    """The embedded Redis requires the password `conveyor up` keeps in the stack's home: a probe of the
+    stack (bench.scheduling's batch log) without it was refused."""
+    from bench.systems import System
+
+    (tmp_path / "redis_password").write_text("s3cret\n")
+    env = {"CONVEYOR_HOME": str(tmp_path), "CONVEYOR_EMBEDDED_REDIS_PORT": "6400", "CONVEYOR_NAMESPACE": "ns"}
+    stack = System("conveyor", "http://127.0.0.1:1", tmp_path / "up.log", env=env)
+    assert stack.redis_url == "redis://:s3cret@127.0.0.1:6400/0" and stack.namespace == "ns"
+    shared = System("conveyor", "http://127.0.0.1:1", tmp_path / "up.log", env={"REDIS_URL": "redis://h:1/2"})
+    assert shared.redis_url == "redis://h:1/2"
+
+
 def test_each_start_of_a_system_gets_a_log_of_its_own(tmp_path):
     from bench.systems import fresh_log
 
