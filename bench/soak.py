@@ -344,6 +344,7 @@ def run(args: argparse.Namespace, model: Model, workdir: Path) -> str:
         "CONVEYOR_ENDED_JOB_TTL_S": str(args.ended_ttl_s),
         "CONVEYOR_METRICS_PORT": str(consecutive_ports(8)),
         "CONVEYOR_RATE_LIMITS": json.dumps({t: {"rps": 1000, "burst": 2000} for t in keys}),
+        **dict(e.split("=", 1) for e in args.env),
     }
     with redis_server(workdir) as (url, redis_process):
         with conveyor("conveyor up", workdir, settings | {"REDIS_URL": url}, model=model) as system:
