@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,6 +248,37 @@ def _starts_a_stack(func: object) -> bool:
         return "start_stack(" in inspect.getsource(func)  # type: ignore[arg-type]
     except (OSError, TypeError):
         return False
+
+
+# A test module that shares an expensive session fixture with other modules names a group:
+# `pytestmark = pytest.mark.xdist_group("minilm")`. Under `-n N --dist loadgroup` every test of a
+# group's modules goes to one worker, so the fixture is built once. pytest-xdist's own grouping does
+# not survive pytest 9 (it renames a node id that pytest 9 no longer reads), so the scheduler below
+# finds each module's group in its source instead.
+MODULE_GROUP = re.compile(r'^pytestmark = pytest\.mark\.xdist_group\("([\w-]+)"\)', re.M)
+
+
+@functools.cache
+def module_group(path: str) -> str | None:
+    """The group a test module (its path from the project root) names, if any."""
+    try:
+        match = MODULE_GROUP.search((ROOT / path).read_text())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`: tests spread one by one over the workers, but a group's tests to one."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return module_group(nodeid.split("::", 1)[0]) or nodeid
+
+    return ByModuleGroup(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

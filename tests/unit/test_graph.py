@@ -29,7 +29,8 @@ from app.partitions.graph import (
 )
 
 # The MiniLM stage plans (conftest.py `minilm_worker_plans`, seconds of torch.export) are built once
-# per test process: under `pytest -n` (`--dist loadgroup`) the tests using them run in one process.
+# per test process: under `pytest -n --dist loadgroup` the tests of this group run in one process
+# (conftest.py `pytest_xdist_make_scheduler`).
 pytestmark = pytest.mark.xdist_group("minilm")
 
 TEXTS = [
