@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -494,6 +494,15 @@ class Settings(BaseSettings):
     def stages_of(self, model: str) -> int:
         return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with `update` applied. What a `cached_property` derived from the fields (the
+        sections, the model home) is left behind, so the copy derives it again from its own fields
+        instead of carrying the original's."""
+        copied = super().model_copy(update=update, deep=deep)
+        for name in _derived(type(self)):
+            copied.__dict__.pop(name, None)
+        return copied
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
@@ -572,3 +581,13 @@ class Settings(BaseSettings):
             return os.listdir(self.model_home)
         except OSError:  # no model home yet
             return []
+
+
+def _derived(cls: type) -> list[str]:
+    """The names of `cls`'s `cached_property`s, its bases' included."""
+    return [
+        name
+        for klass in cls.__mro__
+        for name, value in vars(klass).items()
+        if isinstance(value, cached_property)
+    ]
