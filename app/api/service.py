@@ -68,7 +68,7 @@ class JobService:
         self.hub = hub
         self.streams = StreamSlots(settings.tenant_max_streams)
         self.keys = Keys(settings.namespace)
-        self.admission = Admission(redis, self.keys, settings)
+        self.admission = Admission(redis, self.keys, settings.admission)
         self.store = self.admission.store  # the job record's writer (app/core/jobstore.py)
         self.ratelimit = RateLimiter(redis, self.keys, settings)
         self.callbacks = CallbackIntake(settings.webhooks, redis, self.keys)  # Webhooks

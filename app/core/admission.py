@@ -10,7 +10,7 @@ The gates, in order; the first that refuses answers, with a Retry-After:
 4. jobs waiting in the job's class >= `queue_depth_limit`              -> 429 queue_full;
 5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable;
 6. the tenant's jobs waiting in the job's class >= its share of `queue_depth_limit`
-   (`Settings.tenant_queue_limit`)                                     -> 429 tenant_queue_full.
+   (`AdmissionSettings.tenant_queue_limit`)                            -> 429 tenant_queue_full.
 
 "Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
 dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`,
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core import breaker, routing
-from app.core.config import Settings
+from app.core.config import AdmissionLimits, AdmissionSettings
 from app.core.durability import wait_on_disk
 from app.core.errors import (
     CircuitOpen,
@@ -115,24 +115,15 @@ def drain_s(excess: int, rate: float | None, fallback_s: float) -> float:
     return min(MAX_RETRY_AFTER_S, max(1.0, excess / rate))
 
 
-@dataclass(frozen=True)
-class Limits:
-    class_depth: int
-    overall: int
-    retry_after_s: float  # when no completion rate is measured
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Limits:
-        return cls(settings.queue_depth_limit, settings.overload_limit, settings.retry_after_s)
-
-
-def check_load(depths: Mapping[str, int], priority: str, *, limits: Limits, rate: float | None) -> None:
+def check_load(
+    depths: Mapping[str, int], priority: str, *, limits: AdmissionLimits, rate: float | None
+) -> None:
     """Gates 3 and 4 (the write script checks them again, atomically)."""
     overload(sum(depths.values()), limits=limits, rate=rate)
     queue_full(depths.get(priority, 0), priority, limits=limits, rate=rate)
 
 
-def overload(total: int, *, limits: Limits, rate: float | None) -> None:
+def overload(total: int, *, limits: AdmissionLimits, rate: float | None) -> None:
     if total >= limits.overall:
         raise Overloaded(
             f"{total} jobs are waiting, the most this service queues; retry later",
@@ -142,7 +133,7 @@ def overload(total: int, *, limits: Limits, rate: float | None) -> None:
         )
 
 
-def queue_full(depth: int, priority: str, *, limits: Limits, rate: float | None) -> None:
+def queue_full(depth: int, priority: str, *, limits: AdmissionLimits, rate: float | None) -> None:
     if depth >= limits.class_depth:
         raise QueueFull(
             f"{depth} {priority} jobs are waiting, the most this class queues; retry later",
@@ -153,7 +144,9 @@ def queue_full(depth: int, priority: str, *, limits: Limits, rate: float | None)
         )
 
 
-def tenant_queue_full(waiting: int, priority: str, *, limit: int, limits: Limits, rate: float | None) -> None:
+def tenant_queue_full(
+    waiting: int, priority: str, *, limit: int, limits: AdmissionLimits, rate: float | None
+) -> None:
     """Gate 6 (the write script's answer). Retry-After as for the class at the measured rate: the
     tenant's jobs leave no faster than all of them."""
     if waiting >= limit:
@@ -200,20 +193,17 @@ class Written:
 
 
 class Admission:
-    """The gates and the write, over redis.asyncio; one per API process."""
+    """The gates and the write, over redis.asyncio; one per API process. `settings`:
+    `Settings.admission`."""
 
-    def __init__(self, redis: Any, keys: Keys, settings: Settings) -> None:
+    def __init__(self, redis: Any, keys: Keys, settings: AdmissionSettings) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self.limits = Limits.from_settings(settings)
-        self.breaker = breaker.Breaker(redis, keys, breaker.Policy.from_settings(settings))
+        self.limits = settings.limits
+        self.breaker = breaker.Breaker(redis, keys, settings.breaker)
         self.store = AsyncJobStore(redis, keys)
         self.fsync: str | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync: how (set at the API's start)
-
-    @property
-    def stage_down_after_s(self) -> float:
-        return self.settings.stage_down_after_s or 2 * self.settings.heartbeat_ttl_s
 
     async def depths(self) -> dict[str, int]:
         """Jobs waiting per priority class."""
@@ -262,7 +252,11 @@ class Admission:
         """Run gates 1-5 for one job (one round trip of reads); raise the first refusal."""
         seen, snap, depths = await self.read(model, now)
         check_stages(
-            model, seen, now=now, ttl_s=self.settings.heartbeat_ttl_s, after_s=self.stage_down_after_s
+            model,
+            seen,
+            now=now,
+            ttl_s=self.settings.heartbeat_ttl_s,
+            after_s=self.settings.stage_down_after_s,
         )
         policy = self.breaker.policy
         verdict = breaker.decide(snap, policy, now)
@@ -278,7 +272,7 @@ class Admission:
             probe = await self.breaker.claim_probe(model, now)
             if not probe:  # another submit claimed it first
                 raise self._open(
-                    model, min(policy.interval_s, self.settings.retry_after_s), "a probe job is out"
+                    model, min(policy.interval_s, self.limits.retry_after_s), "a probe job is out"
                 )
         return Ticket(model=model, priority=priority, probe=probe, rate=rate)
 
@@ -315,7 +309,7 @@ class Admission:
         """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically.
         With `callback_at` (a job with a callback_url) the job is registered with the webhook
         dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
-        ttl = min(self.settings.idempotency_ttl_s, self.settings.job_ttl_s)  # the job outlives its key
+        ttl = self.settings.idempotency_ttl_s  # at most job_ttl_s: the job outlives its key
         tenant_depth = self.settings.tenant_queue_limit(record.tenant)
         try:
             outcome, detail = await self.store.admit(
@@ -324,7 +318,7 @@ class Admission:
                 class_depth=self.limits.class_depth,
                 overall=self.limits.overall,
                 tenant_depth=tenant_depth,
-                ttl_s=self.settings.job_ttl_s,
+                ttl_s=self.settings.life.ttl_s,
                 idempotency=None if idempotency is None else (*idempotency, ttl),
                 callback_at=callback_at,
             )

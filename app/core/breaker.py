@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.config import Settings
 from app.core.jobs import text_of
 from app.core.keys import Keys
 
@@ -44,17 +43,12 @@ class State(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Policy:
+    """The thresholds `decide` applies; the API's are the breaker_* settings, built once into
+    `AdmissionSettings.breaker` (`Settings.admission`)."""
+
     error_threshold: float = 0.3
     min_requests: int = 100
     interval_s: float = 30.0
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Policy:
-        return cls(
-            error_threshold=settings.breaker_error_threshold,
-            min_requests=settings.breaker_min_requests,
-            interval_s=settings.breaker_interval_s,
-        )
 
 
 @dataclass(frozen=True)

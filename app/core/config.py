@@ -19,6 +19,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.breaker import Policy as BreakerPolicy
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -133,6 +134,51 @@ class BatcherSettings:
 
     def stages_of(self, model: str) -> int:
         return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Admission's queue limits (app/core/admission.py, gates 3 and 4, and the write script that
+    checks them again) and the Retry-After it answers when no completion rate is measured."""
+
+    class_depth: int  # queue_depth_limit
+    overall: int  # overload_limit
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Admission's part of the settings (app/core/admission.py: the gates and the write), built once
+    by `Settings.admission`: the fields it reads, by their names in `Settings` (described there), and
+    what derives from them computed here: the stage-down grace, the queue limits, the circuit
+    breaker's policy, each tenant's queue limit, the Idempotency-Key's TTL and the job lifetimes."""
+
+    stages: int
+    embedding_stages: int
+    heartbeat_ttl_s: float
+    stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
+    limits: AdmissionLimits  # queue_depth_limit, overload_limit, retry_after_s
+    breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
+    # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
+    # each of tenant_queue_shares' tenants its own share of it.
+    tenant_queue_default: int
+    tenant_queue_limits: Mapping[str, int]
+    idempotency_ttl_s: int  # at most job_ttl_s, so the job outlives its key
+    submit_fsync_timeout_ms: int
+    life: Lifetimes  # of the jobs it writes (Lifetimes.of)
+
+    def stages_of(self, model: str) -> int:
+        return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
+
+    def tenant_queue_limit(self, tenant: str) -> int:
+        """Jobs of `tenant` that may wait in one priority class: its share of queue_depth_limit,
+        rounded down, at least one."""
+        return self.tenant_queue_limits.get(tenant, self.tenant_queue_default)
+
+
+def queue_share(share: float, depth: int) -> int:
+    """`share` of a class's `depth` jobs, rounded down, at least one."""
+    return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
 
 
 class Settings(BaseSettings):
@@ -473,12 +519,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"routes: {name!r} is already the name of a model (CONVEYOR_MODELS)")
         return self
 
-    def tenant_queue_limit(self, tenant: str) -> int:
-        """Jobs of `tenant` that may wait in one priority class: its share of queue_depth_limit,
-        rounded down, at least one."""
-        share = self.tenant_queue_shares.get(tenant, self.tenant_queue_share)
-        return max(1, int(share * self.queue_depth_limit + 1e-9))  # 0.29 x 100 is 28.999... in floats
-
     def allowed_priorities(self, tenant: str) -> set[str] | None:
         """The classes `tenant` may submit to (aliases resolved); None: every class."""
         classes = self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
@@ -490,9 +530,6 @@ class Settings(BaseSettings):
             limits = f"min_batch_size {self.min_batch_size}, max_batch_size {self.max_batch_size}"
             raise ValueError(f"min_batch_size must not exceed max_batch_size ({limits})")
         return self
-
-    def stages_of(self, model: str) -> int:
-        return pipeline_stages(model, stages=self.stages, embedding_stages=self.embedding_stages)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy with `update` applied. What a `cached_property` derived from the fields (the
@@ -552,6 +589,29 @@ class Settings(BaseSettings):
             log_max=self.webhook_log_max,
             disabled_ttl_s=self.webhook_disabled_ttl_s,
             job_ttl_s=self.job_ttl_s,
+        )
+
+    @cached_property
+    def admission(self) -> AdmissionSettings:
+        depth = self.queue_depth_limit
+        return AdmissionSettings(
+            stages=self.stages,
+            embedding_stages=self.embedding_stages,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+            stage_down_after_s=self.stage_down_after_s or 2 * self.heartbeat_ttl_s,
+            limits=AdmissionLimits(depth, self.overload_limit, self.retry_after_s),
+            breaker=BreakerPolicy(
+                error_threshold=self.breaker_error_threshold,
+                min_requests=self.breaker_min_requests,
+                interval_s=self.breaker_interval_s,
+            ),
+            tenant_queue_default=queue_share(self.tenant_queue_share, depth),
+            tenant_queue_limits=MappingProxyType(
+                {tenant: queue_share(share, depth) for tenant, share in self.tenant_queue_shares.items()}
+            ),
+            idempotency_ttl_s=min(self.idempotency_ttl_s, self.job_ttl_s),
+            submit_fsync_timeout_ms=self.submit_fsync_timeout_ms,
+            life=Lifetimes.of(self),
         )
 
     def model_path(self, name: str) -> Path | None:

@@ -63,7 +63,7 @@ def gates(redis_url: str, settings: Settings, body: Callable[[Admission], Awaita
     async def main() -> Any:
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            return await body(Admission(client, Keys(settings.namespace), settings))
+            return await body(Admission(client, Keys(settings.namespace), settings.admission))
         finally:
             await client.aclose()
 

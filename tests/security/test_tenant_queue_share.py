@@ -46,7 +46,7 @@ def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str
         queue_depth_limit=DEPTH,
     )
     namespace = settings.namespace
-    assert settings.tenant_queue_share == 0.5 and settings.tenant_queue_limit("acme") == DEPTH // 2
+    assert settings.tenant_queue_share == 0.5 and settings.admission.tenant_queue_limit("acme") == DEPTH // 2
     try:
         with TestClient(create_app(settings)) as client:
             yield client, {t: {"X-API-Key": k} for t, k in keys.items()}
@@ -107,12 +107,12 @@ async def submit(admission: Admission, tenant: str, job_id: str | None = None) -
 
 def test_concurrent_submits_from_many_api_processes_stop_exactly_at_the_share(redis_url):  # type: ignore[no-untyped-def]
     settings = Settings(namespace=f"test-{uuid.uuid4().hex[:8]}", queue_depth_limit=100)
-    share = settings.tenant_queue_limit("acme")  # 50
+    share = settings.admission.tenant_queue_limit("acme")  # 50
 
     async def main() -> list[str]:
         clients = [redis.asyncio.Redis.from_url(redis_url) for _ in range(4)]  # four API processes
         try:
-            gates = [Admission(c, Keys(settings.namespace), settings) for c in clients]
+            gates = [Admission(c, Keys(settings.namespace), settings.admission) for c in clients]
             return list(await asyncio.gather(*(submit(gates[i % 4], "acme") for i in range(80))))
         finally:
             for c in clients:
@@ -144,7 +144,9 @@ def admit(redis_url: str, settings: Settings, tenant: str, job_id: str | None = 
     async def main() -> str:
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            return await submit(Admission(client, Keys(settings.namespace), settings), tenant, job_id)
+            return await submit(
+                Admission(client, Keys(settings.namespace), settings.admission), tenant, job_id
+            )
         finally:
             await client.aclose()
 
@@ -154,7 +156,8 @@ def admit(redis_url: str, settings: Settings, tenant: str, job_id: str | None = 
 def test_every_move_out_of_and_back_into_the_queue_keeps_the_count(redis_url, store):  # type: ignore[no-untyped-def]
     settings, jobs, client = store
     keys = Keys(settings.namespace)
-    assert settings.tenant_queue_limit("acme") == 1 and settings.tenant_queue_limit("other") == 5
+    limit = settings.admission.tenant_queue_limit
+    assert limit("acme") == 1 and limit("other") == 5
     life = Lifetimes(ttl_s=settings.job_ttl_s, ended_ttl_s=60, stream_maxlen=100)
     publisher = Publisher(client, keys, jobs, life=Lifetimes(settings.job_ttl_s, 60, 100))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
 
 
 def test_a_copy_derives_its_sections_from_its_own_fields() -> None:
@@ -15,3 +15,34 @@ def test_a_copy_derives_its_sections_from_its_own_fields() -> None:
     assert copied.batcher.stages == 3 and copied.batcher.life.ttl_s == 60
     assert copied.webhooks.job_ttl_s == 60 and str(copied.model_home) == "/elsewhere/models"
     assert settings.batcher.stages == 1 and settings.batcher is settings.batcher  # the original's stays
+
+
+def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> None:
+    settings = Settings(
+        heartbeat_ttl_s=7.0,
+        queue_depth_limit=100,
+        overload_limit=150,
+        retry_after_s=3.0,
+        breaker_error_threshold=0.5,
+        breaker_min_requests=20,
+        breaker_interval_s=60.0,
+        tenant_queue_shares={"batch-import": 0.29, "tiny": 0.001},
+        idempotency_ttl_s=7200,
+        job_ttl_s=3600,
+        stages=3,
+        embedding_stages=2,
+    )
+    section = settings.admission
+    assert section is settings.admission  # built once
+    assert section.stage_down_after_s == 14.0  # unset: 2 x heartbeat_ttl_s
+    assert Settings(stage_down_after_s=5.0).admission.stage_down_after_s == 5.0
+    limits = section.limits
+    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 3.0)
+    breaker = section.breaker
+    assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.5, 20, 60.0)
+    assert section.tenant_queue_limit("anyone") == 50  # the default share, a half
+    assert section.tenant_queue_limit("batch-import") == 29  # 0.29 x 100, not 28.999...
+    assert section.tenant_queue_limit("tiny") == 1  # at least one job
+    assert section.idempotency_ttl_s == 3600  # the job outlives its key
+    assert section.life.ttl_s == 3600
+    assert section.stages_of("SmolLM2-135M-Instruct") == 3 and section.stages_of(EMBEDDING_MODEL) == 2
