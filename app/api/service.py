@@ -70,7 +70,7 @@ class JobService:
         self.keys = Keys(settings.namespace)
         self.admission = Admission(redis, self.keys, settings.admission)
         self.store = self.admission.store  # the job record's writer (app/core/jobstore.py)
-        self.ratelimit = RateLimiter(redis, self.keys, settings)
+        self.ratelimit = RateLimiter(redis, self.keys, settings.rate_limiter)
         self.callbacks = CallbackIntake(settings.webhooks, redis, self.keys)  # Webhooks
         self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()

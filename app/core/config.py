@@ -176,6 +176,20 @@ class AdmissionSettings:
         return self.tenant_queue_limits.get(tenant, self.tenant_queue_default)
 
 
+@dataclass(frozen=True)
+class RateLimiterSettings:
+    """The rate limiter's part of the settings (app/core/ratelimit.py), built once by
+    `Settings.rate_limiter`: the default limits without their `rate_limit_` prefix, named as a
+    tenant's override (`TenantLimits`) names them, and the overrides (`rate_limits`); the fields are
+    described in `Settings`."""
+
+    rps: float
+    burst: int
+    tokens_per_min: int
+    embedding_bytes_per_min: int
+    tenants: Mapping[str, TenantLimits]  # rate_limits
+
+
 def queue_share(share: float, depth: int) -> int:
     """`share` of a class's `depth` jobs, rounded down, at least one."""
     return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
@@ -612,6 +626,16 @@ class Settings(BaseSettings):
             idempotency_ttl_s=min(self.idempotency_ttl_s, self.job_ttl_s),
             submit_fsync_timeout_ms=self.submit_fsync_timeout_ms,
             life=Lifetimes.of(self),
+        )
+
+    @cached_property
+    def rate_limiter(self) -> RateLimiterSettings:
+        return RateLimiterSettings(
+            rps=self.rate_limit_rps,
+            burst=self.rate_limit_burst,
+            tokens_per_min=self.rate_limit_tokens_per_min,
+            embedding_bytes_per_min=self.embedding_bytes_per_min,
+            tenants=MappingProxyType(dict(self.rate_limits)),
         )
 
     def model_path(self, name: str) -> Path | None:

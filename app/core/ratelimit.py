@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.config import Settings
+from app.core.config import RateLimiterSettings
 from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
 
@@ -109,12 +109,12 @@ class Policy:
     embedding_bytes: Bucket | None = None
 
 
-def policy_for(settings: Settings, tenant: str) -> Policy:
+def policy_for(settings: RateLimiterSettings, tenant: str) -> Policy:
     """The tenant's limits: its override in `rate_limits`, field by field, else the defaults."""
-    override = settings.rate_limits.get(tenant)
-    rps = settings.rate_limit_rps if override is None or override.rps is None else override.rps
-    burst = settings.rate_limit_burst if override is None or override.burst is None else override.burst
-    per_min = settings.rate_limit_tokens_per_min
+    override = settings.tenants.get(tenant)
+    rps = settings.rps if override is None or override.rps is None else override.rps
+    burst = settings.burst if override is None or override.burst is None else override.burst
+    per_min = settings.tokens_per_min
     if override is not None and override.tokens_per_min is not None:
         per_min = override.tokens_per_min
     nbytes = settings.embedding_bytes_per_min
@@ -160,9 +160,10 @@ class Outcome:
 
 
 class RateLimiter:
-    """The tenant limits over redis.asyncio; one per API process (JobService holds it)."""
+    """The tenant limits over redis.asyncio; one per API process (JobService holds it). `settings`:
+    `Settings.rate_limiter`."""
 
-    def __init__(self, redis: Any, keys: Keys, settings: Settings) -> None:
+    def __init__(self, redis: Any, keys: Keys, settings: RateLimiterSettings) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings

@@ -42,7 +42,7 @@ def run(redis_url: str, settings: Settings, body: Any) -> Any:
     async def main() -> Any:
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            return await body(RateLimiter(client, Keys(settings.namespace), settings))
+            return await body(RateLimiter(client, Keys(settings.namespace), settings.rate_limiter))
         finally:
             await client.aclose()
 
@@ -50,18 +50,18 @@ def run(redis_url: str, settings: Settings, body: Any) -> Any:
 
 
 def test_policies_resolve_overrides_field_by_field(settings):  # type: ignore[no-untyped-def]
-    default = policy_for(settings, "anyone")
+    default = policy_for(settings.rate_limiter, "anyone")
     assert default.requests is not None and default.requests.capacity == 3
     assert default.requests.interval_ms == 500.0
     assert (
         default.tokens is not None and default.tokens.capacity == 600 and default.tokens.interval_ms == 100.0
     )
-    big = policy_for(settings, "big")
+    big = policy_for(settings.rate_limiter, "big")
     assert big.requests is not None and big.requests.interval_ms == 50.0 and big.tokens is None
-    free = policy_for(settings, "free")
+    free = policy_for(settings.rate_limiter, "free")
     assert free.requests is None and free.tokens is None
     assert free.embedding_bytes is not None and free.embedding_bytes.capacity == 2048  # not overridden
-    assert policy_for(settings, "big").embedding_bytes is None  # overridden: off
+    assert policy_for(settings.rate_limiter, "big").embedding_bytes is None  # overridden: off
 
 
 def test_embeddings_input_is_limited_in_bytes_per_tenant(redis_url, settings):  # type: ignore[no-untyped-def]
@@ -157,7 +157,7 @@ def test_three_clients_at_ten_times_the_limit(redis_url, settings):  # type: ign
 
     async def client(tenant: str, per_second: float, until: float) -> tuple[int, int]:
         conn = redis.asyncio.Redis.from_url(redis_url)
-        limiter = RateLimiter(conn, Keys(settings.namespace), settings)
+        limiter = RateLimiter(conn, Keys(settings.namespace), settings.rate_limiter)
         admitted = refused = 0
         try:
             while time.monotonic() < until:
