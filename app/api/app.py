@@ -60,7 +60,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = api_redis(settings.redis_url or "")
         keys = Keys(settings.namespace)
-        app.state.auth = Authenticator(settings, redis, keys)  # a bad JWT setting stops the start here
+        # A bad JWT setting stops the start here.
+        app.state.auth = Authenticator(settings.authenticator, redis, keys)
         await _warn_if_open(app.state.auth, redis, keys)
         hub = EventHub(redis, keys)
         catalog = Catalog(settings)

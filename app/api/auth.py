@@ -44,7 +44,7 @@ from starlette.datastructures import Headers
 
 from app.api import audit
 from app.core import metrics
-from app.core.config import Settings
+from app.core.config import AuthenticatorSettings
 from app.core.errors import Unauthorized
 from app.core.keys import Keys
 
@@ -89,9 +89,10 @@ def checked_tenant(value: object) -> str:
 
 
 class JwtVerifier:
-    """Verifies bearer JWTs with one key and pinned algorithms (all symmetric or all asymmetric)."""
+    """Verifies bearer JWTs with one key and pinned algorithms (all symmetric or all asymmetric).
+    `settings`: `Settings.authenticator`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: AuthenticatorSettings) -> None:
         algorithms = list(settings.jwt_algorithms)
         if not algorithms or any(a.lower() == "none" for a in algorithms):
             raise ValueError("CONVEYOR_JWT_ALGORITHMS must name signing algorithms, never 'none'")
@@ -154,9 +155,10 @@ class Authenticator:
     """One per API process (app.state.auth): turns a request's headers into a Principal.
 
     Raises ValueError at construction for settings that contradict each other (a bad JWT setting,
-    credentials configured while CONVEYOR_AUTH=none): the API does not start."""
+    credentials configured while CONVEYOR_AUTH=none): the API does not start. `settings`:
+    `Settings.authenticator`."""
 
-    def __init__(self, settings: Settings, redis: Any, keys: Keys) -> None:
+    def __init__(self, settings: AuthenticatorSettings, redis: Any, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self.open = settings.auth == "none"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
@@ -188,6 +188,25 @@ class RateLimiterSettings:
     tokens_per_min: int
     embedding_bytes_per_min: int
     tenants: Mapping[str, TenantLimits]  # rate_limits
+
+
+@dataclass(frozen=True)
+class AuthenticatorSettings:
+    """The authenticator's part of the settings (app/api/auth.py: the Authenticator and its
+    JwtVerifier), built once by `Settings.authenticator`: the auth, api_key* and jwt_* fields, by
+    their names in `Settings` (described there). A JWT key file is read by the JwtVerifier when the
+    API starts, not here."""
+
+    auth: Literal["keys", "none"]
+    api_key_sources: Literal["auto", "both"]
+    api_keys: Mapping[str, str]  # SHA-256 hex of a key -> its tenant
+    jwt_key: str | None = field(repr=False)  # an HMAC secret, when the algorithms are HS*
+    jwt_key_file: Path | None
+    jwt_algorithms: tuple[str, ...]
+    jwt_audience: str | None
+    jwt_issuer: str | None
+    jwt_tenant_claims: tuple[str, ...]
+    jwt_leeway_s: float
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -636,6 +655,21 @@ class Settings(BaseSettings):
             tokens_per_min=self.rate_limit_tokens_per_min,
             embedding_bytes_per_min=self.embedding_bytes_per_min,
             tenants=MappingProxyType(dict(self.rate_limits)),
+        )
+
+    @cached_property
+    def authenticator(self) -> AuthenticatorSettings:
+        return AuthenticatorSettings(
+            auth=self.auth,
+            api_key_sources=self.api_key_sources,
+            api_keys=MappingProxyType(dict(self.api_keys)),
+            jwt_key=self.jwt_key,
+            jwt_key_file=self.jwt_key_file,
+            jwt_algorithms=tuple(self.jwt_algorithms),
+            jwt_audience=self.jwt_audience,
+            jwt_issuer=self.jwt_issuer,
+            jwt_tenant_claims=tuple(self.jwt_tenant_claims),
+            jwt_leeway_s=self.jwt_leeway_s,
         )
 
     def model_path(self, name: str) -> Path | None:

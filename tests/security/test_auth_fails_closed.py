@@ -97,10 +97,10 @@ def test_anonymous_service_is_explicit_and_counted(redis_url, tiny_model):  # ty
 def test_anonymous_mode_with_credentials_configured_does_not_start() -> None:
     settings = Settings(auth="none", api_keys={key_digest(new_api_key()): "ops"})
     with pytest.raises(ValueError, match="CONVEYOR_AUTH=none"):
-        Authenticator(settings, None, Keys("unit"))
+        Authenticator(settings.authenticator, None, Keys("unit"))
 
 
 def test_keys_in_settings_need_no_redis_to_count_as_credentials() -> None:
     key = new_api_key()
-    auth = Authenticator(Settings(api_keys={key_digest(key): "ops"}), None, Keys("unit"))
+    auth = Authenticator(Settings(api_keys={key_digest(key): "ops"}).authenticator, None, Keys("unit"))
     assert asyncio.run(auth.has_credentials())

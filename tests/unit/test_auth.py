@@ -77,7 +77,7 @@ def hs256_with(secret: bytes, payload: dict[str, Any]) -> str:
 
 
 def test_a_valid_rs256_token_names_its_tenant(signer, settings):  # type: ignore[no-untyped-def]
-    verifier = JwtVerifier(settings)
+    verifier = JwtVerifier(settings.authenticator)
     assert verifier.tenant(jwt.encode(claims(), _pem_private(signer), algorithm="RS256")) == "acme"
     token = jwt.encode(claims(tenant="globex"), _pem_private(signer), algorithm="RS256")
     assert verifier.tenant(token) == "globex"  # `tenant` comes before `sub` in jwt_tenant_claims
@@ -126,13 +126,15 @@ def test_tokens_that_must_be_refused(signer, settings, attack):  # type: ignore[
         "the_reserved_anonymous_tenant": lambda: rs256(tenant="anonymous"),  # the open API's jobs
     }[attack]()
     with pytest.raises(Unauthorized) as refused:
-        JwtVerifier(settings).tenant(token)
+        JwtVerifier(settings.authenticator).tenant(token)
     assert refused.value.status == 401 and refused.value.invalid
     assert refused.value.headers()["WWW-Authenticate"] == 'Bearer realm="conveyor", error="invalid_token"'
 
 
 def test_a_token_with_an_audience_is_refused_when_none_is_configured(signer, settings):  # type: ignore[no-untyped-def]
-    verifier = JwtVerifier(settings.model_copy(update={"jwt_audience": None, "jwt_issuer": None}))
+    verifier = JwtVerifier(
+        settings.model_copy(update={"jwt_audience": None, "jwt_issuer": None}).authenticator
+    )
     assert verifier.tenant(jwt.encode(claims(aud=None), _pem_private(signer), algorithm="RS256")) == "acme"
     with pytest.raises(Unauthorized):
         verifier.tenant(jwt.encode(claims(), _pem_private(signer), algorithm="RS256"))
@@ -140,7 +142,7 @@ def test_a_token_with_an_audience_is_refused_when_none_is_configured(signer, set
 
 def test_hs256_when_configured_so(signer):  # type: ignore[no-untyped-def]
     secret = "s" * 32
-    verifier = JwtVerifier(Settings(jwt_key=secret, jwt_algorithms=["HS256"]))
+    verifier = JwtVerifier(Settings(jwt_key=secret, jwt_algorithms=["HS256"]).authenticator)
     assert verifier.tenant(jwt.encode(claims(aud=None, iss=None), secret, algorithm="HS256")) == "acme"
     with pytest.raises(Unauthorized):  # an RS256 token where HS256 is pinned
         verifier.tenant(jwt.encode(claims(aud=None, iss=None), _pem_private(signer), algorithm="RS256"))
@@ -158,19 +160,19 @@ def test_hs256_when_configured_so(signer):  # type: ignore[no-untyped-def]
 )
 def test_unsafe_jwt_settings_stop_the_start(settings, update, reason):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=reason):
-        JwtVerifier(settings.model_copy(update=update))
+        JwtVerifier(settings.model_copy(update=update).authenticator)
 
 
 def test_the_jwt_key_can_be_a_file(signer, tmp_path):  # type: ignore[no-untyped-def]
     path = tmp_path / "jwt.pem"
     path.write_text(_pem_public(signer))
-    verifier = JwtVerifier(Settings(jwt_key_file=path))
+    verifier = JwtVerifier(Settings(jwt_key_file=path).authenticator)
     assert verifier.tenant(jwt.encode(claims(aud=None, iss=None), _pem_private(signer), "RS256")) == "acme"
 
 
 def authenticate(settings: Settings, headers: dict[str, str]) -> str:
     # redis=None: with credentials in settings and a key found there, the Authenticator never asks Redis.
-    auth = Authenticator(settings, None, Keys("unit"))
+    auth = Authenticator(settings.authenticator, None, Keys("unit"))
     return asyncio.run(auth.authenticate(Headers(headers))).tenant
 
 
