@@ -64,7 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.auth = Authenticator(settings.authenticator, redis, keys)
         await _warn_if_open(app.state.auth, redis, keys)
         hub = EventHub(redis, keys)
-        catalog = Catalog(settings)
+        catalog = Catalog(settings.catalog)
         catalog.routes()  # a route naming a model not served stops the start here, saying which
         try:
             await run_in_threadpool(catalog.get, settings.default_model)  # first request should not pay it

@@ -1,10 +1,10 @@
 """The models the API can accept jobs for: tokenizer, chat template and context length of each.
 
 A model is named exactly: a CONVEYOR_MODELS entry or a directory in the model home, by its own name
-(`Settings.model_path`), and, under `conveyor up`, one of the models it serves. Anything else is 404
-`model_not_found` before a file is read, so the catalog holds at most one entry per known model: an
-alias (`name/`, `./name`, an absolute path) can neither load a second tokenizer nor queue jobs for
-a pipeline no worker reads.
+(`find_model` in app/core/config.py), and, under `conveyor up`, one of the models it serves.
+Anything else is 404 `model_not_found` before a file is read, so the catalog holds at most one entry
+per known model: an alias (`name/`, `./name`, an absolute path) can neither load a second tokenizer
+nor queue jobs for a pipeline no worker reads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from transformers import AutoConfig, AutoTokenizer
 
 from app.core import routing
-from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
 from app.core.errors import InvalidRequest, ModelNotFound
 from app.core.keys import Keys
 
@@ -55,9 +55,10 @@ class ModelInfo:
 
 
 class Catalog:
-    """Loads a model's tokenizer on first use and keeps it (weights are the workers' business)."""
+    """Loads a model's tokenizer on first use and keeps it (weights are the workers' business).
+    `settings`: `Settings.catalog`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: CatalogSettings) -> None:
         self.settings = settings
         self._models: dict[str, ModelInfo] = {}
         self._lock = threading.Lock()
@@ -126,7 +127,7 @@ def parameter_count(path: Path | None) -> int:
     return total
 
 
-def available(settings: Settings) -> list[str]:
+def available(settings: CatalogSettings) -> list[str]:
     """The generation models a request may name: those served under `conveyor up`, else every known one."""
     known = settings.model_names()
     if settings.served_models:

@@ -43,6 +43,38 @@ def valid_model_name(name: str) -> bool:
     return MODEL_NAME.fullmatch(name) is not None and ".." not in name
 
 
+def find_model(name: str, *, models: Mapping[str, Path], model_home: Path) -> Path | None:
+    """Where the model called exactly `name` lives: an entry of `models` (CONVEYOR_MODELS), or a
+    directory of that name with a config.json in the model home; None otherwise. A name that cannot
+    name a model (a path, `..`, a trailing slash) is refused without touching the disk, and a
+    directory must be listed under that exact name (no case folding, no aliases)."""
+    if name in models:
+        return Path(models[name])
+    if not valid_model_name(name) or name not in _home_entries(model_home):
+        return None
+    candidate = model_home / name
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def known_models(*, models: Mapping[str, Path], model_home: Path) -> list[str]:
+    """Every model a request may name: configured (`models`), and added (or pulled) into the model
+    home."""
+    names = set(models)
+    names.update(
+        name
+        for name in _home_entries(model_home)
+        if valid_model_name(name) and (model_home / name / "config.json").is_file()
+    )
+    return sorted(names)
+
+
+def _home_entries(model_home: Path) -> list[str]:
+    try:
+        return os.listdir(model_home)
+    except OSError:  # no model home yet
+        return []
+
+
 class TenantLimits(BaseModel):
     """One tenant's rate limits (`Settings.rate_limits`); a field left out keeps the default."""
 
@@ -207,6 +239,26 @@ class AuthenticatorSettings:
     jwt_issuer: str | None
     jwt_tenant_claims: tuple[str, ...]
     jwt_leeway_s: float
+
+
+@dataclass(frozen=True)
+class CatalogSettings:
+    """The API's model catalog's part of the settings (app/api/catalog.py), built once by
+    `Settings.catalog`: where the models a request may name live, those `conveyor up` serves, and
+    the routes, by their names in `Settings` (described there)."""
+
+    models: Mapping[str, Path]
+    model_home: Path
+    served_models: tuple[str, ...]
+    routes: Mapping[str, RoutePolicy]
+
+    def model_path(self, name: str) -> Path | None:
+        """Where the model called exactly `name` lives (`find_model`); None for no model."""
+        return find_model(name, models=self.models, model_home=self.model_home)
+
+    def model_names(self) -> list[str]:
+        """Every model a request may name: configured, and added (or pulled) into the model home."""
+        return known_models(models=self.models, model_home=self.model_home)
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -672,33 +724,22 @@ class Settings(BaseSettings):
             jwt_leeway_s=self.jwt_leeway_s,
         )
 
+    @cached_property
+    def catalog(self) -> CatalogSettings:
+        return CatalogSettings(
+            models=MappingProxyType(dict(self.models)),
+            model_home=self.model_home,
+            served_models=tuple(self.served_models),
+            routes=MappingProxyType(dict(self.routes)),
+        )
+
     def model_path(self, name: str) -> Path | None:
-        """Where the model called exactly `name` lives: a CONVEYOR_MODELS entry, or a directory of that
-        name with a config.json in the model home; None otherwise. A name that cannot name a model (a
-        path, `..`, a trailing slash) is refused without touching the disk, and a directory must be
-        listed under that exact name (no case folding, no aliases)."""
-        if name in self.models:
-            return Path(self.models[name])
-        if not valid_model_name(name) or name not in self._home_entries():
-            return None
-        candidate = self.model_home / name
-        return candidate if (candidate / "config.json").is_file() else None
+        """Where the model called exactly `name` lives (`find_model`); None for no model."""
+        return find_model(name, models=self.models, model_home=self.model_home)
 
     def model_names(self) -> list[str]:
         """Every model a request may name: configured, and added (or pulled) into the model home."""
-        names = set(self.models)
-        names.update(
-            name
-            for name in self._home_entries()
-            if valid_model_name(name) and (self.model_home / name / "config.json").is_file()
-        )
-        return sorted(names)
-
-    def _home_entries(self) -> list[str]:
-        try:
-            return os.listdir(self.model_home)
-        except OSError:  # no model home yet
-            return []
+        return known_models(models=self.models, model_home=self.model_home)
 
 
 def _derived(cls: type) -> list[str]:

@@ -173,5 +173,5 @@ def test_auto_orders_the_served_models_by_their_parameters(tmp_path) -> None:  #
     settings = Settings(
         home=tmp_path / "home", models={"big": big, "little": little}, served_models=["big", "little"]
     )
-    route = Catalog(settings).routes()[AUTO]
+    route = Catalog(settings.catalog).routes()[AUTO]
     assert (route.small, route.large) == ("little", "big")

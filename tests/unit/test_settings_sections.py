@@ -46,3 +46,18 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     assert section.idempotency_ttl_s == 3600  # the job outlives its key
     assert section.life.ttl_s == 3600
     assert section.stages_of("SmolLM2-135M-Instruct") == 3 and section.stages_of(EMBEDDING_MODEL) == 2
+
+
+def test_the_catalog_finds_models_as_the_settings_do(tmp_path: Path) -> None:
+    (tmp_path / "models" / "added").mkdir(parents=True)
+    (tmp_path / "models" / "added" / "config.json").write_text("{}")
+    settings = Settings(home=tmp_path, models={"configured": tmp_path / "elsewhere"}, served_models=["added"])
+    catalog = settings.catalog
+    assert catalog.model_names() == settings.model_names() == ["added", "configured"]
+    for name in ("added", "configured", "../added", "missing"):
+        assert catalog.model_path(name) == settings.model_path(name)
+    assert (
+        catalog.model_path("added") == tmp_path / "models" / "added"
+        and catalog.model_path("../added") is None
+    )
+    assert catalog.served_models == ("added",)
