@@ -13,14 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
-from app.core.config import Settings
+from app.core.config import PromptEncoderSettings
 from app.core.errors import ContextLengthExceeded, InvalidRequest
 
 
 class PromptEncoder:
-    """One per API process (JobService.prompts); `close` at the API's shutdown."""
+    """One per API process (JobService.prompts); `close` at the API's shutdown. `settings`:
+    `Settings.prompt_encoder`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: PromptEncoderSettings) -> None:
         self.chars_per_token = settings.max_prompt_chars_per_token
         self._pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
 

@@ -74,7 +74,8 @@ class JobService:
         self.callbacks = CallbackIntake(settings.webhooks, redis, self.keys)  # Webhooks
         self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()
-        self.prompts = PromptEncoder(settings)  # tokenizes on its own threads, never on the event loop
+        # Tokenizes on its own threads, never on the event loop.
+        self.prompts = PromptEncoder(settings.prompt_encoder)
 
     async def submit(
         self, request: JobCreate, *, tenant: str, idempotency_key: str | None = None

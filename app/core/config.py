@@ -261,6 +261,15 @@ class CatalogSettings:
         return known_models(models=self.models, model_home=self.model_home)
 
 
+@dataclass(frozen=True)
+class PromptEncoderSettings:
+    """The prompt encoder's part of the settings (app/api/prompts.py), built once by
+    `Settings.prompt_encoder`: the fields it reads, by their names in `Settings` (described there)."""
+
+    max_prompt_chars_per_token: int
+    tokenize_threads: int
+
+
 def queue_share(share: float, depth: int) -> int:
     """`share` of a class's `depth` jobs, rounded down, at least one."""
     return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
@@ -722,6 +731,13 @@ class Settings(BaseSettings):
             jwt_issuer=self.jwt_issuer,
             jwt_tenant_claims=tuple(self.jwt_tenant_claims),
             jwt_leeway_s=self.jwt_leeway_s,
+        )
+
+    @cached_property
+    def prompt_encoder(self) -> PromptEncoderSettings:
+        return PromptEncoderSettings(
+            max_prompt_chars_per_token=self.max_prompt_chars_per_token,
+            tokenize_threads=self.tokenize_threads,
         )
 
     @cached_property
