@@ -75,7 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
             app.state.settings = settings
             app.state.redis = redis
-            jobs = app.state.jobs = JobService(settings, redis, catalog, hub)
+            jobs = app.state.jobs = JobService(settings.job_service, redis, catalog, hub)
             if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
                 jobs.admission.fsync = await fsync_mode(redis)
                 log.info("submits are answered once on disk (%s)", jobs.admission.fsync)

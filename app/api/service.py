@@ -24,7 +24,7 @@ from app.api.streams import Slot, StreamSlots
 from app.batching.intake import intake_fields, padded_positions
 from app.core import metrics, routing
 from app.core.admission import Admission
-from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.config import EMBEDDING_MODEL, JobServiceSettings
 from app.core.errors import (
     ContextLengthExceeded,
     IdempotencyConflict,
@@ -40,7 +40,7 @@ from app.core.errors import (
 )
 from app.core.follow import Event, follow, is_over
 from app.core.jobs import JobStatus
-from app.core.jobstore import JobRecord, JobRequest, Lifetimes
+from app.core.jobstore import JobRecord, JobRequest
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.webhooks.intake import CallbackIntake
@@ -61,7 +61,9 @@ class Submitted:
 
 
 class JobService:
-    def __init__(self, settings: Settings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
+    """One per API process (app.state.jobs). `settings`: `Settings.job_service`."""
+
+    def __init__(self, settings: JobServiceSettings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
         self.settings = settings
         self.redis = redis
         self.catalog = catalog
@@ -98,9 +100,7 @@ class JobService:
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
                 limit=self.settings.max_timeout_s,
             )
-        max_tokens = request.max_tokens or min(
-            self.settings.default_max_tokens, self.settings.max_tokens_limit
-        )
+        max_tokens = request.max_tokens or self.settings.default_max_tokens
         if max_tokens > self.settings.max_tokens_limit:
             raise MaxTokensExceeded(
                 f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
@@ -305,7 +305,7 @@ class JobService:
         A job of another tenant is 404, as if it did not exist (`tenant` None: no check, internal)."""
         if tenant is not None:
             await self.get(job_id, tenant=tenant)  # a job's tenant never changes: checked once, first
-        applied, status = await self.store.cancel(job_id, reason=reason, life=Lifetimes.of(self.settings))
+        applied, status = await self.store.cancel(job_id, reason=reason, life=self.settings.life)
         if not applied:
             if not status:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
@@ -331,7 +331,7 @@ class JobService:
         task.add_done_callback(self._background.discard)
 
     def _check_entitled(self, tenant: str, priority: str) -> None:
-        """Refuse a class the tenant may not submit to (Settings.tenant_priorities), before any work."""
+        """Refuse a class the tenant may not submit to (CONVEYOR_TENANT_PRIORITIES), before any work."""
         allowed = self.settings.allowed_priorities(tenant)
         wanted = PRIORITY_ALIASES.get(priority, priority)
         if allowed is not None and wanted not in allowed:

@@ -270,6 +270,43 @@ class PromptEncoderSettings:
     tokenize_threads: int
 
 
+@dataclass(frozen=True)
+class JobServiceSettings:
+    """The API's job service's part of the settings (app/api/service.py: JobService), built once by
+    `Settings.job_service`: the fields it reads, by their names in `Settings` (described there), what
+    derives from them, and the sections of the components it builds and holds (admission, the rate
+    limiter, the prompt encoder, the webhooks' callback intake), the same objects `Settings` gives.
+
+    A section of the service, named after it as the batcher's and the authenticator's are, rather
+    than one `api` section: the API process's other parts are not the service's to carry. The
+    authenticator and the catalog are built beside the service and take their own sections, and the
+    routes and the app factory read what they need (HTTP limits, health, /v1/models) from the whole
+    `Settings` on `app.state`; an `api` section would hold their values too and be the whole again."""
+
+    namespace: str
+    default_model: str
+    max_timeout_s: float
+    max_tokens_limit: int
+    default_max_tokens: int  # at most max_tokens_limit
+    max_stop_strings: int
+    max_stop_length: int
+    # The classes each tenant may submit to, aliases resolved ("*": every tenant not listed).
+    tenant_priorities: Mapping[str, frozenset[str]]
+    tenant_max_streams: int
+    embedding_stages: int
+    max_embedding_inputs: int
+    sync_timeout_s: float
+    life: Lifetimes  # of the jobs it cancels (Lifetimes.of)
+    admission: AdmissionSettings
+    rate_limiter: RateLimiterSettings
+    prompt_encoder: PromptEncoderSettings
+    webhooks: WebhookSettings
+
+    def allowed_priorities(self, tenant: str) -> frozenset[str] | None:
+        """The classes `tenant` may submit to (aliases resolved); None: every class."""
+        return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
+
+
 def queue_share(share: float, depth: int) -> int:
     """`share` of a class's `depth` jobs, rounded down, at least one."""
     return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
@@ -613,11 +650,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"routes: {name!r} is already the name of a model (CONVEYOR_MODELS)")
         return self
 
-    def allowed_priorities(self, tenant: str) -> set[str] | None:
-        """The classes `tenant` may submit to (aliases resolved); None: every class."""
-        classes = self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
-        return None if classes is None else {PRIORITY_ALIASES.get(c, c) for c in classes}
-
     @model_validator(mode="after")
     def _min_batch_within_max(self) -> Settings:
         if self.min_batch_size > self.max_batch_size:
@@ -738,6 +770,33 @@ class Settings(BaseSettings):
         return PromptEncoderSettings(
             max_prompt_chars_per_token=self.max_prompt_chars_per_token,
             tokenize_threads=self.tokenize_threads,
+        )
+
+    @cached_property
+    def job_service(self) -> JobServiceSettings:
+        return JobServiceSettings(
+            namespace=self.namespace,
+            default_model=self.default_model,
+            max_timeout_s=self.max_timeout_s,
+            max_tokens_limit=self.max_tokens_limit,
+            default_max_tokens=min(self.default_max_tokens, self.max_tokens_limit),
+            max_stop_strings=self.max_stop_strings,
+            max_stop_length=self.max_stop_length,
+            tenant_priorities=MappingProxyType(
+                {
+                    tenant: frozenset(PRIORITY_ALIASES.get(c, c) for c in classes)
+                    for tenant, classes in self.tenant_priorities.items()
+                }
+            ),
+            tenant_max_streams=self.tenant_max_streams,
+            embedding_stages=self.embedding_stages,
+            max_embedding_inputs=self.max_embedding_inputs,
+            sync_timeout_s=self.sync_timeout_s,
+            life=Lifetimes.of(self),
+            admission=self.admission,
+            rate_limiter=self.rate_limiter,
+            prompt_encoder=self.prompt_encoder,
+            webhooks=self.webhooks,
         )
 
     @cached_property

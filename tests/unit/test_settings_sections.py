@@ -61,3 +61,18 @@ def test_the_catalog_finds_models_as_the_settings_do(tmp_path: Path) -> None:
         and catalog.model_path("../added") is None
     )
     assert catalog.served_models == ("added",)
+
+
+def test_the_job_service_carries_the_sections_of_what_it_builds() -> None:
+    settings = Settings(
+        default_max_tokens=2048,
+        max_tokens_limit=1024,
+        tenant_priorities={"*": ["normal", "low"], "ops": ["realtime", "high"]},
+    )
+    section = settings.job_service
+    assert section is settings.job_service and section.default_max_tokens == 1024  # within the limit
+    assert section.allowed_priorities("anyone") == {"normal", "batch"}  # `low` is `batch`
+    assert section.allowed_priorities("ops") == {"realtime", "high"}
+    assert Settings().job_service.allowed_priorities("anyone") is None  # unset: every class
+    assert section.admission is settings.admission and section.rate_limiter is settings.rate_limiter
+    assert section.prompt_encoder is settings.prompt_encoder and section.webhooks is settings.webhooks
