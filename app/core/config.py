@@ -208,6 +208,11 @@ class AdmissionSettings:
         return self.tenant_queue_limits.get(tenant, self.tenant_queue_default)
 
 
+def queue_share(share: float, depth: int) -> int:
+    """`share` of a class's `depth` jobs, rounded down, at least one."""
+    return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
+
+
 @dataclass(frozen=True)
 class RateLimiterSettings:
     """The rate limiter's part of the settings (app/core/ratelimit.py), built once by
@@ -277,11 +282,11 @@ class JobServiceSettings:
     derives from them, and the sections of the components it builds and holds (admission, the rate
     limiter, the prompt encoder, the webhooks' callback intake), the same objects `Settings` gives.
 
-    A section of the service, named after it as the batcher's and the authenticator's are, rather
-    than one `api` section: the API process's other parts are not the service's to carry. The
-    authenticator and the catalog are built beside the service and take their own sections, and the
-    routes and the app factory read what they need (HTTP limits, health, /v1/models) from the whole
-    `Settings` on `app.state`; an `api` section would hold their values too and be the whole again."""
+    A section of the service, named after it as `batcher` and `authenticator` are, rather than one
+    `api` section: the API process's other parts are not the service's to carry. The authenticator
+    and the catalog are built beside it and take their own sections, and the routes and the app
+    factory read what they need (the body limit, health, /v1/models) from the whole `Settings` on
+    `app.state`; an `api` section holding their values too would be the whole `Settings` again."""
 
     namespace: str
     default_model: str
@@ -305,11 +310,6 @@ class JobServiceSettings:
     def allowed_priorities(self, tenant: str) -> frozenset[str] | None:
         """The classes `tenant` may submit to (aliases resolved); None: every class."""
         return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
-
-
-def queue_share(share: float, depth: int) -> int:
-    """`share` of a class's `depth` jobs, rounded down, at least one."""
-    return max(1, int(share * depth + 1e-9))  # 0.29 x 100 is 28.999... in floats
 
 
 class Settings(BaseSettings):
