@@ -268,6 +268,7 @@ def module_group(path: str) -> str | None:
     return match.group(1) if match else None
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup`: tests spread one by one over the workers, but a group's tests to one."""
     if config.getvalue("dist") != "loadgroup":
