@@ -81,8 +81,9 @@ class EmbeddingStage:
                     return  # every job was cancelled, or this is a duplicate delivery
                 job_ids, rows, values = started
             else:
-                rows = [int(n) for n in message["rows"]]
                 values = {name: decode_tensor(wire) for name, wire in message["tensors"].items()}
+                # An earlier release's stage 0 sends one job and no row counts: all rows are its own.
+                rows = [int(n) for n in message.get("rows") or [values[MASK].shape[0]]]
             values.update(self._run(values))
             if self.is_last:
                 self._finish(job_ids, rows, values, guard)
