@@ -2,12 +2,13 @@
 and the tenants' waiting sets (`tenant_waiting`, kept in step with the status: WAITING_FUNCTION).
 
 Who calls what:
-- the API (`AsyncJobStore`): `admit` (the record with its intake entry, at submit), `cancel`,
-  `create` and `forget_embedding` (an embeddings job, which skips the intake);
+- the API (`AsyncJobStore`): `admit` (the record with its intake entry, at submit, for every job
+  kind), `cancel`, `forget_embedding` (an embeddings job's vectors, once its caller has them);
 - the batcher (`JobStore`): `enqueue` / `apply` (scheduled, back to queued), `progressed`, `recover`
   (the monitor), `end` (a queued job expires, through `Publisher`);
-- the stage and embeddings workers (`JobStore`): `apply` (running), `step` (one decode step's
-  tokens, and the end of the sequences it finishes), `end` (succeeded with a result, failed).
+- the stage and embeddings workers (`JobStore`): `apply` (running), `progressed`, `step` (one decode
+  step's tokens, and the end of the sequences it finishes), `set_prompt_tokens` (an embeddings
+  job's, once tokenized), `end` (succeeded with a result, failed).
 
 Every move is one Lua script that checks the job's current status and writes the new one with its
 timestamp atomically. The states a script may move a job from are generated from `TRANSITIONS`
