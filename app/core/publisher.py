@@ -52,22 +52,17 @@ class Publisher:
             self.outcomes(finished, 0)
         return gone
 
-    def finish(self, job_id: str, fields: dict[str, Any], *, when: dict[str, str] | None = None) -> bool:
-        """End a job that produces no token stream (an embedding) as succeeded, with its result;
-        False when it had ended, or (`when`: the batch the caller serves) moved on to another batch."""
+    def finish(self, results: dict[str, dict[str, Any]], *, when: dict[str, str] | None = None) -> int:
+        """End jobs that produce no token stream (a batch of embeddings) as succeeded, each with its
+        result (job id -> fields), in one round trip; returns how many ended here (not those that had
+        ended, or, with `when`: the batch the caller serves, had moved on to another batch)."""
+        now = time.time()
         pipe = self.redis.pipeline(transaction=False)
-        self.jobs.end(
-            pipe,
-            job_id,
-            JobStatus.SUCCEEDED,
-            fields=fields,
-            data={},
-            now=time.time(),
-            life=self.life,
-            when=when,
-        )
-        ((applied, _),) = pipe.execute()
-        return bool(int(applied))
+        for job_id, fields in results.items():
+            self.jobs.end(
+                pipe, job_id, JobStatus.SUCCEEDED, fields=fields, data={}, now=now, life=self.life, when=when
+            )
+        return sum(int(applied) for applied, _ in pipe.execute())
 
     def batch_done(self, model: str, batch_id: str) -> None:
         """A batch is over: it leaves the model's in-flight batches, and the batcher, woken on its

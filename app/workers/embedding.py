@@ -163,9 +163,11 @@ class EmbeddingStage:
     ) -> None:
         hidden = values[self.plan.output_names[0]]  # [B, S, D]
         vectors = pool_and_normalize(hidden, values[MASK])  # [B, D]
-        for job_id, mine in zip(job_ids, vectors.split(rows), strict=True):
-            fields = {"embedding": json.dumps(mine.tolist()), "finish_reason": "stop"}
-            self.publisher.finish(job_id, fields, when=guard)
+        results = {
+            job_id: {"embedding": json.dumps(mine.tolist()), "finish_reason": "stop"}
+            for job_id, mine in zip(job_ids, vectors.split(rows), strict=True)
+        }
+        self.publisher.finish(results, when=guard)
 
     def _fail(self, job_ids: list[str], guard: dict[str, str], message: str) -> None:
         """Fail the batch's jobs that are still its own (a job recovered into another batch is not)."""
