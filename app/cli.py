@@ -129,6 +129,8 @@ def up(
     if run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned):
         _ensure_models(settings, models)  # the api tokenizes with it, the workers run it
     supervisor = Supervisor(env)
+    if settings.cpu_bind == "auto" and not settings.torch_threads:
+        _bind_cpus(supervisor, planned, selection)
     metrics: list[str] = []
     redis_process = None
     if settings.redis_url:
@@ -195,6 +197,20 @@ def up(
         supervisor.say("metrics " + ", ".join(metrics) + (" (and the api's /metrics)" if run_api else ""))
     supervisor.say("Ctrl-C stops everything")
     raise typer.Exit(supervisor.run())
+
+
+def _bind_cpus(supervisor: Any, planned: list[Any], selection: Any) -> None:
+    """Stage workers on CPUs of their own (`app.stack.bind_workers`), and this process on the rest
+    before it starts Redis, the api and the others, which run where it runs."""
+    from app.core.cpus import allowed, bind, format_cpus
+    from app.stack import bind_workers
+
+    rest = bind_workers(planned, selection, allowed())
+    if rest is None:
+        return
+    bind(rest)
+    bound = [f"{c.name} on {c.env['CONVEYOR_CPUS']}" for _, c in planned if "CONVEYOR_CPUS" in c.env]
+    supervisor.say(f"cpus    {', '.join(bound)}; the rest on {format_cpus(rest)} (CONVEYOR_CPU_BIND)")
 
 
 def _refuse_known_secrets(settings: Settings) -> None:
@@ -375,15 +391,18 @@ def worker(
 ) -> None:
     """Run one stage worker (a Celery worker owning one partition of the model)."""
     _logging()
+    settings = _settings() if embedding else _settings(stages=stages)
+    if settings.cpus:  # before any thread of the model's starts: they all run there
+        from app.core.cpus import bind, parse_cpus
+
+        bind(parse_cpus(settings.cpus))
     if embedding:
         from app.workers.embedding import run_embedding_worker
 
-        settings = _settings()
         run_embedding_worker(settings, stage=stage, num_stages=stages or settings.embedding_stages)
         return
     from app.workers.main import run_worker
 
-    settings = _settings(stages=stages)
     run_worker(settings, model=model or settings.default_model, stage=stage, num_stages=settings.stages)
 
 

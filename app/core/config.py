@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.breaker import Policy as BreakerPolicy
+from app.core.cpus import parse_cpus
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -432,6 +433,14 @@ class Settings(BaseSettings):
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
     torch_threads: int | None = None
+    # auto: `conveyor up`, when it shares the cores (CONVEYOR_TORCH_THREADS unset), binds each stage
+    # worker it starts to CPUs of its own, the first ones, and the api, the batcher, Redis and the
+    # other processes to the rest, as vLLM binds its model's threads; where the workers' threads do
+    # not fit beside one CPU left over, or with none, every process runs wherever the OS puts it.
+    cpu_bind: Literal["auto", "none"] = "auto"
+    # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
+    # it. `conveyor up` sets it for the workers it binds; a CPU this process may not use is refused.
+    cpus: str = ""
     heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
 
@@ -648,6 +657,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"routes: {name[:64]!r} cannot name a route (letters, digits, . _ -)")
             if name in self.models:
                 raise ValueError(f"routes: {name!r} is already the name of a model (CONVEYOR_MODELS)")
+        return self
+
+    @model_validator(mode="after")
+    def _cpu_list(self) -> Settings:
+        if self.cpus:
+            parse_cpus(self.cpus)  # a malformed list stops the process that reads it, at its start
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from app.core import breaker
 from app.core.broker import create_celery_app, send_step
 from app.core.config import Settings
+from app.core.cpus import allowed, format_cpus
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
 from app.core.jobstore import JobStore, Lifetimes
@@ -104,8 +105,8 @@ def run_worker(
         "prefix_cache_mb": settings.prefix_cache_mb,
     }
     log.info(
-        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads, "
-        "decode steps %s, prefix cache %d MiB",
+        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
+        "on CPUs %s, decode steps %s, prefix cache %d MiB",
         stage,
         num_stages,
         model,
@@ -116,6 +117,7 @@ def run_worker(
         dtype_name(dtype),
         partition.param_bytes() / 2**20,
         torch.get_num_threads(),
+        format_cpus(allowed()),
         info["decode_steps"],
         settings.prefix_cache_mb,
     )
