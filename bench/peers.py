@@ -20,11 +20,12 @@ chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
                     so requests ask for `min_new_tokens` through its `generation_config` field
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
-                                    [--stages 1] [--client-cpus last]
+                                    [--stages 1] [--client-cpus last] [--rounds 1]
 
 The load's clients run on the last CPU by default, the one both systems keep for their servers:
 left free to run anywhere, the scheduler puts them on the model's core too, and both systems'
-steps wait for them (`--client-cpus any` runs them so).
+steps wait for them (`--client-cpus any` runs them so). With `--rounds N` the systems take turns
+N times (the machine's speed drifts over minutes) and the medians follow the rounds' rows.
 
 Install the peer first (minutes; ~1 GB):
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -152,8 +154,10 @@ def cell(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(runs: list[Run], meta: dict[str, str]) -> str:
-    peer = {r.clients: r for r in runs if r.name == "vllm"}
+def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
+    """One row per system, concurrency and round, its ratios against vLLM's in the same round; with
+    several rounds, then the medians over the rounds and their ratios."""
+    rounds = max(n for n, _ in runs)
     lines = [
         "# Conveyor against vLLM, one client, one run",
         "",
@@ -164,28 +168,65 @@ def markdown(runs: list[Run], meta: dict[str, str]) -> str:
         "unless the row says otherwise. vLLM "
         f"{meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last kept "
         "for its servers), KV cache 4 GiB. `transformers serve "
-        "--continuous-batching`: bf16 on the CPU, `min_new_tokens` for `ignore_eos`.",
+        "--continuous-batching`: bf16 on the CPU, `min_new_tokens` for `ignore_eos`."
+        + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
-        "| system | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
+        "| system | round | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
         "| tok/s vs vLLM | TTFT vs vLLM | ITL vs vLLM | load before -> after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in runs:
-        base = peer.get(r.clients)
-        ratios = ["", "", ""]
-        if base is not None and r.name != "vllm" and base.ok and r.ok:
-            ratios = [
-                f"{r.tokens_per_s() / base.tokens_per_s():.2f}×",
-                f"{(ttft_ms(r) or 0) / (ttft_ms(base) or 1):.2f}×",
-                f"{(itl_ms(r) or 0) / (itl_ms(base) or 1):.2f}×",
-            ]
+    peer = {(n, r.clients): r for n, r in runs if r.name == "vllm"}
+    for n, r in runs:
+        figures = (r.tokens_per_s(), ttft_ms(r), itl_ms(r))
+        base = peer.get((n, r.clients))
+        ok = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
         lines.append(
-            f"| {r.name} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {r.tokens_per_s():.1f} | "
-            f"{cell(ttft_ms(r))} | {cell(itl_ms(r), 1)} | "
-            + " | ".join(ratios)
+            f"| {r.name} | {n} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {figures[0]:.1f} | "
+            f"{cell(figures[1])} | {cell(figures[2], 1)} | "
+            + " | ".join(
+                ratios(figures, (base.tokens_per_s(), ttft_ms(base), itl_ms(base)))
+                if ok and base
+                else [""] * 3
+            )
             + f" | {r.load[0]:.1f} -> {r.load[1]:.1f} |"
         )
+    if rounds > 1:
+        lines += [
+            "",
+            f"Medians over the {rounds} rounds:",
+            "",
+            "| system | c | output tok/s | TTFT p50 ms | "
+            "ITL p50 ms | tok/s vs vLLM | TTFT vs vLLM | ITL vs vLLM |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        medians = {
+            key: tuple(statistics.median(f) for f in zip(*rows, strict=True))
+            for key, rows in _figures_by_row(runs).items()
+        }
+        for (name, clients), figures in medians.items():
+            median_base = medians.get(("vllm", clients))
+            lines.append(
+                f"| {name} | {clients} | {figures[0]:.1f} | {cell(figures[1])} | {cell(figures[2], 1)} | "
+                + " | ".join(ratios(figures, median_base) if median_base and name != "vllm" else [""] * 3)
+                + " |"
+            )
     return "\n".join([*lines, ""])
+
+
+def _figures_by_row(runs: list[tuple[int, Run]]) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
+    """Each system and concurrency's (tok/s, TTFT ms, ITL ms) over the rounds, in the runs' order."""
+    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for _, r in runs:
+        if r.ok:
+            rows.setdefault((r.name, r.clients), []).append(
+                (r.tokens_per_s(), ttft_ms(r) or 0.0, itl_ms(r) or 0.0)
+            )
+    return rows
+
+
+def ratios(figures: Sequence[float | None], base: Sequence[float | None]) -> list[str]:
+    """tok/s, TTFT and ITL against the peer's."""
+    return [f"{(f or 0) / (b or 1):.2f}×" for f, b in zip(figures, base, strict=True)]
 
 
 def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, AbstractContextManager[System]]]:
@@ -223,6 +264,7 @@ def main() -> None:
         help="CPUs the load's clients run on: last (the last CPU, the one both systems keep for their "
         "servers: vLLM's reserved core, Conveyor's api and Redis), a list like 1 or 2-3, or any",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="the systems take turns this many times")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--name", default="peers", help="the results' file name under bench/results")
     args = parser.parse_args()
@@ -230,15 +272,17 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = make_prompts(tokenizer, max(8, 4 * max(concurrencies)))
-    runs: list[Run] = []
-    client_cpus = {
-        "last": {max(os.sched_getaffinity(0))},
-        "any": None,
-    }.get(args.client_cpus) or set(parse_cpus(args.client_cpus))
+    runs: list[tuple[int, Run]] = []
+    client_cpus: set[int] | None = None
+    if args.client_cpus == "last":
+        client_cpus = {max(os.sched_getaffinity(0))}
+    elif args.client_cpus != "any":
+        client_cpus = set(parse_cpus(args.client_cpus))
     with tempfile.TemporaryDirectory(prefix="conveyor-peers-") as tmp:
-        for name, started in systems(args, Path(tmp)):  # each started, measured and stopped in turn
-            with started as system:
-                runs += measure(system, name, prompts, concurrencies, client_cpus)
+        for round_ in range(1, args.rounds + 1):  # the systems take turns: drift hits them alike
+            for name, started in systems(args, Path(tmp)):  # each started, measured and stopped in turn
+                with started as system:
+                    runs += [(round_, r) for r in measure(system, name, prompts, concurrencies, client_cpus)]
     meta = {
         "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
         "client_cpus": format_cpus(client_cpus) if client_cpus else "any",
@@ -249,7 +293,9 @@ def main() -> None:
     text = markdown(runs, meta)
     print(text)
     if not args.no_write:
-        write_results(args.name, text, {"meta": meta, "rows": [row_record(r) for r in runs]})
+        write_results(
+            args.name, text, {"meta": meta, "rows": [{"round": n, **row_record(r)} for n, r in runs]}
+        )
 
 
 if __name__ == "__main__":
