@@ -129,7 +129,7 @@ def up(
     if run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned):
         _ensure_models(settings, models)  # the api tokenizes with it, the workers run it
     supervisor = Supervisor(env)
-    if settings.cpu_bind == "auto" and not settings.torch_threads:
+    if settings.cpu_bind == "workers" and not settings.torch_threads:
         _bind_cpus(supervisor, planned, selection)
     metrics: list[str] = []
     redis_process = None

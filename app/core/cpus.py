@@ -1,12 +1,11 @@
 """Which CPUs a process runs on: CPU lists as Linux writes them ("0-3,6"), and binding to one.
 
-`conveyor up` binds each stage worker it starts to CPUs of its own and itself (and so the api,
-the batcher, Redis and the other processes it starts) to the rest (`app.stack.bind_workers`,
-`CONVEYOR_CPU_BIND`); a worker started alone binds where `CONVEYOR_CPUS` says. A stage worker's
-compute thread is bound to its cores for the same reason vLLM's CPU backend binds its model's
-threads: when the api, Redis and the load's own clients are free to run on the model's core, the
-scheduler puts them there, and every decode step waits for them (docs/benchmarks.md, "Against
-vLLM", has the measurement).
+With `CONVEYOR_CPU_BIND=workers`, `conveyor up` binds each stage worker it starts to CPUs of its
+own and itself (and so the api, the batcher, Redis and the other processes it starts) to the rest
+(`app.stack.bind_workers`), as vLLM's CPU backend binds its model's threads: the api, Redis and
+the clients then never run on the model's core. A worker started alone binds where `CONVEYOR_CPUS`
+says. On this project's 2-core machine it measured within the run-to-run spread
+(docs/benchmarks.md, "Against vLLM"), so it is not the default.
 """
 
 from __future__ import annotations
