@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     import torch
 
     from app.core.keys import Keys
-    from app.launcher import Child
+    from app.launcher import Child, Supervisor
     from app.partitions.planner import Plan
+    from app.stack import Only, Part
 
 cli = typer.Typer(
     help="Conveyor: message-queue driven asynchronous LLM inference.",
@@ -199,7 +200,7 @@ def up(
     raise typer.Exit(supervisor.run())
 
 
-def _bind_cpus(supervisor: Any, planned: list[Any], selection: Any) -> None:
+def _bind_cpus(supervisor: Supervisor, planned: list[tuple[Part, Child]], selection: Only) -> None:
     """Stage workers on CPUs of their own (`app.stack.bind_workers`), and this process on the rest
     before it starts Redis, the api and the others, which run where it runs."""
     from app.core.cpus import allowed, bind, format_cpus
