@@ -54,7 +54,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from app.core.cpus import format_cpus, parse_cpus
+from app.core.cpus import allowed, format_cpus, parse_cpus
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
 from bench.report import git_commit, percentile, write_results
@@ -166,11 +166,10 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}. SmolLM2-135M-Instruct, streamed "
         f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
         f"greedy, closed-loop clients on CPU {meta['client_cpus']}. Conveyor: `conveyor up` defaults "
-        "(dtype auto, the cores but one for the stage worker) "
-        "unless the row says otherwise. vLLM "
-        f"{meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last kept "
-        "for its servers), KV cache 4 GiB. `transformers serve "
-        "--continuous-batching`: bf16 on the CPU, `min_new_tokens` for `ignore_eos`."
+        "(dtype auto, the cores but one for the stage worker) unless the row says otherwise. "
+        f"vLLM {meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last "
+        "kept for its servers), KV cache 4 GiB. `transformers serve --continuous-batching`: bf16 on the "
+        "CPU, `min_new_tokens` for `ignore_eos`."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
         "| system | round | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
@@ -179,17 +178,13 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     ]
     peer = {(n, r.clients): r for n, r in runs if r.name == "vllm"}
     for n, r in runs:
-        figures = (r.tokens_per_s(), ttft_ms(r), itl_ms(r))
         base = peer.get((n, r.clients))
-        ok = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
+        compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
+        tok_s, ttft, itl = figures(r)
         lines.append(
-            f"| {r.name} | {n} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {figures[0]:.1f} | "
-            f"{cell(figures[1])} | {cell(figures[2], 1)} | "
-            + " | ".join(
-                ratios(figures, (base.tokens_per_s(), ttft_ms(base), itl_ms(base)))
-                if ok and base
-                else [""] * 3
-            )
+            f"| {r.name} | {n} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {tok_s:.1f} | "
+            f"{cell(ttft)} | {cell(itl, 1)} | "
+            + " | ".join(ratios(figures(r), figures(base)) if compared and base else [""] * 3)
             + f" | {r.load[0]:.1f} -> {r.load[1]:.1f} |"
         )
     if rounds > 1:
@@ -205,30 +200,34 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
             key: tuple(statistics.median(f) for f in zip(*rows, strict=True))
             for key, rows in _figures_by_row(runs).items()
         }
-        for (name, clients), figures in medians.items():
+        for (name, clients), median in medians.items():
             median_base = medians.get(("vllm", clients))
             lines.append(
-                f"| {name} | {clients} | {figures[0]:.1f} | {cell(figures[1])} | {cell(figures[2], 1)} | "
-                + " | ".join(ratios(figures, median_base) if median_base and name != "vllm" else [""] * 3)
+                f"| {name} | {clients} | {median[0]:.1f} | {cell(median[1])} | {cell(median[2], 1)} | "
+                + " | ".join(ratios(median, median_base) if median_base and name != "vllm" else [""] * 3)
                 + " |"
             )
     return "\n".join([*lines, ""])
 
 
+def figures(run: Run) -> tuple[float, float | None, float | None]:
+    """A row's tok/s, TTFT p50 ms and ITL p50 ms."""
+    return run.tokens_per_s(), ttft_ms(run), itl_ms(run)
+
+
 def _figures_by_row(runs: list[tuple[int, Run]]) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
-    """Each system and concurrency's (tok/s, TTFT ms, ITL ms) over the rounds, in the runs' order."""
+    """Each system and concurrency's figures over the rounds, in the runs' order (a missing one 0)."""
     rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for _, r in runs:
         if r.ok:
-            rows.setdefault((r.name, r.clients), []).append(
-                (r.tokens_per_s(), ttft_ms(r) or 0.0, itl_ms(r) or 0.0)
-            )
+            tok_s, ttft, itl = figures(r)
+            rows.setdefault((r.name, r.clients), []).append((tok_s, ttft or 0.0, itl or 0.0))
     return rows
 
 
-def ratios(figures: Sequence[float | None], base: Sequence[float | None]) -> list[str]:
+def ratios(mine: Sequence[float | None], base: Sequence[float | None]) -> list[str]:
     """tok/s, TTFT and ITL against the peer's."""
-    return [f"{(f or 0) / (b or 1):.2f}×" for f, b in zip(figures, base, strict=True)]
+    return [f"{(f or 0) / (b or 1):.2f}×" for f, b in zip(mine, base, strict=True)]
 
 
 def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, AbstractContextManager[System]]]:
@@ -283,7 +282,7 @@ def main() -> None:
     runs: list[tuple[int, Run]] = []
     client_cpus: set[int] | None = None
     if args.client_cpus == "last":
-        client_cpus = {max(os.sched_getaffinity(0))}
+        client_cpus = {allowed()[-1]}
     elif args.client_cpus != "any":
         client_cpus = set(parse_cpus(args.client_cpus))
     with tempfile.TemporaryDirectory(prefix="conveyor-peers-") as tmp:
