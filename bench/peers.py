@@ -3,7 +3,11 @@
 Each system is started, measured and stopped in turn, with the same prompts: SmolLM2-135M-Instruct,
 streamed `/v1/completions`, prompts of exactly 128 tokens (128 space-separated vocabulary words,
 checked with the model's tokenizer), 64 output tokens forced with `ignore_eos`, greedy, closed-loop
-clients at each concurrency (4 x concurrency requests, at least 8). Per system and concurrency:
+clients at each concurrency (4 x concurrency requests, at least 8). No prompt is sent twice to a
+system: the warm-up and each concurrency have prompts of their own, so neither system's prefix
+cache sees one again (Conveyor's caches whole 16-token blocks of a prompt, vLLM's 128-token blocks:
+a repeated 128-token prompt would spare Conveyor 112 tokens of its prefill and vLLM none). Per
+system and concurrency:
 output tokens/s (completion tokens over the wall time), TTFT p50 (submit to the first token's
 chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
 
@@ -112,6 +116,26 @@ def client_on(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+WARM_UP_PROMPTS = 4  # `warm_up` sends the first four of its prompts
+
+
+def requests(concurrency: int) -> int:
+    """Requests at one concurrency: 4 a client, at least 8."""
+    return max(8, 4 * concurrency)
+
+
+def prompt_sets(
+    prompts: list[Prompt], concurrencies: Sequence[int]
+) -> tuple[list[Prompt], list[list[Prompt]]]:
+    """The warm-up's prompts and each concurrency's, consecutive slices that share none."""
+    sizes = [WARM_UP_PROMPTS, *(requests(c) for c in concurrencies)]
+    if len(prompts) < sum(sizes):
+        raise ValueError(f"{len(prompts)} prompts for {sum(sizes)} requests")
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    sets = [prompts[a:b] for a, b in itertools.pairwise(bounds)]
+    return sets[0], sets[1:]
+
+
 def measure(
     system: System,
     name: str,
@@ -119,14 +143,16 @@ def measure(
     concurrencies: Sequence[int],
     cpus: set[int] | None,
 ) -> list[Run]:
-    """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions;
-    the clients run on `cpus` (the system was started before, unbound)."""
+    """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions,
+    no prompt sent twice (`prompt_sets`); the clients run on `cpus` (the system was started before,
+    unbound)."""
     job = completions_job(OUTPUT_TOKENS, model=system.model, extra=system.extra)
+    warm, per_level = prompt_sets(prompts, concurrencies)
     runs = []
     with client_on(cpus):
-        warm_up(system, prompts, job)
-        for concurrency in concurrencies:
-            run = closed_run(name, system.base_url, job, prompts[: max(8, 4 * concurrency)], concurrency)
+        warm_up(system, warm, job)
+        for concurrency, mine in zip(concurrencies, per_level, strict=True):
+            run = closed_run(name, system.base_url, job, mine, concurrency)
             failed = [j.error for j in run.jobs if not j.ok]
             say(
                 f"{name} c{concurrency}: {len(run.ok)}/{len(run.jobs)} ok, {run.tokens_per_s():.1f} tok/s, "
@@ -165,7 +191,8 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         "",
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}. SmolLM2-135M-Instruct, streamed "
         f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
-        f"greedy, closed-loop clients on CPU {meta['client_cpus']}. Conveyor: `conveyor up` defaults "
+        f"greedy, closed-loop clients on CPU {meta['client_cpus']}, no prompt sent twice to a system. "
+        "Conveyor: `conveyor up` defaults "
         "(dtype auto, the cores but one for the stage worker) unless the row says otherwise. "
         f"vLLM {meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last "
         "kept for its servers), KV cache 4 GiB. `transformers serve --continuous-batching`: bf16 on the "
@@ -278,7 +305,7 @@ def main() -> None:
     terminate_on_sigterm()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    prompts = make_prompts(tokenizer, max(8, 4 * max(concurrencies)))
+    prompts = make_prompts(tokenizer, WARM_UP_PROMPTS + sum(requests(c) for c in concurrencies))
     runs: list[tuple[int, Run]] = []
     client_cpus: set[int] | None = None
     if args.client_cpus == "last":

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import pytest
 from tiny import make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
@@ -577,3 +578,18 @@ def test_each_start_of_a_system_gets_a_log_of_its_own(tmp_path):
     assert first.name == "host-A-api-batcher.log"
     first.write_text("")
     assert fresh_log(tmp_path, "host A: api, batcher").name == "host-A-api-batcher-2.log"
+
+
+def test_the_peer_benchmark_sends_no_prompt_twice():
+    """The warm-up and every concurrency get prompts of their own: a prefix cache (Conveyor's by
+    16-token blocks, vLLM's by 128) must not be handed a prompt it saw at an earlier level."""
+    from bench.peers import WARM_UP_PROMPTS, prompt_sets, requests
+    from bench.prompts import text_prompt
+
+    prompts = [text_prompt(i, f"prompt {i}") for i in range(WARM_UP_PROMPTS + requests(1) + requests(16))]
+    warm, levels = prompt_sets(prompts, [1, 16])
+    assert [len(warm), *map(len, levels)] == [4, 8, 64]
+    texts = [p.text for p in warm + levels[0] + levels[1]]
+    assert len(set(texts)) == len(texts) == len(prompts)
+    with pytest.raises(ValueError, match="76 prompts for 332 requests"):
+        prompt_sets(prompts, [1, 16, 64])
