@@ -107,16 +107,25 @@ class SlabLayer(DynamicLayer):
 
     @torch.inference_mode()  # the buffers were made in inference mode (the forward's)
     def select(self, rows: list[int]) -> None:
-        """Keep these rows, in this order (indices into the current rows)."""
+        """Keep these rows, in this order (indices into the current rows). Only the rows whose
+        place changes are copied: rows that stay where they are cost nothing, so an order that
+        fills the places of the rows leaving with the last rows (the one the last stage sends)
+        moves as many rows as leave, where keeping the old order moves every row behind the first
+        gap."""
         if self._k is None or self._v is None:
             return
-        first = next((i for i, r in enumerate(rows) if r != i), len(rows))
-        if first < len(rows):
-            index = torch.tensor(rows[first:], dtype=torch.long, device=self._k.device)
+        moved = [i for i, r in enumerate(rows) if r != i]
+        if moved:
+            device = self._k.device
+            source = torch.tensor([rows[i] for i in moved], dtype=torch.long, device=device)
+            # every place from the first moved one on: a slice, written faster than an index
+            to: slice | torch.Tensor = slice(moved[0], len(rows))
+            if len(moved) != len(rows) - moved[0]:
+                to = torch.tensor(moved, dtype=torch.long, device=device)
             live = slice(self.start, self.end)
             # The gather copies before the write, so rows may move onto rows that move later.
-            self._k[first : len(rows), :, live] = self._k[index, :, live]
-            self._v[first : len(rows), :, live] = self._v[index, :, live]
+            self._k[to, :, live] = self._k[source, :, live]
+            self._v[to, :, live] = self._v[source, :, live]
         self.rows = len(rows)
         self._views()
 

@@ -8,12 +8,15 @@ a stop string, `max_tokens`); `settle` says which rows go on to the next step. `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from app.core.publisher import TokenOut
 from app.workers.sampling import SamplingParams, token_seed
 from app.workers.textstream import TextStream
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,13 +72,25 @@ def settle(
     sequences: dict[str, Sequence], rows: list[Sequence], tokens: list[int], gone: set[str]
 ) -> list[tuple[str, int]]:
     """The rows that go on, as (job id, the token just sampled); the rows that ended (finished, or
-    `gone`: cancelled or recovered elsewhere) leave `sequences`."""
-    alive = [
-        (s.job_id, t)
-        for s, t in zip(rows, tokens, strict=True)
-        if s.finish_reason is None and s.job_id not in gone
-    ]
-    for seq in rows:
-        if seq.finish_reason is not None or seq.job_id in gone:
+    `gone`: cancelled or recovered elsewhere) leave `sequences`.
+
+    The order is the next step's row order on every stage: a row that goes on keeps its place,
+    and the places of the rows that ended are taken by the last rows that go on (`compacted`). A
+    stage's KV cache then moves as many rows as ended (`SlabLayer.select`); keeping the old order
+    moved every row behind the first that ended (SmolLM2's 30 layers, 64 rows of 190 positions in
+    bf16, the first 4 rows ending: 72 ms, against 9 ms)."""
+    going = [s.job_id not in gone and s.finish_reason is None for s in rows]
+    for seq, goes in zip(rows, going, strict=True):
+        if not goes:
             del sequences[seq.job_id]
-    return alive
+    pairs = [(s.job_id, t) for s, t in zip(rows, tokens, strict=True)]
+    return compacted(pairs, going)
+
+
+def compacted(items: list[T], keep: list[bool]) -> list[T]:
+    """The kept items, each in its place but for the last kept ones, which take the places of the
+    first items not kept: [a, b, c, d, e] keeping a, c, e -> [a, e, c]."""
+    count = sum(keep)
+    movers = [x for x, k in zip(items[count:], keep[count:], strict=True) if k]
+    movers.reverse()
+    return [x if k else movers.pop() for x, k in zip(items[:count], keep[:count], strict=True)]

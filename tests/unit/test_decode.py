@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tiny import make_tokenizer
 
-from app.workers.decode import Sequence, advance, held_tokens, settle
+from app.workers.decode import Sequence, advance, compacted, held_tokens, settle
 from app.workers.sampling import SamplingParams
 from app.workers.textstream import TextStream
 
@@ -109,3 +109,19 @@ def test_a_seeded_sequence_draws_the_same_for_the_same_token_index() -> None:
     seq.generated = 0
     seq.reseed()
     assert torch.equal(torch.rand(3, generator=seq.generator), first) and not torch.equal(first, other)
+
+
+def test_the_rows_that_go_on_fill_the_places_of_the_rows_that_ended() -> None:
+    """Each row that goes on keeps its place but the last ones, which take the places of the first
+    rows that ended: a KV cache moves as many rows as ended, not every row behind the first."""
+    rows = [sequence(name) for name in ("a", "b", "c", "d", "e")]
+    table = {s.job_id: s for s in rows}
+    tokens = ids("abcde")
+    for seq in (rows[1], rows[3]):
+        seq.finish_reason = "length"
+    alive = settle(table, rows, tokens, gone=set())
+    assert alive == [("a", tokens[0]), ("e", tokens[4]), ("c", tokens[2])]
+    assert set(table) == {"a", "c", "e"}
+    assert compacted(list("abcdef"), [False, False, True, True, True, True]) == list("efcd")
+    assert compacted(list("abc"), [True, True, True]) == list("abc")
+    assert compacted(list("abc"), [False, False, False]) == []
