@@ -65,6 +65,7 @@ from bench.report import git_commit, percentile, write_results
 from bench.systems import (
     MODEL_DIR,
     VLLM_VENV,
+    WARM_UP_PROMPTS,
     System,
     conveyor,
     say,
@@ -114,9 +115,6 @@ def client_on(cpus: set[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-WARM_UP_PROMPTS = 4  # `warm_up` sends the first four of its prompts
 
 
 def requests(concurrency: int) -> int:
@@ -207,11 +205,12 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     for n, r in runs:
         base = peer.get((n, r.clients))
         compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
-        tok_s, ttft, itl = figures(r)
+        row = figures(r)
+        tok_s, ttft, itl = row
         lines.append(
             f"| {r.name} | {n} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {tok_s:.1f} | "
             f"{cell(ttft)} | {cell(itl, 1)} | "
-            + " | ".join(ratios(figures(r), figures(base)) if compared and base else [""] * 3)
+            + " | ".join(ratios(row, figures(base)) if compared and base else [""] * 3)
             + f" | {r.load[0]:.1f} -> {r.load[1]:.1f} |"
         )
     if rounds > 1:

@@ -440,18 +440,21 @@ def redis_server(
         process.wait(10)
 
 
+WARM_UP_PROMPTS = 4  # the prompts `warm_up` sends: its first ones
+
+
 def warm_up(system: System, prompts: Sequence[Prompt], job: Job | None = None) -> None:
     """Two jobs one after the other, then four at once (8 tokens unless `job` is given): first
     forwards, thread pools and batch shapes, not counted."""
     job = job or system.make(8)
 
     async def run() -> None:
-        async with load_client(system.base_url, 4) as client:
+        async with load_client(system.base_url, WARM_UP_PROMPTS) as client:
             for prompt in prompts[:2]:
                 result = await job(client, prompt)
                 if not result.ok:
                     say(f"{system.name}: warm-up job failed: {result.error}")
-            await asyncio.gather(*(job(client, p) for p in prompts[:4]))
+            await asyncio.gather(*(job(client, p) for p in prompts[:WARM_UP_PROMPTS]))
 
     asyncio.run(run())
 
