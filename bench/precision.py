@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from app.partitions.precision import cpu_bf16_flags, cpu_bf16_is_faster, dtype_name, resolve_dtype
+from app.partitions.precision import cpu_bf16_flags, dtype_name, resolve_dtype
 from bench.load import Run, closed_run
 from bench.prompts import Prompt, make_prompts
 from bench.report import failed, git_commit, report_run, summary, write_results
@@ -71,9 +71,9 @@ def markdown(runs: dict[str, Run], meta: dict[str, object]) -> str:
         "",
         f"- `CONVEYOR_DTYPE=auto` picks **{meta['auto']}** on this CPU: "
         + (
-            "it has native bf16 and a decode-shaped bf16 product measures faster than fp32."
+            "it has native bf16."
             if meta["auto"] == "bfloat16"
-            else "it has no native bf16, or bf16 did not measure faster here: fp32 is both exact and quicker."
+            else "it has no native bf16, so bf16 would be emulated: fp32 is both exact and quicker."
         ),
         f"- Through the stack bf16 was {'faster' if faster else 'not faster'} at every batch size measured.",
     ]
@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "bf16_flags": ", ".join(sorted(cpu_bf16_flags())),
-        "bf16_matmul_faster": cpu_bf16_is_faster(),
         "auto": dtype_name(resolve_dtype("auto", "cpu")),
     }
     runs: dict[str, Run] = {}

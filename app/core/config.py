@@ -417,7 +417,7 @@ class Settings(BaseSettings):
     plan_file: Path | None = None  # a `conveyor plan --out` file: the layer range of every stage
     device: str = "auto"  # auto: stage k on cuda:k (mod GPUs), else the CPU; or cpu, cuda:N
     # Serving precision of the stage workers: auto picks bf16 on GPUs that have it (fp16 on older
-    # ones) and on CPUs with native bf16 where it measures faster, else fp32. A model added with
+    # ones) and on CPUs with native bf16 (AVX512-BF16 or AMX), else fp32. A model added with
     # `conveyor model add --dtype` keeps its own choice; this is the default for the others.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Decode steps captured as CUDA graphs (docs/models.md, "Captured decode steps"): auto does it

@@ -3,6 +3,9 @@ that hold what the workers hold."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +30,44 @@ def test_explicit_dtypes_are_taken_as_given_and_unknown_ones_refused() -> None:
         resolve_dtype("int8", "cpu")
 
 
-def test_auto_on_a_cpu_without_native_bf16_is_fp32(tmp_path: Path) -> None:
+def test_auto_on_a_cpu_follows_its_native_bf16_flags(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
     assert cpu_bf16_flags(cpuinfo) == set()
+    assert resolve_dtype("auto", "cpu", cpuinfo=cpuinfo) == torch.float32
     cpuinfo.write_text("processor : 0\nflags : fpu avx512f avx512_bf16 amx_bf16\n")
     assert cpu_bf16_flags(cpuinfo) == {"avx512_bf16", "amx_bf16"}
-    if not cpu_bf16_flags():
-        assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu", cpuinfo=cpuinfo) == torch.bfloat16
+    assert resolve_dtype("auto", "cpu", cpuinfo=tmp_path / "absent") == torch.float32
+
+
+def test_auto_is_the_same_at_every_start_on_a_busy_machine() -> None:
+    """Fresh processes decide while every core is kept busy: the choice never turns (a timed choice
+    picked bf16 at one start and fp32 at the next beside a starting stack)."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        choices = {
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from app.partitions.precision import resolve_dtype as r; print(r('auto', 'cpu'))",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parents[2],
+            ).stdout.strip()
+            for _ in range(3)
+        }
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    expected = "torch.bfloat16" if cpu_bf16_flags() else "torch.float32"
+    assert choices == {expected}
 
 
 PROMPTS = [
