@@ -5,7 +5,8 @@ on every stage; this pool decides, in stage 0's worker, which block each sequenc
 go to. Every stage holds the same blocks at the same indices, so one block table serves them all.
 
 - A sequence's block table grows as its tokens are scheduled (`grow`) and is given back whole when
-  it finishes or is preempted (`free`).
+  it finishes or is preempted (`free`); every position keeps its block meanwhile (a sliding-window
+  layer's blocks behind its window are not given back early: the tables serve every layer).
 - A block whose `block_size` tokens have all been computed is named by its chain digest
   (`app.partitions.digest`, as today's prefix cache names them) and stays cached after its
   sequence lets go of it, until the pool needs it for something else. A later sequence whose ids

@@ -224,6 +224,7 @@ class Scheduler:
             self._finish(seq, SeqState.FINISHED_ABORTED)
 
     def credit(self) -> Credit:
+        """What the batcher may still send this replica (see `Credit`)."""
         held = len(self.running) + len(self.waiting)
         promised = sum(self.pool.blocks_for(s.length + 1) for s in self.waiting)
         return Credit(
