@@ -25,29 +25,15 @@ freed at once.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from app.partitions.digest import BLOCK, digests
 from app.partitions.kvcache import SlabLayer
 from app.partitions.layers import BatchState, StagePartition
-
-BLOCK = 16  # tokens per block: the unit a prefix is found and stored in
-
-
-def digests(ids: Sequence[int], blocks: int) -> list[bytes]:
-    """The chain digest of each of the first `blocks` whole blocks of `ids`: block k's digest names
-    blocks 0..k, so equal digests mean equal prefixes (up to a collision, which `lookup` checks)."""
-    chain, out = b"", []
-    for k in range(blocks):
-        block = array("q", ids[k * BLOCK : (k + 1) * BLOCK]).tobytes()
-        chain = hashlib.blake2b(chain + block, digest_size=16).digest()
-        out.append(chain)
-    return out
 
 
 @dataclass(eq=False)

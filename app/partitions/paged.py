@@ -1,0 +1,242 @@
+"""A paged KV cache for one stage's layers, and attention over it for a ragged step.
+
+The cache is, per layer, a key pool and a value pool of `num_blocks` blocks of `block_size`
+positions, [kv heads, num blocks, block size, head dim] (heads first: gathering a row's blocks
+then gives each head's keys as one contiguous matrix, which a CPU's batched matrix product needs;
+with blocks first the gather needs a second copy, and was 1.5-7x slower in
+`bench/paged_attention.py`'s shapes); a sequence's positions live in the blocks of its block table
+(position p in block `table[p // block_size]` at offset `p % block_size`), chosen by the step
+scheduler (`app.workers.engine`), the same tables on every stage. Nothing moves when a sequence
+joins, ends or is preempted: its blocks are only reassigned.
+
+A ragged step is a flat batch of T query tokens: decode rows (one token over its history) and
+prefill chunks (a sequence's next tokens, causal among themselves, after what it has cached), each
+sequence at its own length. `Ragged` describes one step for every layer (query spans, context
+lengths, block tables, where each new token's key goes); each layer writes its new keys and values
+(`PagedCache.write`) then attends (`ragged_attention`):
+
+- the decode rows together: each row's blocks gathered into [kv heads, rows, blocks x block_size,
+  head dim], the query heads of a KV head packed as that head's queries (`app.partitions.attention`
+  says why), the positions past each row's length masked; two batched matrix products;
+- each prefill chunk on its own: its blocks gathered, a causal mask offset by what it had cached.
+
+Grouped-query heads, sliding windows (a query at position q sees keys in (q - window, q], the
+stages' rule) and Gemma 2's attention-logit soft-capping are handled; the scale is the layer's
+(`LayerAttention.of`). Scores are taken in fp32 whatever the cache's dtype, as transformers' eager
+attention does. torch 2.13's own ragged options lose on a CPU: variable-length attention
+(`torch.nn.attention.varlen`) has no CPU kernel, and compiled flex attention with a block mask and
+SDPA over nested tensors were 10-100x slower than this (docs/architecture.md, "The step engine");
+`bench/paged_attention.py` times this against the stages' decode path today.
+
+The stage worker does not use this yet: its batches still run over `app.partitions.kvcache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.partitions.families import SLIDING, attention_kinds
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention needs besides its tensors."""
+
+    scale: float
+    window: int | None = None  # sliding-window size; None: the whole history
+    softcap: float | None = None  # attention-logit soft-capping (Gemma 2)
+
+    @classmethod
+    def of(cls, config: Any, layer: int, module: torch.nn.Module | None = None) -> LayerAttention:
+        """Layer `layer` of a model of `config`; the scale is the attention module's own `scaling`
+        when given (transformers sets it per family), else the config's (Gemma's
+        `query_pre_attn_scalar`, Granite's `attention_multiplier`) or 1/sqrt(head dim)."""
+        scale = getattr(module, "scaling", None)
+        if scale is None:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            if getattr(config, "attention_multiplier", None) is not None:
+                scale = config.attention_multiplier
+            elif getattr(config, "query_pre_attn_scalar", None) is not None:
+                scale = config.query_pre_attn_scalar**-0.5
+            else:
+                scale = head_dim**-0.5
+        window = config.sliding_window if attention_kinds(config)[layer] == SLIDING else None
+        return cls(float(scale), window, getattr(config, "attn_logit_softcapping", None))
+
+
+class PagedCache:
+    """Key and value block pools of the layers `layers` (global indices), on one device."""
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        shape = (kv_heads, num_blocks, block_size, head_dim)
+        # zeros, not empty: a masked position still multiplies its value by a zero weight, and an
+        # uninitialised NaN there would poison the row
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store a step's new keys/values [T, kv heads, head dim] at `slots` [T] (block * size + offset)."""
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self.keys[layer][:, blocks, offsets] = key.transpose(0, 1).to(self.keys[layer].dtype)
+        self.values[layer][:, blocks, offsets] = value.transpose(0, 1).to(self.values[layer].dtype)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """One ragged step's layout, built once and shared by every layer: sequence i has queries
+    [starts[i], starts[i] + query_lens[i]) of the flat batch, at positions [context_lens[i] -
+    query_lens[i], context_lens[i]) of its history, whose blocks are `tables[i]`."""
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]  # its positions once this step's are written
+    tables: tuple[tuple[int, ...], ...]
+    block_size: int
+    slots: torch.Tensor  # [T] long: where each query token's key and value go
+    decodes: torch.Tensor  # [B] long: the flat index of each one-token row's query
+    decode_blocks: torch.Tensor  # [B * max blocks] long: their tables, padded with block 0
+    decode_positions: torch.Tensor  # [B] long: each one-token row's query position
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> Ragged:
+        if not len(query_lens) == len(context_lens) == len(tables):
+            raise ValueError("one query length, context length and block table per sequence")
+        slots: list[int] = []
+        for q, n, table in zip(query_lens, context_lens, tables, strict=True):
+            if not 0 < q <= n or len(table) * block_size < n:
+                raise ValueError(f"a sequence of {n} positions, {q} of them queries, in {len(table)} blocks")
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
+        rows = [i for i, q in enumerate(query_lens) if q == 1]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = max((len(tables[i]) for i in rows), default=0)
+        padded = [list(tables[i]) + [0] * (width - len(tables[i])) for i in rows]
+
+        def tensor(values: Sequence[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            tuple(query_lens),
+            tuple(context_lens),
+            tuple(tuple(t) for t in tables),
+            block_size,
+            tensor(slots),
+            tensor([starts[i] for i in rows]),
+            tensor(padded).reshape(len(rows) * width),
+            tensor([context_lens[i] - 1 for i in rows]),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    step: Ragged,
+    layer: LayerAttention,
+) -> torch.Tensor:
+    """Attention of a ragged step's queries [T, heads, head dim] over a layer's block pools
+    [kv heads, num blocks, block size, head dim] (this step's keys already written): [T, heads, dim]."""
+    if len(step.decodes) == len(query):  # decode rows only: no scatter
+        return _decode_rows(query, keys, values, step, layer)
+    out = torch.empty_like(query)
+    if len(step.decodes):
+        out[step.decodes] = _decode_rows(query[step.decodes], keys, values, step, layer)
+    start = 0
+    for q, n, table in zip(step.query_lens, step.context_lens, step.tables, strict=True):
+        if q > 1:
+            out[start : start + q] = _chunk(query[start : start + q], keys, values, table, n, layer)
+        start += q
+    return out
+
+
+def _decode_rows(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Ragged, layer: LayerAttention
+) -> torch.Tensor:
+    """query [B, H, D], one per row, at `step.decode_positions` -> [B, H, D]."""
+    rows, heads, dim = query.shape
+    kv_heads = keys.shape[0]
+    k = _gather(keys, step.decode_blocks, rows)  # [Hkv, B, L, D]
+    v = _gather(values, step.decode_blocks, rows)
+    column = torch.arange(k.shape[2], device=query.device)  # [L]
+    at = step.decode_positions[:, None]  # [B, 1]
+    allowed = column <= at  # [B, L]
+    if layer.window is not None:
+        allowed &= column > at - layer.window
+    packed = query.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [Hkv, B, G, D]
+    out = _attend(packed, k, v, allowed[None, :, None, :], layer)  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(rows, heads, dim)
+
+
+def _chunk(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: tuple[int, ...],
+    length: int,
+    layer: LayerAttention,
+) -> torch.Tensor:
+    """One sequence's S queries [S, H, D], the last S of its `length` positions -> [S, H, D]."""
+    new, heads, dim = query.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    blocks = torch.tensor(table[: -(-length // keys.shape[2])], dtype=torch.long, device=query.device)
+    k = _gather(keys, blocks, 1).transpose(0, 1)[:, :, :length]  # [1, Hkv, N, D]
+    v = _gather(values, blocks, 1).transpose(0, 1)[:, :, :length]
+    at = torch.arange(length - new, length, device=query.device)[:, None]  # [S, 1]
+    column = torch.arange(length, device=query.device)[None, :]  # [1, N]
+    allowed = column <= at  # [S, N]
+    if layer.window is not None:
+        allowed &= column > at - layer.window
+    # [S, H, D] -> [1, Hkv, G * S, D]: a KV head's queries, query head by query head
+    packed = (
+        query.reshape(new, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * new, dim)
+    )
+    out = _attend(packed, k, v, allowed.repeat(group, 1)[None, None], layer)  # [1, Hkv, G * S, D]
+    return out.reshape(kv_heads, group, new, dim).permute(2, 0, 1, 3).reshape(new, heads, dim)
+
+
+def _gather(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+    """pool [Hkv, NB, bs, D], blocks [rows * n] (row by row) -> [Hkv, rows, n * bs, D], one copy."""
+    return pool.index_select(1, blocks).view(pool.shape[0], rows, -1, pool.shape[3])
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, layer: LayerAttention
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) | allowed) v over [X, Y, M, D] queries and [X, Y, N, D] keys and
+    values, the scores in fp32; `allowed` broadcasts to [X, Y, M, N] and allows every query a key."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(layer.scale)  # [B, Hkv, M, N]
+    if layer.softcap is not None:
+        scores = torch.tanh(scores.div_(layer.softcap)).mul_(layer.softcap)
+    scores.masked_fill_(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(weights, value)
