@@ -32,7 +32,7 @@ def keys_create(redis_url: str, namespace: str, home: Path) -> Result:
 
 
 @pytest.mark.parametrize("auth", ["none", "keys"])
-def test_keys_create_warns_only_when_the_api_serves_open(redis_url, redis, tiny_model, tmp_path, auth) -> None:  # type: ignore[no-untyped-def]
+def test_keys_create_warns_only_when_api_serves_open(redis_url, redis, tiny_model, tmp_path, auth) -> None:  # type: ignore[no-untyped-def]
     settings = tiny_settings(redis_url, tiny_model, auth=auth)
     try:
         with TestClient(create_app(settings)):
