@@ -152,3 +152,11 @@ def test_every_curl_that_sends_a_body_says_it_is_json() -> None:
             ):
                 wrong.append(f"{page.relative_to(ROOT)}: {command.splitlines()[0]}")
     assert not wrong, wrong
+
+
+def test_the_user_docs_speak_without_project_jargon() -> None:
+    """`the seed` (the project's first specification) means nothing to a reader of the docs."""
+    found = [
+        f"{page.relative_to(ROOT)}" for page in PAGES if re.search(r"\bthe seed\b", page.read_text(), re.I)
+    ]
+    assert not found, found
