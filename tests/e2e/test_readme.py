@@ -305,3 +305,38 @@ def test_what_make_run_starts_is_what_the_pages_say(monkeypatch) -> None:  # typ
     readme = " ".join(README.read_text().split())
     assert "one stage worker, two embeddings workers" in readme and defaults.stages == 1
     assert defaults.embedding_stages == 2
+
+
+def test_the_api_pages_openai_example_runs(readme_stack) -> None:  # type: ignore[no-untyped-def]
+    """docs/api.md's OpenAI example (greedy, `temperature=0`, then a stream with usage), run as shown
+    with the official client against the stack."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    code = text.split("## OpenAI-compatible API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("http://127.0.0.1:8000/v1", f"{readme_stack.url}/v1").replace(SHOWN_MODEL, "tiny")
+    scope: dict[str, Any] = {}
+    exec(compile(code, "docs/api.md", "exec"), scope)  # noqa: S102
+    answer = scope["answer"]
+    assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
+    assert answer.usage.completion_tokens >= 1
+
+
+def numbers(text: str) -> list[str]:
+    return re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", text)
+
+
+def test_the_readmes_performance_figures_are_the_committed_results() -> None:
+    """Each figure of the README's performance tables and GPU line is in the results file of the run
+    it names: bench/results/peers.md (vLLM), suite.md (the naive server and Ray Serve), gpu.md."""
+    section = README.read_text().split("## Performance", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"((?:^\|.*\|\n)+)", section, re.M)
+    assert len(tables) == 2
+    gpu_line = section.split("On one NVIDIA H200", 1)[1].split("Every other run", 1)[0]
+    for shown, results in (
+        (tables[0], "peers.md"),
+        (tables[1], "suite.md"),
+        (gpu_line.split("--quick`)", 1)[1], "gpu.md"),
+    ):
+        committed = set(numbers((ROOT / "bench" / "results" / results).read_text()))
+        body = "\n".join(line.split("|", 2)[-1] for line in shown.splitlines()[2:]) if "|" in shown else shown
+        missing = [n for n in numbers(body) if n not in committed]
+        assert not missing, f"README figures not in bench/results/{results}: {missing}"
