@@ -621,12 +621,36 @@ def keys_create(
         record = json.dumps({"tenant": tenant, "created_at": time.time()})
         client.hset(keys.api_keys(), digest, record)
         _tenant_webhook_secret(settings, client, keys, tenant, rotate=rotate_webhook_secret, out_err=True)
+        _say_who_checks_keys(client, keys)
         typer.echo(
             f"stored for tenant {tenant!r} (sha256 {digest[:12]}...); the key, shown only now:", err=True
         )
     else:
         typer.echo(f'add to CONVEYOR_API_KEYS: {{"{digest}": "{tenant}"}}; the key:', err=True)
     typer.echo(key)
+
+
+OPEN_API_WARNING = """\
+!!! WARNING: the API of this stack serves WITHOUT AUTHENTICATION (CONVEYOR_AUTH=none, as `make run`
+!!! starts it): it does not check this key, and anyone who reaches it is tenant 'anonymous'.
+!!! The key is stored and kept. To require keys, stop the stack and start it again with
+!!! `CONVEYOR_AUTH=keys make run` (or `CONVEYOR_AUTH=keys conveyor up`)."""
+
+
+def _say_who_checks_keys(client: redis.Redis, keys: Keys) -> None:
+    """After a key is stored: warn, loudly, when an API of this stack serves open (the key would change
+    nothing), and say what starts one that checks it when no API is running."""
+    from app.api.authmode import served_modes
+
+    modes = served_modes(client, keys)
+    if "none" in modes:
+        typer.secho(OPEN_API_WARNING, err=True, fg=typer.colors.RED, bold=True)
+    elif not modes:
+        typer.echo(
+            "no API of this stack is running: start it with CONVEYOR_AUTH=keys (`CONVEYOR_AUTH=keys make "
+            "run`) to require keys",
+            err=True,
+        )
 
 
 @keys_cli.command("rotate-webhook-secret")

@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,7 @@ class Stack:
     redis_url: str | None
     process: subprocess.Popen[bytes]
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # what `conveyor up` was started with
 
     def client(self, **kwargs: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)  # type: ignore[arg-type]
@@ -196,7 +197,7 @@ def start_stack(
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
-    stack = Stack(f"http://127.0.0.1:{port}", namespace, redis_url, process, log)
+    stack = Stack(f"http://127.0.0.1:{port}", namespace, redis_url, process, log, env)
     if not wait_ready:
         return stack
     deadline = time.monotonic() + ready_timeout_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from redis.exceptions import RedisError
 from app.api import errors
 from app.api.audit import AuditMiddleware
 from app.api.auth import Authenticator, authenticate
+from app.api.authmode import start_recording, stop_recording
 from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.limits import BodyLimitMiddleware
@@ -72,6 +74,7 @@ def create_app(settings: Settings) -> FastAPI:
             log.warning("default model not loaded: %s", exc.message)
         await hub.start()
         jobs: JobService | None = None
+        recorder: asyncio.Task[None] | None = None
         try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
             app.state.settings = settings
             app.state.redis = redis
@@ -79,8 +82,12 @@ def create_app(settings: Settings) -> FastAPI:
             if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
                 jobs.admission.fsync = await fsync_mode(redis)
                 log.info("submits are answered once on disk (%s)", jobs.admission.fsync)
+            # How this API serves, for `conveyor keys create` to read (app/api/authmode.py).
+            recorder = await start_recording(redis, keys, settings.auth)
             yield
         finally:
+            if recorder is not None:
+                await stop_recording(recorder, redis, keys, settings.auth)
             if jobs is not None:
                 jobs.prompts.close()
             await hub.stop()

@@ -363,8 +363,8 @@ class Settings(BaseSettings):
     # Batcher. Jobs per dispatched batch: 32 is where batched CPU decoding stops gaining (raw generate,
     # SmolLM2 on 2 cores: 116.8 tokens/s at batch 32, 115.5 at 64; docs/benchmarks.md).
     max_batch_size: int = 32
-    max_wait_ms: float = 50.0  # the seed's window: the longest a job waits for batch-mates
-    # The seed's minimum batch size: an idle pipeline waits for this many jobs of one bucket, or for
+    max_wait_ms: float = 50.0  # the batching window: the longest a job waits for batch-mates
+    # The minimum batch size: an idle pipeline waits for this many jobs of one bucket, or for
     # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
     # once, which is what latency wants when the pipeline has nothing else to do.
     min_batch_size: int = Field(default=1, ge=1)

@@ -269,6 +269,13 @@ class Keys:
         adds, `conveyor keys revoke` removes; no TTL: a key lives until it is revoked."""
         return f"{self.namespace}:apikeys"
 
+    @lives(ttl="RECORD_TTL_S from the last record (api/authmode.py)")
+    def api_auth(self) -> str:
+        """Sorted set: `{auth mode} {api process}` -> when that API process last recorded how it serves
+        (unix seconds; `CONVEYOR_AUTH`, `keys` or `none`), so that `conveyor keys create` can tell
+        whether the API it makes a key for checks keys at all. Written only by app/api/authmode.py."""
+        return f"{self.namespace}:api-auth"
+
     @lives(ttl="until the tenant's bucket is full again (core/ratelimit.py)")
     def rate_limit(self, tenant: str) -> str:
         """Hash: one tenant's rate-limit state (GCRA theoretical arrival times, ms); expires when full."""

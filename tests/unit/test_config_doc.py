@@ -32,5 +32,5 @@ def test_a_comment_above_and_beside_a_field_both_describe_it() -> None:
     row = next(r for r in rows() if r.env == "CONVEYOR_MAX_BATCH_SIZE")
     assert "stops gaining" in row.description
     assert next(r for r in rows() if r.env == "CONVEYOR_MAX_WAIT_MS").description.startswith(
-        "the seed's window"
+        "the batching window"
     )
