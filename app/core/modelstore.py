@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from app.core.errors import UnsupportedModel
+
 MANIFEST = "conveyor.json"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -101,10 +103,7 @@ def count_parameters(model_dir: Path) -> int:
     """Parameters stored in the safetensors files, read from their headers only (no tensor data)."""
     total = 0
     for file in weight_files(model_dir):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, tensor in header.items():
+        for name, tensor in safetensors_header(file).items():
             if name != "__metadata__":
                 count = 1
                 for dim in tensor["shape"]:
@@ -113,12 +112,59 @@ def count_parameters(model_dir: Path) -> int:
     return total
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own bound on a header
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """The header of a safetensors file (8 bytes of length, then JSON: a few KB read, no tensor).
+
+    A file that is not one is refused (`UnsupportedModel`) saying what it is: a git-lfs pointer (a
+    clone made without `git lfs pull`), or a truncated or foreign file. Read as a header, the text of
+    a pointer asks for exabytes (a MemoryError), and the safetensors library says "header too large"."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        start = f.read(64)
+        length = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else 0
+        header = None
+        if 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+            f.seek(8)
+            try:
+                header = json.loads(f.read(length))
+            except ValueError:
+                header = None
+    if start.startswith(b"version https://git-lfs"):
+        raise UnsupportedModel(f"{file} is a git-lfs pointer, not the weights: fetch them (`git lfs pull`)")
+    if not isinstance(header, dict):
+        raise UnsupportedModel(f"{file} is not a safetensors file ({size} bytes, no safetensors header)")
+    ends = [e["data_offsets"][1] for n, e in header.items() if n != "__metadata__" and isinstance(e, dict)]
+    if 8 + length + max(ends, default=0) > size:
+        raise UnsupportedModel(f"{file} is truncated: its header describes more bytes than it holds")
+    return header
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """The names of every tensor in a model's safetensors files, from their headers."""
+    return {n for f in weight_files(model_dir) for n in safetensors_header(f) if n != "__metadata__"}
+
+
 def context_length(config: Any) -> int:
+    """The longest sequence (prompt and generated tokens) a model is served for: its positions, and
+    for a longrope model (Phi-3.5, Phi-4-mini) `original_max_position_embeddings`, past which the
+    stages cannot follow its rope exactly (`app.partitions.rope`)."""
+    length = 2048
     for name in ("max_position_embeddings", "n_positions", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int):
-            return value
-    return 2048
+            length = value
+            break
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if isinstance(original, int):
+            length = min(length, original)
+    return length
 
 
 # GGUF

@@ -21,10 +21,17 @@ from transformers import DynamicCache, PretrainedConfig
 
 from app.core.errors import UnsupportedModel
 from app.core.steps import Steps, complete
-from app.partitions import attention, packing, static
+from app.partitions import attention, packing, rope, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
-from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
+from app.partitions.loading import (
+    NO_HEAD,
+    Checkpoint,
+    build_on_meta,
+    check_materialized,
+    fill,
+    rebuild_buffers,
+)
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ class StagePartition(nn.Module):
         self._rotary_by_kind = self.rotary_emb is not None and (
             "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         )
+        self.rope: rope.RowTables | None = None
+        self._bind_rope()
         self.norm = getattr(body, family.norm) if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -185,11 +194,21 @@ class StagePartition(nn.Module):
         if stage.embed_tokens is not None and stage.lm_head is not None and _tied(config):
             stage.lm_head.weight = stage.embed_tokens.weight  # to_empty() does not keep the tie
         rebuild_buffers(stage, config, target, {"rotary_emb"} if stage.rotary_emb is not None else set())
+        stage._bind_rope()  # the rotary module was built again
         check_materialized(stage)
         if pack and packing.supported(dtype, target):
             packing.pack_linears(stage)
         attention.prefer_plan_free_kernels(target)
         return stage.eval()
+
+    def _bind_rope(self) -> None:
+        """A rope whose frequencies depend on the sequence's length (dynamic NTK, longrope) computes
+        each row's tables from its own length (`app.partitions.rope`); `rope_limit` is the length up
+        to which they are the config's own."""
+        rule = rope.length_rule(self.config) if self.rotary_emb is not None else None
+        applies = rule is not None and rope.RowTables.applies(self.rotary_emb)
+        self.rope = rope.RowTables(self.rotary_emb, self.config, rule) if applies and rule else None
+        self.rope_limit: int | None = rule.limit if applies and rule else None
 
     def _fill(self, checkpoint: Checkpoint) -> None:
         """Read every parameter and persistent buffer of this stage from the checkpoint."""
@@ -219,8 +238,10 @@ class StagePartition(nn.Module):
                 else:
                     raise UnsupportedModel(f"unexpected stage tensor {local!r}")
                 fallbacks = [name.removeprefix(f"{family.body}.")]  # saved from the base model
-                if head == "lm_head":
+                if head == "lm_head" and _tied(self.config):
                     fallbacks += [embedding, embedding.removeprefix(f"{family.body}.")]  # tied head
+                elif head == "lm_head" and name not in checkpoint:
+                    raise UnsupportedModel(NO_HEAD)
                 fill(tensor, name, checkpoint, family, fallbacks=fallbacks)
         finally:
             checkpoint.close()
@@ -358,7 +379,10 @@ class StagePartition(nn.Module):
             return None
         if self._rotary_by_kind:  # Gemma 3: local and global layers have their own rope base
             return {kind: self.rotary_emb(hidden, position_ids, kind) for kind in set(self.kinds)}
-        table = self.rotary_emb(hidden, position_ids=position_ids)
+        if self.rope is not None:
+            table = self.rope(hidden, position_ids)
+        else:
+            table = self.rotary_emb(hidden, position_ids=position_ids)
         return dict.fromkeys(set(self.kinds), table)
 
     def _mask(
