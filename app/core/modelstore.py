@@ -148,23 +148,11 @@ def tensor_names(model_dir: Path) -> set[str]:
 
 
 def context_length(config: Any) -> int:
-    """The longest sequence (prompt and generated tokens) a model is served for: its positions, and
-    for a longrope model (Phi-3.5, Phi-4-mini) `original_max_position_embeddings`, past which the
-    stages cannot follow its rope exactly (`app.partitions.rope`)."""
-    length = 2048
     for name in ("max_position_embeddings", "n_positions", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int):
-            length = value
-            break
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "longrope":
-        original = params.get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings", None
-        )
-        if isinstance(original, int):
-            length = min(length, original)
-    return length
+            return value
+    return 2048
 
 
 # GGUF

@@ -60,6 +60,9 @@ class BatchState:
         ]
         self.seq_ids = list(seq_ids)
         self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
+        # The token ids of the whole history [B, T], aligned with the mask: kept by a first stage
+        # that may have to compute a row again whole (`StagePartition.keeps_ids`); else None.
+        self.ids: torch.Tensor | None = None
         # The batches whose rows this state holds: its own, then every batch that joined it. A job's
         # record names the batch it was scheduled in; only those are this state's to fail.
         self.batch_ids: set[str] = set()
@@ -80,6 +83,8 @@ class BatchState:
         for layer in self.slabs:
             layer.select(rows)
         self.attention_mask = self.attention_mask[torch.tensor(rows, dtype=torch.long)]
+        if self.ids is not None:
+            self.ids = self.ids[torch.tensor(rows, dtype=torch.long)]
         self.seq_ids = list(seq_ids)
         self._trim_padding()
 
@@ -95,6 +100,8 @@ class BatchState:
             return
         first = int(used.int().argmax())
         self.attention_mask = self.attention_mask[:, first:]
+        if self.ids is not None:
+            self.ids = self.ids[:, first:]
         for layer in self.slabs:
             if isinstance(layer, SlidingSlabLayer):
                 layer.keep_last(min(self.length, layer.window - 1))  # it holds the last columns only
@@ -114,6 +121,10 @@ class BatchState:
         self.attention_mask = torch.cat(
             [_left_pad_time(self.attention_mask, length), _left_pad_time(other.attention_mask, length)]
         )
+        if self.ids is not None and other.ids is not None:
+            self.ids = torch.cat([_left_pad_time(self.ids, length), _left_pad_time(other.ids, length)])
+        else:
+            self.ids = None
         self.seq_ids += other.seq_ids
         self.batch_ids |= other.batch_ids
 
@@ -267,6 +278,8 @@ class StagePartition(nn.Module):
     def warmup(self, tokens: int = 16) -> None:
         """One prefill and one decode step on dummy input, so the first real job does not pay
         for the allocator and kernel start-up (about 200 ms on a CPU)."""
+        if self.rope_limit is not None:  # not a step that grows past the rope's limit
+            tokens = min(tokens, self.rope_limit - 1)
         mask = torch.ones(1, tokens, dtype=torch.long)
         state = BatchState(self.config, ["warmup"], mask)
         if self.embed_tokens is not None:
@@ -291,7 +304,24 @@ class StagePartition(nn.Module):
         thread runs urgent prefills there): it touches nothing of this step's. A decode step that
         `self.static` takes runs whole.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
+
+        A decode step in which longrope rows grow past the rope's limit computes those rows again
+        whole (`_again`): on a stage before the last it returns [B, T, D], every column of those
+        rows (the others' last column only), which the next stage takes as such a step's input.
         """
+        again = self._crossing(state, x)
+        if self.keeps_ids:
+            _record_ids(state, x)
+        whole = x
+        if again:
+            x = x[:, -1:]
+        out = yield from self._step(state, x)
+        if again:
+            out = self._again(state, again, state.ids if self.keeps_ids else whole, out)
+        return out
+
+    @torch.inference_mode()
+    def _step(self, state: BatchState, x: torch.Tensor) -> Steps[torch.Tensor]:
         if self.static is not None and self.static.handles(state, x):
             return self.static(state, x)  # type: ignore[no-any-return]
         x = x.to(self.device)
@@ -327,6 +357,55 @@ class StagePartition(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         self._check_windows(state)
         return self.finish(hidden)
+
+    @property
+    def keeps_ids(self) -> bool:
+        """A first stage whose rows may have to be computed again whole keeps their token ids."""
+        return self.is_first and self.rope is not None and self.rope.rule.kind == rope.LONGROPE
+
+    def _crossing(self, state: BatchState, x: torch.Tensor) -> list[int]:
+        """The rows of a decode step (this stage's cache holds the history before it) whose
+        longrope sequence grows past the rope's limit at this step (`rope.crossing`)."""
+        if self.rope is None or self.rope.rule.kind != rope.LONGROPE:
+            return []
+        held = state.length - 1
+        if self.kinds[0] == SLIDING:
+            assert self.window is not None
+            held = min(held, self.window - 1)
+        if state.slabs[self.range.start].length != held or held == 0:
+            return []  # a prefill: each row's tables are already its whole length's
+        rows = rope.crossing(self.rope.rule, state.attention_mask.sum(dim=-1))
+        if rows and not self.is_first and x.shape[1] < self.rope.rule.limit + 1:
+            raise RuntimeError(
+                f"rows {rows} grow past the rope's limit: this stage needs their whole history's "
+                f"hidden states, the step brought {x.shape[1]} columns"
+            )
+        return rows
+
+    def _again(
+        self, state: BatchState, rows: list[int], whole: torch.Tensor | None, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Compute `rows` again whole with the long factors, as Phi-3's `generate` does when a
+        sequence grows past `original_max_position_embeddings`: their keys and values replace the
+        ones in this stage's cache, their output the step's. `whole`: the step's input with every
+        column (ids [B, T] on the first stage, hidden states [B, T, D] on the others)."""
+        assert whole is not None and self.rope is not None
+        n = self.rope.rule.limit + 1  # each of these rows' tokens, this step's included
+        index = torch.tensor(rows, dtype=torch.long)
+        tokens = whole[index.to(whole.device), -n:]  # [C, n] or [C, n, D]
+        fresh = BatchState(
+            self.config, [state.seq_ids[r] for r in rows], torch.ones(len(rows), n, dtype=torch.long)
+        )
+        redone = complete(self._step(fresh, tokens))  # [C, n, D] or logits [C, V]
+        for layer in range(self.range.start, self.range.stop):
+            state.slabs[layer].replace_rows(rows, fresh.slabs[layer])
+        if self.is_last:
+            out[index.to(out.device)] = redone
+            return out
+        wide = out.new_zeros(out.shape[0], state.length, out.shape[2])  # [B, T, D]
+        wide[:, -1:] = out
+        wide[index.to(out.device), -n:] = redone
+        return wide
 
     def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's output: hidden states [B, S, D] as they are, or on the last stage the
@@ -441,6 +520,14 @@ def _wide_mask(slab: SlabLayer, mask: torch.Tensor) -> torch.Tensor:
     allowed = torch.zeros(mask.shape[0], slab._k.shape[2], dtype=torch.bool, device=mask.device)
     allowed[:, slab.start : slab.end + 1] = mask.bool()
     return allowed[:, None, None, :]
+
+
+def _record_ids(state: BatchState, x: torch.Tensor) -> None:
+    """Append a step's token ids [B, S] to the history a first stage keeps (a prefill's start it)."""
+    ids = x.detach().to("cpu", torch.long)
+    state.ids = ids if state.ids is None else torch.cat([state.ids, ids], dim=1)
+    if state.ids.shape != state.attention_mask.shape:
+        raise RuntimeError(f"token ids {tuple(state.ids.shape)} out of step with the mask")
 
 
 def _tied(config: Any) -> bool:

@@ -237,6 +237,8 @@ class Prefill:
             return BatchState(config, self.seq_ids, self.mask), x
         total, cached, step = self.mask.shape[1], self.plan.cached, self.plan.step
         state = BatchState(config, self.seq_ids, self.mask[:, total - step - cached :])
+        if self.partition.keeps_ids:  # the cached columns' ids: the step records its own
+            state.ids = x[:, total - step - cached : total - step].to("cpu", torch.long)
         rows = len(self.seq_ids)
         for local, index in enumerate(self.layers):
             sample = next(h.entry.keys[local] for h in self.plan.hits if h is not None)

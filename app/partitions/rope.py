@@ -14,10 +14,9 @@ the longest row of the call), which on a stage is shared by every batch it runs:
 length would change another's frequencies. Here a row's frequencies are chosen from that row's own
 length, as `generate` of that prompt alone chooses them, and the module is never written to.
 
-A longrope sequence is served up to `original_max_position_embeddings` tokens: past it, an exact
-answer needs the sequence's whole history computed again with the long factors through every
-stage, which the stages do not do. `app.core.modelstore.context_length` gives the API that limit,
-and a step that goes past it here is refused, never run with the other factors.
+A longrope sequence that grows past `original_max_position_embeddings` while it decodes is
+computed again whole with the long factors at that step, as Phi-3's `generate` does: a stage finds
+those rows itself (`crossing`), and `StagePartition.steps` recomputes them.
 """
 
 from __future__ import annotations
@@ -103,14 +102,9 @@ class RowTables:
         # A row's length is its last position + 1: `generate`'s seq_len for that prompt alone.
         lengths = (position_ids.amax(dim=-1) + 1).tolist()  # [B]
         limit = self.rule.limit
-        if self.rule.kind == LONGROPE and max(lengths) > limit:
-            raise UnsupportedModel(
-                f"a sequence of {max(lengths)} tokens: this longrope model is served up to its "
-                f"original_max_position_embeddings ({limit}); past it its rope switches to the long "
-                "factors for the whole sequence, which the stages do not recompute",
-                limit=limit,
-            )
-        keys = [length if length > limit else 0 for length in lengths]  # 0: the config's own
+        dynamic = self.rule.kind == DYNAMIC
+        # A row's frequencies by key: 0 the config's own; dynamic: its length's; longrope: the long.
+        keys = [0 if n <= limit else n if dynamic else limit + 1 for n in lengths]
         if not any(keys):
             return self._table(self.module.original_inv_freq, hidden, position_ids)
         cos = sin = None
@@ -126,12 +120,17 @@ class RowTables:
         return cos, sin
 
     def _frequencies(self, length: int, position_ids: torch.Tensor) -> torch.Tensor:
-        """Dynamic NTK frequencies of a sequence of `length` tokens, as transformers computes them
-        (from a tensor length, as its forward passes it)."""
+        """The frequencies of a sequence of `length` tokens past the limit, as transformers computes
+        them: dynamic NTK's from the length (a tensor, as its forward passes it), longrope's long
+        factors (for any length past the limit)."""
+        if self.rule.kind == LONGROPE:
+            length = self.rule.limit + 1  # transformers' `original_max_position_embeddings + 1`
         if length not in self._by_length:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            seq_len = torch.tensor(length, dtype=position_ids.dtype, device=position_ids.device)
+            seq_len: int | torch.Tensor = length
+            if self.rule.kind == DYNAMIC:
+                seq_len = torch.tensor(length, dtype=position_ids.dtype, device=position_ids.device)
             init = ROPE_INIT_FUNCTIONS[self.module.rope_type]
             self._by_length[length] = init(self.config, position_ids.device, seq_len=seq_len)[0]
             while len(self._by_length) > 256:  # lengths only grow: the oldest are not asked again
@@ -142,6 +141,15 @@ class RowTables:
         self, inv_freq: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._forward(_WithFrequencies(self.module, inv_freq), hidden, position_ids)  # type: ignore[no-any-return]
+
+
+def crossing(rule: LengthRule | None, lengths: torch.Tensor) -> list[int]:
+    """The rows of a decode step whose longrope sequence has just grown past the limit (`lengths`
+    [B]: each row's tokens with this step's): those `generate` computes again whole, with the long
+    factors. Later steps of such a row only add their own token, with the long factors."""
+    if rule is None or rule.kind != LONGROPE:
+        return []
+    return [int(r) for r in (lengths == rule.limit + 1).nonzero().flatten().tolist()]
 
 
 class _WithFrequencies:

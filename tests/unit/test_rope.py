@@ -1,7 +1,7 @@
 """Ropes whose frequencies depend on the sequence's length: dynamic NTK and longrope (Phi-3.5,
 Phi-4-mini). Each row's tables come from its own length, as `generate` of that prompt alone computes
-them, whatever else the stage runs; a longrope sequence is served up to
-`original_max_position_embeddings`, and a step past it is refused, never run with other factors."""
+them, whatever else the stage runs; a longrope row that grows past `original_max_position_embeddings`
+is computed again whole with the long factors, as Phi-3's `generate` does."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import transformers as tf
 from families import COMMON
 from transformers import AutoModelForCausalLM
 
-from app.core import modelstore
 from app.core.errors import UnsupportedModel
 from app.partitions.families import family_for
 from app.partitions.layers import BatchState, LayerRange, StagePartition, left_pad
@@ -92,10 +91,10 @@ def generate_alone(path: Path, prompt: list[int], steps: int) -> list[int]:
 class Batch:
     """One batch through a pipeline of stages: prefill, then greedy decode steps."""
 
-    def __init__(self, parts: list[StagePartition], prompts: list[list[int]]) -> None:
+    def __init__(self, parts: list[StagePartition], prompts: list[list[int]], first: int = 0) -> None:
         self.parts = parts
         x, mask = left_pad(prompts, pad_id=0)
-        ids = [str(i) for i in range(len(prompts))]
+        ids = [str(first + i) for i in range(len(prompts))]
         self.states = [BatchState(parts[0].config, ids, mask.clone()) for _ in parts]
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self._take(self._run(x))
@@ -160,35 +159,45 @@ def test_dynamic_rope_prefixes_are_reused_only_within_the_configs_own_frequencie
 
 
 @pytest.mark.parametrize("count", [1, 2])
-def test_longrope_decodes_exactly_as_generate_up_to_its_original_length(longrope: Path, count: int) -> None:
+def test_longrope_decodes_exactly_as_generate_across_its_original_length(longrope: Path, count: int) -> None:
+    """Rows grow past `original_max_position_embeddings` at different steps (Phi-3's `generate`
+    computes such a row again whole with the long factors there), one prompt is past it from its
+    prefill, one reaches it exactly, and a batch joins mid-way: every row as `generate` alone."""
     parts = stages(longrope, count)
-    prompts = [SHORT, [40, 41, 42]]
+    prompts = [SHORT, [40, 41, 42], LONG, list(range(50, 50 + LIMIT))]
     batch = Batch(parts, prompts)
-    for _ in range(LIMIT - len(SHORT)):  # the longest row reaches exactly LIMIT tokens
+    joiner = Batch(parts, [[60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]], first=len(prompts))
+    for step in range(1, 20):
+        if step == 4:  # a prefilled batch joins the running one, as the stage runtime's joins do
+            for state, other in zip(batch.states, joiner.states, strict=True):
+                state.absorb(other)
+            batch.tokens.append(joiner.tokens[0])
+            prompts.append([60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71])
+        if step == 12:  # a row that already grew past the limit leaves
+            keep = [s for s in batch.states[0].seq_ids if s != "3"]
+            for state in batch.states:
+                state.keep(keep)
+            prompts.pop(3)
+            batch.tokens.pop(3)
         batch.step()
     for prompt, tokens in zip(prompts, batch.tokens, strict=True):
-        assert tokens == generate_alone(longrope, prompt, len(tokens))
+        assert len(prompt) + len(tokens) > LIMIT + 1
+        assert tokens == generate_alone(longrope, prompt, len(tokens)), prompt
 
 
-@pytest.mark.parametrize("count", [1, 2])
-def test_a_longrope_step_past_its_original_length_is_refused(longrope: Path, count: int) -> None:
-    """Past `original_max_position_embeddings` Phi-3's `generate` computes the whole sequence again
-    with the long factors; the stages refuse that step rather than emit other tokens."""
-    parts = stages(longrope, count)
-    batch = Batch(parts, [SHORT])
-    for _ in range(LIMIT - len(SHORT)):  # 16 tokens: the last step within the limit
-        batch.step()
-    with pytest.raises(UnsupportedModel, match="original_max_position_embeddings"):
-        batch.step()
-    with pytest.raises(UnsupportedModel, match="original_max_position_embeddings"):
-        Batch(parts, [LONG])
-
-
-def test_a_longrope_models_context_is_its_original_length(longrope: Path) -> None:
-    """What the API admits (prompt + max_tokens) and what `model list` shows."""
-    config = tf.AutoConfig.from_pretrained(longrope)
-    assert config.max_position_embeddings == 4 * LIMIT
-    assert modelstore.context_length(config) == LIMIT
+def test_longrope_prefixes_are_reused_below_the_original_length_only(longrope: Path) -> None:
+    """A prefix cached by a short prompt (short factors) serves a short prompt, never a long one."""
+    part = stages(longrope, 1)[0]
+    cache = PrefixCache(2**24)
+    short = [*SHORT, *SHORT]  # 16 tokens: one block, stored
+    reused = []
+    for prompt in (short, [*short, 40, 41]):
+        x, mask = left_pad([prompt], pad_id=0)
+        prefill = Prefill(cache, part, ["a"], [prompt], mask)
+        state, x = prefill.start(x)
+        prefill.finish(state, part(state, x))
+        reused.append(prefill.reused)
+    assert reused == [0, 0] and len(cache) == 1
 
 
 def test_a_rope_by_layer_type_that_depends_on_the_length_is_refused() -> None:
