@@ -69,6 +69,10 @@ class Family:
     # Legacy checkpoint names of fused parameters (per-expert MoE weights): see loading.py.
     experts: tuple[str, str, str] | None = None  # (gate, up, down) name patterns with {e}
     renames: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (ours, the checkpoint's)
+    # Phi-3's `generate` computes a sequence again whole when it grows past a longrope's
+    # `original_max_position_embeddings` (its `prepare_inputs_for_generation` drops the cache);
+    # the other families' go on from their cache, only the new tokens with the long factors.
+    longrope_again: bool = False
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -76,7 +80,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", ("mistral",)),
     Family("qwen2", ("qwen2",)),
     Family("qwen3", ("qwen3",)),
-    Family("phi3", ("phi3",)),
+    Family("phi3", ("phi3",), longrope_again=True),
     Family("gemma", ("gemma",)),
     Family("gemma2", ("gemma2",), logits=_softcapped_logits),
     Family("gemma3", ("gemma3_text",), logits=_softcapped_logits),

@@ -359,15 +359,21 @@ class StagePartition(nn.Module):
         return self.finish(hidden)
 
     @property
+    def _again_past_limit(self) -> bool:
+        """Whether rows growing past the rope's limit are computed again whole (`Family.longrope_again`)."""
+        return self.family.longrope_again and self.rope is not None and self.rope.rule.kind == rope.LONGROPE
+
+    @property
     def keeps_ids(self) -> bool:
         """A first stage whose rows may have to be computed again whole keeps their token ids."""
-        return self.is_first and self.rope is not None and self.rope.rule.kind == rope.LONGROPE
+        return self.is_first and self._again_past_limit
 
     def _crossing(self, state: BatchState, x: torch.Tensor) -> list[int]:
         """The rows of a decode step (this stage's cache holds the history before it) whose
         longrope sequence grows past the rope's limit at this step (`rope.crossing`)."""
-        if self.rope is None or self.rope.rule.kind != rope.LONGROPE:
+        if not self._again_past_limit:
             return []
+        assert self.rope is not None
         held = state.length - 1
         if self.kinds[0] == SLIDING:
             assert self.window is not None

@@ -14,9 +14,10 @@ the longest row of the call), which on a stage is shared by every batch it runs:
 length would change another's frequencies. Here a row's frequencies are chosen from that row's own
 length, as `generate` of that prompt alone chooses them, and the module is never written to.
 
-A longrope sequence that grows past `original_max_position_embeddings` while it decodes is
+A Phi-3 longrope sequence that grows past `original_max_position_embeddings` while it decodes is
 computed again whole with the long factors at that step, as Phi-3's `generate` does: a stage finds
-those rows itself (`crossing`), and `StagePartition.steps` recomputes them.
+those rows itself (`crossing`), and `StagePartition.steps` recomputes them. Other families' `generate`
+keeps the cached keys there (`Family.longrope_again`).
 """
 
 from __future__ import annotations

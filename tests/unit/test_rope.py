@@ -47,11 +47,14 @@ def dynamic(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(config, tmp_path_factory.mktemp("rope") / "dynamic")
 
 
-@pytest.fixture(scope="module", params=["phi3.5", "phi4-mini"])
+@pytest.fixture(scope="module", params=["phi3.5", "phi4-mini", "llama"])
 def longrope(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Phi-3.5-mini's shape, and Phi-4-mini's (partial rotary, tied embedding), tiny."""
+    """Phi-3.5-mini's shape, Phi-4-mini's (partial rotary, tied embedding), tiny; and a Llama with a
+    longrope, whose `generate` keeps its cache past the limit (Phi-3's computes the sequence again)."""
     common = {**COMMON, "max_position_embeddings": 4 * LIMIT}
-    if request.param == "phi3.5":
+    if request.param == "llama":
+        config: Any = tf.LlamaConfig(**common, head_dim=16, rope_parameters=LONGROPE)
+    elif request.param == "phi3.5":
         config = tf.Phi3Config(**common, original_max_position_embeddings=LIMIT, rope_parameters=LONGROPE)
     else:
         half = int(HALF_HEAD * 0.75)
