@@ -147,6 +147,22 @@ def tensor_names(model_dir: Path) -> set[str]:
     return {n for f in weight_files(model_dir) for n in safetensors_header(f) if n != "__metadata__"}
 
 
+NO_HEAD = (
+    "the checkpoint has no LM head (`lm_head.weight`) and its config does not tie one to the "
+    "embedding (tie_word_embeddings is false): it is not a language model's checkpoint (a reward, "
+    "classification or embedding model?)"
+)
+
+
+def check_head(model_dir: Path, config: Any) -> None:
+    """Refuse (`UnsupportedModel`) a checkpoint whose language-model head is neither stored nor tied
+    to the embedding: served with the embedding in its place, it would generate garbage. Reads the
+    safetensors headers only (refusing files that are not safetensors)."""
+    names = tensor_names(model_dir)
+    if not getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        raise UnsupportedModel(NO_HEAD)
+
+
 def context_length(config: Any) -> int:
     for name in ("max_position_embeddings", "n_positions", "seq_length"):
         value = getattr(config, name, None)

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
+from app.core import modelstore
 from app.core.errors import UnsupportedModel
 from app.core.steps import Steps, complete
 from app.partitions import attention, packing, rope, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
 from app.partitions.loading import (
-    NO_HEAD,
     Checkpoint,
     build_on_meta,
     check_materialized,
@@ -252,7 +252,7 @@ class StagePartition(nn.Module):
                 if head == "lm_head" and _tied(self.config):
                     fallbacks += [embedding, embedding.removeprefix(f"{family.body}.")]  # tied head
                 elif head == "lm_head" and name not in checkpoint:
-                    raise UnsupportedModel(NO_HEAD)
+                    raise UnsupportedModel(modelstore.NO_HEAD)
                 fill(tensor, name, checkpoint, family, fallbacks=fallbacks)
         finally:
             checkpoint.close()

@@ -36,13 +36,6 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # the two the stage builds masks 
 _LAYER = re.compile(r"^(?P<prefix>.*\.\d+)\.(?P<tail>.+)$")
 
 
-NO_HEAD = (
-    "the checkpoint has no LM head (`lm_head.weight`) and its config does not tie one to the "
-    "embedding (tie_word_embeddings is false): it is not a language model's checkpoint (a reward, "
-    "classification or embedding model?)"
-)
-
-
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (single file or sharded with an index)."""
     index = path / "model.safetensors.index.json"
@@ -78,9 +71,7 @@ def check_servable(path: Path) -> Any:
     missing = modelstore.missing_weights(path)
     if missing:
         raise UnsupportedModel(f"{path} lacks its safetensors weights: {', '.join(missing)}")
-    names = modelstore.tensor_names(path)
-    if not getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
-        raise UnsupportedModel(NO_HEAD)
+    modelstore.check_head(path, config)
     return config
 
 

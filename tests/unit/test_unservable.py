@@ -20,7 +20,7 @@ from app.cli import cli
 from app.core import modelstore
 from app.core.config import Settings
 from app.core.errors import UnsupportedModel
-from app.core.registry import add_model
+from app.core.registry import add_model, list_models
 from app.launcher import UNSERVABLE_EXIT, Child, Supervisor
 from app.partitions.families import family_for
 from app.partitions.layers import LayerRange, StagePartition
@@ -114,3 +114,25 @@ def test_the_supervisor_leaves_an_unservable_worker_down_and_keeps_the_rest() ->
         assert "bad:stage0 cannot serve its model" in said and "restarting bad:stage0" not in said
     finally:
         supervisor.shutdown()
+
+
+def test_model_add_refuses_a_checkpoint_without_its_head(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path / "home")
+    with pytest.raises(UnsupportedModel, match="no LM head"):
+        add_model(settings, str(headless(tmp_path / "reward")), family=lambda c: family_for(c).name)
+    assert not (settings.model_home / "reward").exists()
+
+
+def test_model_list_says_why_each_unservable_model_is_not_served(tmp_path: Path) -> None:
+    models = {
+        "pointer": lfs_pointer(tmp_path / "pointer"),
+        "reward": headless(tmp_path / "reward"),
+        "embeddinggemma": bidirectional(tmp_path / "embeddinggemma"),
+        "tiny": make_tiny_model(tmp_path / "tiny"),
+    }
+    settings = Settings(home=tmp_path / "home", models={n: str(p) for n, p in models.items()})
+    problems = {e.name: e.problem for e in list_models(settings, family=lambda c: family_for(c).name)}
+    assert problems["tiny"] is None
+    assert "git-lfs pointer" in str(problems["pointer"])
+    assert "no LM head" in str(problems["reward"])
+    assert "bidirectional attention" in str(problems["embeddinggemma"])
