@@ -104,6 +104,19 @@ class Catalog:
                 )
         return self._models[name]
 
+    def problem(self, name: str) -> str | None:
+        """Why the stages cannot serve a model (`check_servable`: its config and weights' headers,
+        no weight read), None when they can, or it is loaded already. Who calls: /readyz, which
+        does not wait for workers that refused their model."""
+        path = self.settings.model_path(name)
+        if name in self._models or path is None:
+            return None
+        try:
+            check_servable(path)
+        except UnsupportedModel as exc:
+            return exc.message
+        return None
+
     def __len__(self) -> int:
         return len(self._models)
 
