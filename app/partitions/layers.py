@@ -305,20 +305,19 @@ class StagePartition(nn.Module):
         `self.static` takes runs whole.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
 
-        A decode step in which longrope rows grow past the rope's limit computes those rows again
-        whole (`_again`): on a stage before the last it returns [B, T, D], every column of those
-        rows (the others' last column only), which the next stage takes as such a step's input.
+        A decode step in which Phi-3 longrope rows grow past the rope's limit computes those C rows
+        again whole (`_again`, n tokens each): on a stage before the last it returns the step's
+        [B, 1, D] followed by those rows' n columns, [B + C * n, 1, D], which the next stage splits
+        the same way (it finds the same rows).
         """
-        again = self._crossing(state, x)
+        again = self._crossing(state)
         if self.keeps_ids:
             _record_ids(state, x)
-        whole = x
-        if again:
-            x = x[:, -1:]
+        if not again:
+            return (yield from self._step(state, x))
+        x, whole = self._split(state, again, x)
         out = yield from self._step(state, x)
-        if again:
-            out = self._again(state, again, state.ids if self.keeps_ids else whole, out)
-        return out
+        return self._again(state, again, whole, out)
 
     @torch.inference_mode()
     def _step(self, state: BatchState, x: torch.Tensor) -> Steps[torch.Tensor]:
@@ -368,7 +367,7 @@ class StagePartition(nn.Module):
         """A first stage whose rows may have to be computed again whole keeps their token ids."""
         return self.is_first and self._again_past_limit
 
-    def _crossing(self, state: BatchState, x: torch.Tensor) -> list[int]:
+    def _crossing(self, state: BatchState) -> list[int]:
         """The rows of a decode step (this stage's cache holds the history before it) whose
         longrope sequence grows past the rope's limit at this step (`rope.crossing`)."""
         if not self._again_past_limit:
@@ -380,25 +379,34 @@ class StagePartition(nn.Module):
             held = min(held, self.window - 1)
         if state.slabs[self.range.start].length != held or held == 0:
             return []  # a prefill: each row's tables are already its whole length's
-        rows = rope.crossing(self.rope.rule, state.attention_mask.sum(dim=-1))
-        if rows and not self.is_first and x.shape[1] < self.rope.rule.limit + 1:
+        return rope.crossing(self.rope.rule, state.attention_mask.sum(dim=-1))
+
+    def _split(
+        self, state: BatchState, rows: list[int], x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A crossing step's input: the step's own ([B, 1] ids or [B, 1, D]) and the C rows' whole
+        n tokens ([C, n] ids from the history this first stage keeps, or the [C, n, D] hidden states
+        the stage before packed after the step's)."""
+        assert self.rope is not None
+        n, batch = self.rope.rule.limit + 1, state.attention_mask.shape[0]
+        if self.is_first:
+            assert state.ids is not None
+            return x, state.ids[torch.tensor(rows, dtype=torch.long), -n:]
+        if x.shape[0] != batch + len(rows) * n or x.shape[1] != 1:
             raise RuntimeError(
-                f"rows {rows} grow past the rope's limit: this stage needs their whole history's "
-                f"hidden states, the step brought {x.shape[1]} columns"
+                f"rows {rows} grow past the rope's limit: this stage needs their {n} columns after the "
+                f"step's {batch} rows, the step brought {tuple(x.shape)}"
             )
-        return rows
+        return x[:batch], x[batch:].reshape(len(rows), n, x.shape[2])
 
     def _again(
-        self, state: BatchState, rows: list[int], whole: torch.Tensor | None, out: torch.Tensor
+        self, state: BatchState, rows: list[int], tokens: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         """Compute `rows` again whole with the long factors, as Phi-3's `generate` does when a
         sequence grows past `original_max_position_embeddings`: their keys and values replace the
-        ones in this stage's cache, their output the step's. `whole`: the step's input with every
-        column (ids [B, T] on the first stage, hidden states [B, T, D] on the others)."""
-        assert whole is not None and self.rope is not None
-        n = self.rope.rule.limit + 1  # each of these rows' tokens, this step's included
-        index = torch.tensor(rows, dtype=torch.long)
-        tokens = whole[index.to(whole.device), -n:]  # [C, n] or [C, n, D]
+        ones in this stage's cache, their output the step's. `tokens`: their n tokens' input ([C, n]
+        ids, or [C, n, D] hidden states). Runs whole (no suspension): once in a row's life."""
+        n = tokens.shape[1]
         fresh = BatchState(
             self.config, [state.seq_ids[r] for r in rows], torch.ones(len(rows), n, dtype=torch.long)
         )
@@ -406,12 +414,9 @@ class StagePartition(nn.Module):
         for layer in range(self.range.start, self.range.stop):
             state.slabs[layer].replace_rows(rows, fresh.slabs[layer])
         if self.is_last:
-            out[index.to(out.device)] = redone
+            out[torch.tensor(rows, dtype=torch.long, device=out.device)] = redone
             return out
-        wide = out.new_zeros(out.shape[0], state.length, out.shape[2])  # [B, T, D]
-        wide[:, -1:] = out
-        wide[index.to(out.device), -n:] = redone
-        return wide
+        return torch.cat([out, redone.reshape(len(rows) * n, 1, out.shape[2])])  # [B + C * n, 1, D]
 
     def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's output: hidden states [B, S, D] as they are, or on the last stage the
