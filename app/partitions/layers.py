@@ -261,6 +261,8 @@ class StagePartition(nn.Module):
         """Run decode steps over fixed shapes (`app.partitions.static`) in the mode `setting`
         (`CONVEYOR_COMPILE`) resolves to on this stage's device; returns that mode."""
         mode = static.mode_for(setting, self.device)
+        if self.rope is not None:  # each row's rotary tables are chosen on the host: eager steps
+            mode = "off"
         self.static = None if mode == "off" else static.StaticDecode(self, mode)
         return mode
 
