@@ -231,4 +231,3 @@ def test_a_crossing_step_hands_on_only_the_crossing_rows_history(longrope: Path)
     hidden = first(states[0], tokens[:, None])  # row c grows to LIMIT + 1 tokens
     assert tuple(hidden.shape) == (3 + LIMIT + 1, 1, 64)
     assert tuple(second(states[1], hidden).shape) == (3, 96)
-
