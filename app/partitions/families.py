@@ -170,8 +170,8 @@ NOT_GENERATIVE = (
 def _check_causal_lm(config: Any, named: str) -> None:
     """Refuse configs of a supported family that are not causal language models: bidirectional
     attention (EmbeddingGemma: an encoder, its tokens see the ones after them), or a checkpoint saved
-    with a classification or reward head. A checkpoint without an LM head of its own is refused at
-    load (`StagePartition.load`)."""
+    with a classification or reward head. A checkpoint without an LM head of its own is refused
+    from its weights' headers (`modelstore.check_head`)."""
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModel(
             f"model type {named} uses bidirectional attention (an embedding model such as "

@@ -25,13 +25,7 @@ from app.core.steps import Steps, complete
 from app.partitions import attention, packing, rope, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
-from app.partitions.loading import (
-    Checkpoint,
-    build_on_meta,
-    check_materialized,
-    fill,
-    rebuild_buffers,
-)
+from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
 
 
 @dataclass(frozen=True)
@@ -216,10 +210,13 @@ class StagePartition(nn.Module):
         """A rope whose frequencies depend on the sequence's length (dynamic NTK, longrope) computes
         each row's tables from its own length (`app.partitions.rope`); `rope_limit` is the length up
         to which they are the config's own."""
+        self.rope_limit: int | None = None
         rule = rope.length_rule(self.config) if self.rotary_emb is not None else None
-        applies = rule is not None and rope.RowTables.applies(self.rotary_emb)
-        self.rope = rope.RowTables(self.rotary_emb, self.config, rule) if applies and rule else None
-        self.rope_limit: int | None = rule.limit if applies and rule else None
+        if rule is None or not rope.RowTables.applies(self.rotary_emb):
+            self.rope = None
+            return
+        self.rope = rope.RowTables(self.rotary_emb, self.config, rule)
+        self.rope_limit = rule.limit
 
     def _fill(self, checkpoint: Checkpoint) -> None:
         """Read every parameter and persistent buffer of this stage from the checkpoint."""
