@@ -402,9 +402,15 @@ def worker(
 
         run_embedding_worker(settings, stage=stage, num_stages=stages or settings.embedding_stages)
         return
+    from app.launcher import UNSERVABLE_EXIT
     from app.workers.main import run_worker
 
-    run_worker(settings, model=model or settings.default_model, stage=stage, num_stages=settings.stages)
+    name = model or settings.default_model
+    try:
+        run_worker(settings, model=name, stage=stage, num_stages=settings.stages)
+    except UnsupportedModel as exc:  # one line, and an exit `conveyor up` does not restart
+        typer.echo(f"conveyor: model {name!r} cannot be served: {exc.message}", err=True)
+        raise typer.Exit(UNSERVABLE_EXIT) from exc
 
 
 # How `conveyor submit` exits, by the job's final status (1 also when the submission is refused).

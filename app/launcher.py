@@ -4,8 +4,9 @@ Children: Redis (embedded, when no REDIS_URL is given), the api, the batcher, th
 dispatcher and callbacks worker, one worker per stage, and Flower. Each child's output is prefixed
 with its name. A child that exits on its own is reported and restarted with backoff; one that keeps
 dying (more than `MAX_RESTARTS` times within `RESTART_WINDOW_S`) brings the stack down with a
-non-zero exit, and so does the embedded Redis dying. Ctrl-C or SIGTERM stops every child: api first,
-Redis last, SIGKILL after a grace period.
+non-zero exit, and so does the embedded Redis dying. A stage worker whose model cannot be served
+exits with `UNSERVABLE_EXIT`: it is left down, and the other models go on serving. Ctrl-C or
+SIGTERM stops every child: api first, Redis last, SIGKILL after a grace period.
 
 The supervisor dying any other way (SIGKILL, the OOM killer) takes the children with it: on Linux
 each child asks the kernel for SIGTERM when its parent dies (`die_with_parent`), so none is left
@@ -30,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import IO
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# How a stage worker exits when its model cannot be served (sysexits' EX_CONFIG): a restart would
+# refuse it again, so the worker is not restarted and the stack goes on without that model.
+UNSERVABLE_EXIT = 78
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -44,6 +48,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's environment
     process: subprocess.Popen[bytes] | None = None
     restarts: deque[float] = field(default_factory=deque)
+    given_up: bool = False  # exited with UNSERVABLE_EXIT: left down, not restarted
 
 
 class Supervisor:
@@ -107,9 +112,13 @@ class Supervisor:
         for child in self.children:
             assert child.process is not None
             rc = child.process.poll()
-            if rc is None:
+            if rc is None or child.given_up:
                 continue
             self.say(f"{child.name} exited with code {rc}")
+            if rc == UNSERVABLE_EXIT and child.restart:
+                child.given_up = True
+                self.say(f"{child.name} cannot serve its model (its reason is above): not restarting it")
+                continue
             now = time.monotonic()
             while child.restarts and now - child.restarts[0] > RESTART_WINDOW_S:
                 child.restarts.popleft()

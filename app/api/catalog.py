@@ -9,8 +9,6 @@ nor queue jobs for a pipeline no worker reads.
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -18,12 +16,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from redis.exceptions import RedisError
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
-from app.core import routing
+from app.core import modelstore, routing
 from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
-from app.core.errors import InvalidRequest, ModelNotFound
+from app.core.errors import InvalidRequest, ModelNotFound, UnsupportedModel
 from app.core.keys import Keys
+from app.partitions.loading import check_servable
 
 GENERATION: Final = "generation"
 EMBEDDING: Final = "embedding"
@@ -94,37 +93,44 @@ class Catalog:
             )
         with self._lock:
             if name not in self._models:
-                config = AutoConfig.from_pretrained(path)
+                # A model the stages cannot serve is 422 `model_unsupported` here, not a job that waits
+                # for workers that refused it (checked again on every request until it can be served).
+                config = check_servable(path)
                 self._models[name] = ModelInfo(
                     name=name,
                     path=path,
                     tokenizer=AutoTokenizer.from_pretrained(path),
-                    context_length=int(getattr(config, "max_position_embeddings", 2048)),
+                    context_length=modelstore.context_length(config),
                 )
         return self._models[name]
+
+    def problem(self, name: str) -> str | None:
+        """Why the stages cannot serve a model (`check_servable`: its config and weights' headers,
+        no weight read), None when they can, or it is loaded already. Who calls: /readyz, which
+        does not wait for workers that refused their model."""
+        path = self.settings.model_path(name)
+        if name in self._models or path is None:
+            return None
+        try:
+            check_servable(path)
+        except UnsupportedModel as exc:
+            return exc.message
+        return None
 
     def __len__(self) -> int:
         return len(self._models)
 
 
 def parameter_count(path: Path | None) -> int:
-    """Parameters in a model directory's safetensors files, from their headers alone (8 bytes of length,
-    then JSON: a few KB read, no tensor). 0 when unknown: routing then orders models as served."""
-    total = 0
-    for file in sorted(path.glob("*.safetensors")) if path is not None else []:
-        try:
-            with file.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error):
-            return 0
-        for name, entry in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in entry["shape"]:
-                    count *= dim
-                total += count
-    return total
+    """Parameters in a model directory's safetensors files, from their headers alone (a few KB read,
+    no tensor). 0 when unknown (weights missing, or not safetensors): routing then orders models as
+    served, and the model is refused when a job names it."""
+    if path is None:
+        return 0
+    try:
+        return modelstore.count_parameters(path)
+    except (OSError, ValueError, KeyError, TypeError, UnsupportedModel):
+        return 0
 
 
 def available(settings: CatalogSettings) -> list[str]:

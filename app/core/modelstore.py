@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from app.core.errors import UnsupportedModel
+
 MANIFEST = "conveyor.json"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -101,16 +103,64 @@ def count_parameters(model_dir: Path) -> int:
     """Parameters stored in the safetensors files, read from their headers only (no tensor data)."""
     total = 0
     for file in weight_files(model_dir):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, tensor in header.items():
+        for name, tensor in safetensors_header(file).items():
             if name != "__metadata__":
                 count = 1
                 for dim in tensor["shape"]:
                     count *= int(dim)
                 total += count
     return total
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own bound on a header
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """The header of a safetensors file (8 bytes of length, then JSON: a few KB read, no tensor).
+
+    A file that is not one is refused (`UnsupportedModel`) saying what it is: a git-lfs pointer (a
+    clone made without `git lfs pull`), or a truncated or foreign file. Read as a header, the text of
+    a pointer asks for exabytes (a MemoryError), and the safetensors library says "header too large"."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        start = f.read(64)
+        length = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else 0
+        header = None
+        if 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+            f.seek(8)
+            try:
+                header = json.loads(f.read(length))
+            except ValueError:
+                header = None
+    if start.startswith(b"version https://git-lfs"):
+        raise UnsupportedModel(f"{file} is a git-lfs pointer, not the weights: fetch them (`git lfs pull`)")
+    if not isinstance(header, dict):
+        raise UnsupportedModel(f"{file} is not a safetensors file ({size} bytes, no safetensors header)")
+    ends = [e["data_offsets"][1] for n, e in header.items() if n != "__metadata__" and isinstance(e, dict)]
+    if 8 + length + max(ends, default=0) > size:
+        raise UnsupportedModel(f"{file} is truncated: its header describes more bytes than it holds")
+    return header
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """The names of every tensor in a model's safetensors files, from their headers."""
+    return {n for f in weight_files(model_dir) for n in safetensors_header(f) if n != "__metadata__"}
+
+
+NO_HEAD = (
+    "the checkpoint has no LM head (`lm_head.weight`) and its config does not tie one to the "
+    "embedding (tie_word_embeddings is false): it is not a language model's checkpoint (a reward, "
+    "classification or embedding model?)"
+)
+
+
+def check_head(model_dir: Path, config: Any) -> None:
+    """Refuse (`UnsupportedModel`) a checkpoint whose language-model head is neither stored nor tied
+    to the embedding: served with the embedding in its place, it would generate garbage. Reads the
+    safetensors headers only (refusing files that are not safetensors)."""
+    names = tensor_names(model_dir)
+    if not getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        raise UnsupportedModel(NO_HEAD)
 
 
 def context_length(config: Any) -> int:

@@ -162,6 +162,7 @@ def _check_directory(source: Path, family: Family) -> str:
     missing = modelstore.missing_weights(source)
     if missing:
         raise InvalidRequest(f"{source} lacks its safetensors weights: {', '.join(missing)}")
+    modelstore.check_head(source, load_config(source))  # and refuses weights that are not safetensors
     if not modelstore.has_tokenizer(source):
         raise InvalidRequest(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     return family_name
@@ -291,7 +292,8 @@ def inspect(name: str, path: Path, *, family: Family) -> ModelEntry:
             dtype=dtype,
             context_length=context,
             unsupported=True,
-            problem=f"unsupported architecture {named!r}",
+            # an architecture outside the list; else what makes this one unservable
+            problem=f"unsupported architecture {named!r}" if "supported" in exc.details else exc.message,
         )
     missing = modelstore.missing_weights(path)
     if missing:
@@ -303,7 +305,12 @@ def inspect(name: str, path: Path, *, family: Family) -> ModelEntry:
             context_length=context,
             problem=f"missing weights: {', '.join(missing)}",
         )
-    parameters = manifest.parameters if manifest else modelstore.count_parameters(path)
+    try:
+        modelstore.check_head(path, config)
+        parameters = manifest.parameters if manifest else modelstore.count_parameters(path)
+    except UnsupportedModel as exc:
+        why = exc.message
+        return ModelEntry(name, path, family_name, dtype=dtype, context_length=context, problem=why)
     problem = None if modelstore.has_tokenizer(path) else "no tokenizer"
     return ModelEntry(name, path, family_name, parameters, dtype, context, problem)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from app.core.errors import UnsupportedModel
+from app.partitions import rope
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -68,6 +69,10 @@ class Family:
     # Legacy checkpoint names of fused parameters (per-expert MoE weights): see loading.py.
     experts: tuple[str, str, str] | None = None  # (gate, up, down) name patterns with {e}
     renames: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (ours, the checkpoint's)
+    # Phi-3's `generate` computes a sequence again whole when it grows past a longrope's
+    # `original_max_position_embeddings` (its `prepare_inputs_for_generation` drops the cache);
+    # the other families' go on from their cache, only the new tokens with the long factors.
+    longrope_again: bool = False
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -75,7 +80,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", ("mistral",)),
     Family("qwen2", ("qwen2",)),
     Family("qwen3", ("qwen3",)),
-    Family("phi3", ("phi3",)),
+    Family("phi3", ("phi3",), longrope_again=True),
     Family("gemma", ("gemma",)),
     Family("gemma2", ("gemma2",), logits=_softcapped_logits),
     Family("gemma3", ("gemma3_text",), logits=_softcapped_logits),
@@ -147,7 +152,39 @@ def family_for(config: Any) -> Family:
             supported=supported_model_types(),
         )
     attention_kinds(config)  # refuses attention kinds the stages cannot run (e.g. chunked)
+    _check_causal_lm(config, named)
+    rope.length_rule(config)  # refuses a length-dependent rope it cannot follow
     return family
+
+
+# Heads of checkpoints that are not language models: a score or a label per token, not the next
+# token. Their backbones load as a causal LM, and would generate through a head they never had.
+NOT_GENERATIVE = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "RewardModel",
+)
+
+
+def _check_causal_lm(config: Any, named: str) -> None:
+    """Refuse configs of a supported family that are not causal language models: bidirectional
+    attention (EmbeddingGemma: an encoder, its tokens see the ones after them), or a checkpoint saved
+    with a classification or reward head. A checkpoint without an LM head of its own is refused
+    from its weights' headers (`modelstore.check_head`)."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModel(
+            f"model type {named} uses bidirectional attention (an embedding model such as "
+            "EmbeddingGemma): it is not a causal language model, and the stages attend causally",
+            model_type=getattr(config, "model_type", None),
+        )
+    heads = [a for a in getattr(config, "architectures", None) or [] if a.endswith(NOT_GENERATIVE)]
+    if heads:
+        raise UnsupportedModel(
+            f"model type {named} was saved with a {', '.join(heads)} head: it scores or labels text, "
+            "it does not generate it; Conveyor serves causal language models",
+            model_type=getattr(config, "model_type", None),
+        )
 
 
 def attention_kinds(config: Any) -> list[str]:

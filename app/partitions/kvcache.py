@@ -187,6 +187,17 @@ class SlabLayer(DynamicLayer):
         self.values = self._v[: self.rows, :, self.start : self.end]
         return self.keys, self.values
 
+    @torch.inference_mode()
+    def replace_rows(self, rows: list[int], other: SlabLayer) -> None:
+        """Give `rows` the last columns of `other`'s rows, in order (rows computed again whole): as
+        many as both hold, the rest of those rows being their left padding."""
+        assert self._k is not None and self._v is not None and other._k is not None and other._v is not None
+        n = min(self.length, other.length)
+        index = torch.tensor(rows, dtype=torch.long, device=self._k.device)
+        self._k[index, :, self.end - n : self.end] = other._k[: other.rows, :, other.end - n : other.end]
+        self._v[index, :, self.end - n : self.end] = other._v[: other.rows, :, other.end - n : other.end]
+        self._views()
+
 
 class SlidingSlabLayer(SlabLayer):
     """A sliding-window layer's cache: it keeps only the last `window - 1` columns between steps.

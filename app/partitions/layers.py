@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
+from app.core import modelstore
 from app.core.errors import UnsupportedModel
 from app.core.steps import Steps, complete
-from app.partitions import attention, packing, static
+from app.partitions import attention, packing, rope, static
 from app.partitions.families import SLIDING, attention_kinds, family_for
 from app.partitions.kvcache import SlabLayer, SlidingSlabLayer
 from app.partitions.loading import Checkpoint, build_on_meta, check_materialized, fill, rebuild_buffers
@@ -53,6 +54,9 @@ class BatchState:
         ]
         self.seq_ids = list(seq_ids)
         self.attention_mask = attention_mask  # [B, T] 1 = real token, 0 = left padding
+        # The token ids of the whole history [B, T], aligned with the mask: kept by a first stage
+        # that may have to compute a row again whole (`StagePartition.keeps_ids`); else None.
+        self.ids: torch.Tensor | None = None
         # The batches whose rows this state holds: its own, then every batch that joined it. A job's
         # record names the batch it was scheduled in; only those are this state's to fail.
         self.batch_ids: set[str] = set()
@@ -73,6 +77,8 @@ class BatchState:
         for layer in self.slabs:
             layer.select(rows)
         self.attention_mask = self.attention_mask[torch.tensor(rows, dtype=torch.long)]
+        if self.ids is not None:
+            self.ids = self.ids[torch.tensor(rows, dtype=torch.long)]
         self.seq_ids = list(seq_ids)
         self._trim_padding()
 
@@ -88,6 +94,8 @@ class BatchState:
             return
         first = int(used.int().argmax())
         self.attention_mask = self.attention_mask[:, first:]
+        if self.ids is not None:
+            self.ids = self.ids[:, first:]
         for layer in self.slabs:
             if isinstance(layer, SlidingSlabLayer):
                 layer.keep_last(min(self.length, layer.window - 1))  # it holds the last columns only
@@ -107,6 +115,10 @@ class BatchState:
         self.attention_mask = torch.cat(
             [_left_pad_time(self.attention_mask, length), _left_pad_time(other.attention_mask, length)]
         )
+        if self.ids is not None and other.ids is not None:
+            self.ids = torch.cat([_left_pad_time(self.ids, length), _left_pad_time(other.ids, length)])
+        else:
+            self.ids = None
         self.seq_ids += other.seq_ids
         self.batch_ids |= other.batch_ids
 
@@ -154,6 +166,8 @@ class StagePartition(nn.Module):
         self._rotary_by_kind = self.rotary_emb is not None and (
             "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         )
+        self.rope: rope.RowTables | None = None
+        self._bind_rope()
         self.norm = getattr(body, family.norm) if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -185,11 +199,24 @@ class StagePartition(nn.Module):
         if stage.embed_tokens is not None and stage.lm_head is not None and _tied(config):
             stage.lm_head.weight = stage.embed_tokens.weight  # to_empty() does not keep the tie
         rebuild_buffers(stage, config, target, {"rotary_emb"} if stage.rotary_emb is not None else set())
+        stage._bind_rope()  # the rotary module was built again
         check_materialized(stage)
         if pack and packing.supported(dtype, target):
             packing.pack_linears(stage)
         attention.prefer_plan_free_kernels(target)
         return stage.eval()
+
+    def _bind_rope(self) -> None:
+        """A rope whose frequencies depend on the sequence's length (dynamic NTK, longrope) computes
+        each row's tables from its own length (`app.partitions.rope`); `rope_limit` is the length up
+        to which they are the config's own."""
+        self.rope_limit: int | None = None
+        rule = rope.length_rule(self.config) if self.rotary_emb is not None else None
+        if rule is None or not rope.RowTables.applies(self.rotary_emb):
+            self.rope = None
+            return
+        self.rope = rope.RowTables(self.rotary_emb, self.config, rule)
+        self.rope_limit = rule.limit
 
     def _fill(self, checkpoint: Checkpoint) -> None:
         """Read every parameter and persistent buffer of this stage from the checkpoint."""
@@ -219,8 +246,10 @@ class StagePartition(nn.Module):
                 else:
                     raise UnsupportedModel(f"unexpected stage tensor {local!r}")
                 fallbacks = [name.removeprefix(f"{family.body}.")]  # saved from the base model
-                if head == "lm_head":
+                if head == "lm_head" and _tied(self.config):
                     fallbacks += [embedding, embedding.removeprefix(f"{family.body}.")]  # tied head
+                elif head == "lm_head" and name not in checkpoint:
+                    raise UnsupportedModel(modelstore.NO_HEAD)
                 fill(tensor, name, checkpoint, family, fallbacks=fallbacks)
         finally:
             checkpoint.close()
@@ -229,6 +258,8 @@ class StagePartition(nn.Module):
         """Run decode steps over fixed shapes (`app.partitions.static`) in the mode `setting`
         (`CONVEYOR_COMPILE`) resolves to on this stage's device; returns that mode."""
         mode = static.mode_for(setting, self.device)
+        if self.rope is not None:  # each row's rotary tables are chosen on the host: eager steps
+            mode = "off"
         self.static = None if mode == "off" else static.StaticDecode(self, mode)
         return mode
 
@@ -246,6 +277,8 @@ class StagePartition(nn.Module):
     def warmup(self, tokens: int = 16) -> None:
         """One prefill and one decode step on dummy input, so the first real job does not pay
         for the allocator and kernel start-up (about 200 ms on a CPU)."""
+        if self.rope_limit is not None:  # not a step that grows past the rope's limit
+            tokens = min(tokens, self.rope_limit - 1)
         mask = torch.ones(1, tokens, dtype=torch.long)
         state = BatchState(self.config, ["warmup"], mask)
         if self.embed_tokens is not None:
@@ -270,7 +303,23 @@ class StagePartition(nn.Module):
         thread runs urgent prefills there): it touches nothing of this step's. A decode step that
         `self.static` takes runs whole.
         Returns hidden states [B, S, D], or on the last stage the next-token logits [B, V] (float32).
+
+        A decode step in which Phi-3 longrope rows grow past the rope's limit computes those C rows
+        again whole (`_again`, n tokens each): on a stage before the last it returns the step's
+        [B, 1, D] followed by those rows' n columns, [B + C * n, 1, D], which the next stage splits
+        the same way (it finds the same rows).
         """
+        again = self._crossing(state)
+        if self.keeps_ids:
+            _record_ids(state, x)
+        if not again:
+            return (yield from self._step(state, x))
+        x, whole = self._split(state, again, x)
+        out = yield from self._step(state, x)
+        return self._again(state, again, whole, out)
+
+    @torch.inference_mode()
+    def _step(self, state: BatchState, x: torch.Tensor) -> Steps[torch.Tensor]:
         if self.static is not None and self.static.handles(state, x):
             return self.static(state, x)  # type: ignore[no-any-return]
         x = x.to(self.device)
@@ -306,6 +355,67 @@ class StagePartition(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         self._check_windows(state)
         return self.finish(hidden)
+
+    @property
+    def _again_past_limit(self) -> bool:
+        """Whether rows growing past the rope's limit are computed again whole (`Family.longrope_again`)."""
+        return self.family.longrope_again and self.rope is not None and self.rope.rule.kind == rope.LONGROPE
+
+    @property
+    def keeps_ids(self) -> bool:
+        """A first stage whose rows may have to be computed again whole keeps their token ids."""
+        return self.is_first and self._again_past_limit
+
+    def _crossing(self, state: BatchState) -> list[int]:
+        """The rows of a decode step (this stage's cache holds the history before it) whose
+        longrope sequence grows past the rope's limit at this step (`rope.crossing`)."""
+        if not self._again_past_limit:
+            return []
+        assert self.rope is not None
+        held = state.length - 1
+        if self.kinds[0] == SLIDING:
+            assert self.window is not None
+            held = min(held, self.window - 1)
+        if state.slabs[self.range.start].length != held or held == 0:
+            return []  # a prefill: each row's tables are already its whole length's
+        return rope.crossing(self.rope.rule, state.attention_mask.sum(dim=-1))
+
+    def _split(
+        self, state: BatchState, rows: list[int], x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A crossing step's input: the step's own ([B, 1] ids or [B, 1, D]) and the C rows' whole
+        n tokens ([C, n] ids from the history this first stage keeps, or the [C, n, D] hidden states
+        the stage before packed after the step's)."""
+        assert self.rope is not None
+        n, batch = self.rope.rule.limit + 1, state.attention_mask.shape[0]
+        if self.is_first:
+            assert state.ids is not None
+            return x, state.ids[torch.tensor(rows, dtype=torch.long), -n:]
+        if x.shape[0] != batch + len(rows) * n or x.shape[1] != 1:
+            raise RuntimeError(
+                f"rows {rows} grow past the rope's limit: this stage needs their {n} columns after the "
+                f"step's {batch} rows, the step brought {tuple(x.shape)}"
+            )
+        return x[:batch], x[batch:].reshape(len(rows), n, x.shape[2])
+
+    def _again(
+        self, state: BatchState, rows: list[int], tokens: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Compute `rows` again whole with the long factors, as Phi-3's `generate` does when a
+        sequence grows past `original_max_position_embeddings`: their keys and values replace the
+        ones in this stage's cache, their output the step's. `tokens`: their n tokens' input ([C, n]
+        ids, or [C, n, D] hidden states). Runs whole (no suspension): once in a row's life."""
+        n = tokens.shape[1]
+        fresh = BatchState(
+            self.config, [state.seq_ids[r] for r in rows], torch.ones(len(rows), n, dtype=torch.long)
+        )
+        redone = complete(self._step(fresh, tokens))  # [C, n, D] or logits [C, V]
+        for layer in range(self.range.start, self.range.stop):
+            state.slabs[layer].replace_rows(rows, fresh.slabs[layer])
+        if self.is_last:
+            out[torch.tensor(rows, dtype=torch.long, device=out.device)] = redone
+            return out
+        return torch.cat([out, redone.reshape(len(rows) * n, 1, out.shape[2])])  # [B + C * n, 1, D]
 
     def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's output: hidden states [B, S, D] as they are, or on the last stage the
@@ -358,7 +468,10 @@ class StagePartition(nn.Module):
             return None
         if self._rotary_by_kind:  # Gemma 3: local and global layers have their own rope base
             return {kind: self.rotary_emb(hidden, position_ids, kind) for kind in set(self.kinds)}
-        table = self.rotary_emb(hidden, position_ids=position_ids)
+        if self.rope is not None:
+            table = self.rope(hidden, position_ids)
+        else:
+            table = self.rotary_emb(hidden, position_ids=position_ids)
         return dict.fromkeys(set(self.kinds), table)
 
     def _mask(
@@ -417,6 +530,14 @@ def _wide_mask(slab: SlabLayer, mask: torch.Tensor) -> torch.Tensor:
     allowed = torch.zeros(mask.shape[0], slab._k.shape[2], dtype=torch.bool, device=mask.device)
     allowed[:, slab.start : slab.end + 1] = mask.bool()
     return allowed[:, None, None, :]
+
+
+def _record_ids(state: BatchState, x: torch.Tensor) -> None:
+    """Append a step's token ids [B, S] to the history a first stage keeps (a prefill's start it)."""
+    ids = x.detach().to("cpu", torch.long)
+    state.ids = ids if state.ids is None else torch.cat([state.ids, ids], dim=1)
+    if state.ids.shape != state.attention_mask.shape:
+        raise RuntimeError(f"token ids {tuple(state.ids.shape)} out of step with the mask")
 
 
 def _tied(config: Any) -> bool:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from app.core import modelstore
 from app.core.errors import UnsupportedModel
 from app.partitions.families import Family, family_for
 
@@ -44,14 +45,33 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"no safetensors weights in {path}")
+    modelstore.safetensors_header(single)  # refuses a file that is not one (a git-lfs pointer...)
     with safe_open(str(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
 
 def load_config(path: Path) -> Any:
     """The model's config, refused (before any weight is read) when its family is not supported."""
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:  # a model type this transformers does not know, a bad config
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModel(f"transformers cannot read the config of {path}: {first}") from exc
     family_for(config)
+    return config
+
+
+def check_servable(path: Path) -> Any:
+    """The model's config, once everything that can be known without reading a weight says the
+    stages can serve it; else `UnsupportedModel` saying why: its family (the config), weight files
+    that are all there and are safetensors (their headers), an LM head of its own or tied to the
+    embedding. Who calls: a stage worker before it loads anything, and the API before it accepts a
+    job for a model."""
+    config = load_config(path)
+    missing = modelstore.missing_weights(path)
+    if missing:
+        raise UnsupportedModel(f"{path} lacks its safetensors weights: {', '.join(missing)}")
+    modelstore.check_head(path, config)
     return config
 
 

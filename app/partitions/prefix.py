@@ -196,8 +196,15 @@ class Prefill:
         lengths = [int(n) for n in mask.sum(dim=1).tolist()]
         hits: list[Hit | None] = [None] * len(lengths)
         if self.cache is not None:
-            hits = [self.cache.lookup(p) for p in self.prompts]
+            hits = [self.cache.lookup(p) if self._reusable(p) else None for p in self.prompts]
         self.plan = plan(lengths, hits)
+
+    def _reusable(self, prompt: list[int]) -> bool:
+        """Whether the keys of this prompt's blocks are the same whatever prompt they were computed
+        for: not past a length-dependent rope's limit (`app.partitions.rope`), where a prompt's
+        frequencies are its own length's."""
+        limit = self.partition.rope_limit
+        return limit is None or len(prompt) <= limit
 
     @property
     def reused(self) -> int:
@@ -216,6 +223,8 @@ class Prefill:
             return BatchState(config, self.seq_ids, self.mask), x
         total, cached, step = self.mask.shape[1], self.plan.cached, self.plan.step
         state = BatchState(config, self.seq_ids, self.mask[:, total - step - cached :])
+        if self.partition.keeps_ids:  # the cached columns' ids: the step records its own
+            state.ids = x[:, total - step - cached : total - step].to("cpu", torch.long)
         rows = len(self.seq_ids)
         for local, index in enumerate(self.layers):
             sample = next(h.entry.keys[local] for h in self.plan.hits if h is not None)
@@ -262,6 +271,8 @@ class Prefill:
             length = len(prompt)
             whole = (length // BLOCK) * BLOCK
             if not whole or whole <= (hit.length if hit is not None else 0) or length > held:
+                continue
+            if not self._reusable(prompt):
                 continue
             keys, values = [], []
             for slab in slabs:

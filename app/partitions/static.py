@@ -24,7 +24,8 @@ Modes (`CONVEYOR_COMPILE`, `mode_for`):
               shapes dynamic) it ran 227 ms against 57 eager.
 
 What it does not take: prefill (many tokens a row: eager, as before, and stopping between layers for
-urgent work) and stages with sliding-window layers (their cache keeps only a window: eager). A step
+urgent work), stages with sliding-window layers (their cache keeps only a window: eager) and
+ropes whose frequencies depend on each row's length (`app.partitions.rope`: eager). A step
 it takes runs whole: urgent work waits for the end of a decode step, not a layer. A step it does not
 take runs eagerly, the same numbers as before. The attention over spare columns costs work the eager
 step does not do; on a GPU that is free next to launch overhead, on a CPU it is not: `auto` captures
@@ -156,6 +157,8 @@ class StaticDecode:
         """A one-token step of a batch that has a history, on a stage without sliding layers whose
         steps could be captured."""
         if self.refused is not None or x.shape[1] != 1 or SLIDING in self.stage.kinds:
+            return False
+        if self.stage.rope is not None:  # its tables are chosen per row on the host: eager steps
             return False
         rows = state.attention_mask.shape[0]
         slabs = self._slabs(state)

@@ -26,7 +26,7 @@ from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
-from app.partitions.loading import load_config
+from app.partitions.loading import check_servable
 from app.partitions.precision import dtype_name, resolve_dtype
 from app.partitions.prefix import PrefixCache
 from app.workers import lane
@@ -76,7 +76,7 @@ def run_worker(
 
     # Weights load here, at worker start, never at import: this stage's tensors only, on the
     # thread that will run them (see app.workers.compute).
-    load_config(path)  # an unsupported architecture is refused here, before any weight is read
+    check_servable(path)  # a model the stages cannot serve is refused here, before any weight is read
     layers = stage_layers(settings, path, stage=stage, num_stages=num_stages)
     device = resolve_device(settings.device, stage)
     compute = ComputeThread()

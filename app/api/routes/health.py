@@ -6,6 +6,7 @@ import json
 import time
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import get_jobs, get_settings
@@ -56,7 +57,12 @@ async def readyz(
         checks["redis"] = {"ok": True, "latency_ms": round((time.perf_counter() - started) * 1000, 2)}
         now = time.time()
         live_per_model = {}
-        for model in _generation_models(settings):
+        models = _generation_models(settings)
+        # A served model the stages cannot serve has no workers to wait for (they refused it).
+        problems = {m: p for m in models if (p := await run_in_threadpool(jobs.catalog.problem, m))}
+        if problems:
+            checks["unservable"] = problems
+        for model in models:
             stages = {}
             for stage in range(settings.stages):
                 live = await redis.zcount(keys.workers(model, stage), now - settings.heartbeat_ttl_s, "+inf")
@@ -97,7 +103,7 @@ async def readyz(
         # reason (temperature, memory, redis_rtt), detail, since. The other replicas serve meanwhile.
         sick = not_healthy(await redis.hgetall(keys.health()), now, settings.heartbeat_ttl_s)
         checks["health"] = {"not_healthy": sick}
-        ready = all(n > 0 for s in live_per_model.values() for n in s.values())
+        ready = all(n > 0 for m, s in live_per_model.items() if m not in problems for n in s.values())
     except Exception as exc:  # Redis down: not ready, and say why
         checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         ready = False
