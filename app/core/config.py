@@ -245,6 +245,7 @@ class AuthenticatorSettings:
     jwt_issuer: str | None
     jwt_tenant_claims: tuple[str, ...]
     jwt_leeway_s: float
+    jwt_max_lifetime_s: float
 
 
 @dataclass(frozen=True)
@@ -582,12 +583,17 @@ class Settings(BaseSettings):
     # RS256: what identity providers sign with by default. `none`, or HMAC mixed with public-key
     # algorithms, is refused at start.
     jwt_algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
-    jwt_audience: str | None = None  # when set, `aud` must hold it; when unset, a token with `aud` is refused
+    # Required with a JWT key: `aud` must hold it, so a token the identity provider issued for another
+    # service is refused here (an API with a JWT key and no audience does not start).
+    jwt_audience: str | None = None
     jwt_issuer: str | None = None  # when set, `iss` must equal it
     jwt_tenant_claims: list[str] = Field(
         default_factory=lambda: ["tenant", "sub"]
     )  # the first present names the tenant
     jwt_leeway_s: float = Field(default=30.0, ge=0)  # clock skew allowed on exp / nbf / iat
+    # The longest a token may be valid (`exp - iat`; `iat` is required): a leaked token is good for a
+    # day at most. Identity providers issue access tokens for an hour or so.
+    jwt_max_lifetime_s: float = Field(default=86400.0, gt=0)
     # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
     # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
     # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
@@ -779,6 +785,7 @@ class Settings(BaseSettings):
             jwt_issuer=self.jwt_issuer,
             jwt_tenant_claims=tuple(self.jwt_tenant_claims),
             jwt_leeway_s=self.jwt_leeway_s,
+            jwt_max_lifetime_s=self.jwt_max_lifetime_s,
         )
 
     @cached_property
