@@ -576,6 +576,10 @@ class Settings(BaseSettings):
     api_key_sources: Literal["auto", "both"] = "auto"
     # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
     api_keys: dict[str, str] = Field(default_factory=dict)
+    # Tenants shown what /readyz knows of the deployment's inside: worker names and what each serves,
+    # devices, unhealthy replicas, the Redis error. Everyone else sees counts and states only. Under
+    # CONVEYOR_AUTH=none the caller is `anonymous`: list it to see them on a laptop.
+    admin_tenants: list[str] = Field(default_factory=list)
     # JWT bearer tokens: the verification key (a PEM public key or certificate for RS/PS/ES/EdDSA, the
     # secret for HS*), inline or in a file; algorithms pinned (never taken from the token's header).
     jwt_key: str | None = None
