@@ -319,6 +319,10 @@ class Settings(BaseSettings):
 
     # Redis: broker, job store, token streams. Unset means "start the embedded server".
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
+    # `conveyor up` refuses a REDIS_URL without a password that points beyond this host: whoever
+    # reaches such a Redis can add API keys and read every prompt. True: a Redis protected otherwise
+    # (a private network of its own, a proxy that authenticates).
+    allow_passwordless_redis: bool = False
     embedded_redis_port: int = 6390  # away from 6379 so a system Redis is never shadowed
     # The embedded server's memory bound (Redis's `maxmemory`: bytes, or 100mb, 1gb...; 0: none).
     # Its policy stays noeviction: evicting would drop queued jobs, intake entries or rate-limit
@@ -346,7 +350,9 @@ class Settings(BaseSettings):
         "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
     )
     flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
-    flower_basic_auth: str | None = None  # "user:password[,user2:password2]": Flower asks for a login
+    # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
+    # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
+    flower_basic_auth: str | None = None
 
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
     max_tokens_limit: int = 1024
