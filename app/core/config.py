@@ -277,6 +277,10 @@ class PromptEncoderSettings:
     tokenize_threads: int
 
 
+# The classes of a tenant that CONVEYOR_TENANT_PRIORITIES does not list (nor "*").
+UNLISTED_PRIORITIES = frozenset(p for p in PRIORITIES if p != "realtime")
+
+
 @dataclass(frozen=True)
 class JobServiceSettings:
     """The API's job service's part of the settings (app/api/service.py: JobService), built once by
@@ -309,9 +313,10 @@ class JobServiceSettings:
     prompt_encoder: PromptEncoderSettings
     webhooks: WebhookSettings
 
-    def allowed_priorities(self, tenant: str) -> frozenset[str] | None:
-        """The classes `tenant` may submit to (aliases resolved); None: every class."""
-        return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
+    def allowed_priorities(self, tenant: str) -> frozenset[str]:
+        """The classes `tenant` may submit to (aliases resolved): its own list, else `*`'s, else every
+        class but `realtime`, which a tenant is given only by name."""
+        return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*", UNLISTED_PRIORITIES))
 
 
 class Settings(BaseSettings):
@@ -624,8 +629,9 @@ class Settings(BaseSettings):
     # its weight here (JSON, tenant -> weight; unlisted tenants weigh 1: equal shares).
     tenant_weights: dict[str, float] = Field(default_factory=dict)
     # Priority classes each tenant may submit to (JSON, tenant -> classes; "*" for every tenant not
-    # listed). Unlisted, and no "*": every class, as without the setting. Another class: 403
-    # priority_not_allowed. {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
+    # listed). Unlisted, and no "*": every class but realtime, which jumps every queue and so is
+    # given by name only. Another class: 403 priority_not_allowed.
+    # {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
     tenant_priorities: dict[str, list[str]] = Field(default_factory=dict)
     # Event streams (SSE, WebSocket, OpenAI `stream`) one tenant may hold open at once, per API process;
     # past it 429 too_many_streams (0: no cap). Each open stream holds a connection and a task.
