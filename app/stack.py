@@ -17,13 +17,17 @@ The names (`conveyor up --only NAME[,NAME...]`, repeatable):
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 from app.core.config import Settings
 from app.core.cpus import format_cpus
+from app.core.redis import ensure_password
 from app.launcher import Child
 
 SERVICES = ("redis", "api", "batcher", "webhooks", "callbacks", "flower")
@@ -95,6 +99,44 @@ def _selector(name: str) -> Part:
         f"--only {name}: not a process name (one of {', '.join(SERVICES)}, stages, stage:N, "
         "stage:MODEL:N, embeddings, embed:N)"
     )
+
+
+def passwordless_remote_redis(url: str) -> bool:
+    """Whether `url` reaches a Redis beyond this host without a password: no password in the URL
+    (`redis://:PASSWORD@`, `redis://USER:PASSWORD@` or `?password=`) and a host that is not a loopback
+    address or `localhost` (a Unix socket is local)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix" or parts.password or parse_qs(parts.query).get("password"):
+        return False
+    host = (parts.hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a name: it resolves elsewhere as often as here
+
+
+FLOWER_USER = "conveyor"
+
+
+def flower_child(settings: Settings, broker_url: str, login: str) -> Child:
+    """Flower, on loopback, behind a login: `login` is "user:password[,...]". The broker URL and the
+    login go in its environment (Flower reads FLOWER_* options there), never on its command line,
+    which every local user can read in `ps`."""
+    argv = [sys.executable, "-m", "celery", "flower", f"--port={settings.flower_port}", "--address=127.0.0.1"]
+    return Child("flower", argv, env={"BROKER_URL": broker_url, "FLOWER_BASIC_AUTH": login})
+
+
+def flower_login(settings: Settings, say: Callable[[str], object]) -> str:
+    """Flower's login: CONVEYOR_FLOWER_BASIC_AUTH, else user `conveyor` with a password made once
+    under the home (owner-only, `<home>/flower_password`), as the embedded Redis's is."""
+    if settings.flower_basic_auth:
+        return settings.flower_basic_auth
+    path = settings.home / "flower_password"
+    password = ensure_password(path)
+    say(f"Flower asks for a login: user {FLOWER_USER}, password in {path}")
+    return f"{FLOWER_USER}:{password}"
 
 
 def torch_threads(cores: int, stage_workers: int, embed_workers: int) -> tuple[int, int]:

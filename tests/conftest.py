@@ -187,6 +187,8 @@ def start_stack(
     )
     if not AUTH_SETTINGS & set(extra_env or {}):
         env["CONVEYOR_AUTH"] = "none"  # the tests' clients send no credential, as a laptop's do
+        env.setdefault("CONVEYOR_ADMIN_TENANTS", '["anonymous"]')  # and see all of /readyz
+        env.setdefault("CONVEYOR_TENANT_PRIORITIES", '{"anonymous": ["realtime", "high", "normal", "batch"]}')
     if redis_url:
         env["REDIS_URL"] = redis_url
     log = tmp / "stack.log"

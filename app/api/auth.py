@@ -8,8 +8,11 @@ Credentials come as `Authorization: Bearer <API key or JWT>` or `X-API-Key: <API
   material is compared byte by byte.
 - A bearer value shaped like a JWT (three dot-separated parts) is verified with PyJWT against the
   configured key, with the algorithms pinned in settings (the token's own `alg` header is never
-  trusted: `none`, or HS256 signed with an RS256 public key, is refused); `exp` is required, `nbf`,
-  `iat`, `aud` and `iss` are checked. The tenant is the first of `jwt_tenant_claims` present.
+  trusted: `none`, or HS256 signed with an RS256 public key, is refused); `exp`, `iat` and `aud`
+  (`CONVEYOR_JWT_AUDIENCE`, required with a JWT key) are required, `nbf` and `iss` checked, and a
+  token valid for longer than `jwt_max_lifetime_s` is refused. The tenant is the first of
+  `jwt_tenant_claims` present, as `jwt:<value>`: a token's subject never shares a name with a tenant
+  of API keys (whose keys an operator made), so `sub: alice` cannot read API-key tenant alice's jobs.
 
 Who may call is a setting, `Settings.auth` (CONVEYOR_AUTH), so that an API never opens by accident:
 
@@ -59,6 +62,7 @@ NO_CREDENTIALS = (
     "without authentication with CONVEYOR_AUTH=none"
 )
 ASYMMETRIC = ("RS", "PS", "ES", "Ed")
+JWT_TENANT_PREFIX = "jwt:"  # the namespace of tenants named by tokens
 
 
 def new_api_key() -> str:
@@ -103,16 +107,22 @@ class JwtVerifier:
             )
         text = settings.jwt_key
         if text is None and settings.jwt_key_file is not None:
-            text = Path(settings.jwt_key_file).read_text()
+            text = read_key_file(settings.jwt_key_file)
         if not text:
             raise ValueError("no JWT key: set CONVEYOR_JWT_KEY or CONVEYOR_JWT_KEY_FILE")
+        if not settings.jwt_audience:
+            raise ValueError(
+                "CONVEYOR_JWT_AUDIENCE is required with a JWT key: tokens must name this API in `aud`, "
+                "or a token issued for any other service of the identity provider would be accepted"
+            )
         self.key: Any = _public_key(text) if asymmetric == {True} else _secret(text)
         self.algorithms = algorithms
         self.audience = settings.jwt_audience
         self.issuer = settings.jwt_issuer
         self.leeway = settings.jwt_leeway_s
+        self.max_lifetime = settings.jwt_max_lifetime_s
         self.claims = list(settings.jwt_tenant_claims)
-        self.required = ["exp"] + (["aud"] if self.audience else []) + (["iss"] if self.issuer else [])
+        self.required = ["exp", "iat", "aud"] + (["iss"] if self.issuer else [])
 
     def tenant(self, token: str) -> str:
         try:
@@ -127,10 +137,25 @@ class JwtVerifier:
             )
         except jwt.InvalidTokenError as exc:
             raise Unauthorized(f"invalid token: {exc}", invalid=True) from exc
+        lifetime = int(payload["exp"]) - int(payload["iat"])  # PyJWT checked that both are integers
+        if lifetime > self.max_lifetime:
+            raise Unauthorized(
+                f"invalid token: valid for {lifetime:.0f} s, longer than this API accepts "
+                f"({self.max_lifetime:.0f} s)",
+                invalid=True,
+            )
         for claim in self.claims:
-            if payload.get(claim) is not None:
-                return checked_tenant(payload[claim])
+            value = payload.get(claim)
+            if value is not None:
+                checked_tenant(value)
+                return checked_tenant(JWT_TENANT_PREFIX + value)
         raise Unauthorized(f"the token names no tenant (claims {self.claims})", invalid=True)
+
+
+def read_key_file(path: Path) -> str:
+    """A key file's text without its trailing newline (`echo secret > file` adds one; an HMAC secret
+    with it would differ from the one the tokens were signed with)."""
+    return Path(path).read_text().rstrip("\r\n")
 
 
 def _public_key(text: str) -> Any:

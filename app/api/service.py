@@ -159,7 +159,9 @@ class JobService:
             )
         callback = None  # Webhooks: the SSRF guard (DNS included) before anything is written
         if request.callback_url is not None:
-            callback = await self.callbacks.check(request.callback_url, request.callback_events)
+            callback = await self.callbacks.check(
+                request.callback_url, request.callback_events, tenant=tenant
+            )
         return await self._admit_and_write(
             request,
             tenant=tenant,

@@ -245,6 +245,7 @@ class AuthenticatorSettings:
     jwt_issuer: str | None
     jwt_tenant_claims: tuple[str, ...]
     jwt_leeway_s: float
+    jwt_max_lifetime_s: float
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,10 @@ class PromptEncoderSettings:
 
     max_prompt_chars_per_token: int
     tokenize_threads: int
+
+
+# The classes of a tenant that CONVEYOR_TENANT_PRIORITIES does not list (nor "*").
+UNLISTED_PRIORITIES = frozenset(p for p in PRIORITIES if p != "realtime")
 
 
 @dataclass(frozen=True)
@@ -308,9 +313,10 @@ class JobServiceSettings:
     prompt_encoder: PromptEncoderSettings
     webhooks: WebhookSettings
 
-    def allowed_priorities(self, tenant: str) -> frozenset[str] | None:
-        """The classes `tenant` may submit to (aliases resolved); None: every class."""
-        return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*"))
+    def allowed_priorities(self, tenant: str) -> frozenset[str]:
+        """The classes `tenant` may submit to (aliases resolved): its own list, else `*`'s, else every
+        class but `realtime`, which a tenant is given only by name."""
+        return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*", UNLISTED_PRIORITIES))
 
 
 class Settings(BaseSettings):
@@ -318,6 +324,10 @@ class Settings(BaseSettings):
 
     # Redis: broker, job store, token streams. Unset means "start the embedded server".
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
+    # `conveyor up` refuses a REDIS_URL without a password that points beyond this host: whoever
+    # reaches such a Redis can add API keys and read every prompt. True: a Redis protected otherwise
+    # (a private network of its own, a proxy that authenticates).
+    allow_passwordless_redis: bool = False
     embedded_redis_port: int = 6390  # away from 6379 so a system Redis is never shadowed
     # The embedded server's memory bound (Redis's `maxmemory`: bytes, or 100mb, 1gb...; 0: none).
     # Its policy stays noeviction: evicting would drop queued jobs, intake entries or rate-limit
@@ -345,7 +355,9 @@ class Settings(BaseSettings):
         "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
     )
     flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
-    flower_basic_auth: str | None = None  # "user:password[,user2:password2]": Flower asks for a login
+    # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
+    # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
+    flower_basic_auth: str | None = None
 
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
     max_tokens_limit: int = 1024
@@ -575,6 +587,10 @@ class Settings(BaseSettings):
     api_key_sources: Literal["auto", "both"] = "auto"
     # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
     api_keys: dict[str, str] = Field(default_factory=dict)
+    # Tenants shown what /readyz knows of the deployment's inside: worker names and what each serves,
+    # devices, unhealthy replicas, the Redis error. Everyone else sees counts and states only. Under
+    # CONVEYOR_AUTH=none the caller is `anonymous`: list it to see them on a laptop.
+    admin_tenants: list[str] = Field(default_factory=list)
     # JWT bearer tokens: the verification key (a PEM public key or certificate for RS/PS/ES/EdDSA, the
     # secret for HS*), inline or in a file; algorithms pinned (never taken from the token's header).
     jwt_key: str | None = None
@@ -582,12 +598,17 @@ class Settings(BaseSettings):
     # RS256: what identity providers sign with by default. `none`, or HMAC mixed with public-key
     # algorithms, is refused at start.
     jwt_algorithms: list[str] = Field(default_factory=lambda: ["RS256"])
-    jwt_audience: str | None = None  # when set, `aud` must hold it; when unset, a token with `aud` is refused
+    # Required with a JWT key: `aud` must hold it, so a token the identity provider issued for another
+    # service is refused here (an API with a JWT key and no audience does not start).
+    jwt_audience: str | None = None
     jwt_issuer: str | None = None  # when set, `iss` must equal it
     jwt_tenant_claims: list[str] = Field(
         default_factory=lambda: ["tenant", "sub"]
     )  # the first present names the tenant
     jwt_leeway_s: float = Field(default=30.0, ge=0)  # clock skew allowed on exp / nbf / iat
+    # The longest a token may be valid (`exp - iat`; `iat` is required): a leaked token is good for a
+    # day at most. Identity providers issue access tokens for an hour or so.
+    jwt_max_lifetime_s: float = Field(default=86400.0, gt=0)
     # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
     # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
     # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
@@ -608,8 +629,9 @@ class Settings(BaseSettings):
     # its weight here (JSON, tenant -> weight; unlisted tenants weigh 1: equal shares).
     tenant_weights: dict[str, float] = Field(default_factory=dict)
     # Priority classes each tenant may submit to (JSON, tenant -> classes; "*" for every tenant not
-    # listed). Unlisted, and no "*": every class, as without the setting. Another class: 403
-    # priority_not_allowed. {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
+    # listed). Unlisted, and no "*": every class but realtime, which jumps every queue and so is
+    # given by name only. Another class: 403 priority_not_allowed.
+    # {"*": ["normal", "batch"], "ops": ["realtime", "high", "normal"]}.
     tenant_priorities: dict[str, list[str]] = Field(default_factory=dict)
     # Event streams (SSE, WebSocket, OpenAI `stream`) one tenant may hold open at once, per API process;
     # past it 429 too_many_streams (0: no cap). Each open stream holds a connection and a task.
@@ -779,6 +801,7 @@ class Settings(BaseSettings):
             jwt_issuer=self.jwt_issuer,
             jwt_tenant_claims=tuple(self.jwt_tenant_claims),
             jwt_leeway_s=self.jwt_leeway_s,
+            jwt_max_lifetime_s=self.jwt_max_lifetime_s,
         )
 
     @cached_property

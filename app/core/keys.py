@@ -225,9 +225,10 @@ class Keys:
         return f"{self.namespace}:job:{job_id}:webhooks"
 
     @lives(ttl="webhook_disabled_ttl_s")
-    def webhook_disabled(self, url_digest: str) -> str:
-        """String: a callback URL (its sha256) that answered 410 Gone; nothing is sent to it."""
-        return f"{self.namespace}:webhooks:disabled:{url_digest}"
+    def webhook_disabled(self, digest: str) -> str:
+        """String: a tenant's callback URL that answered 410 Gone (digest: sha256 of the tenant and the
+        URL, `webhooks.delivery.disabled_digest`); nothing more of that tenant's is sent to it."""
+        return f"{self.namespace}:webhooks:disabled:{digest}"
 
     @lives(bound="the tenants given a key: as apikeys, until revoked")
     def webhook_tenants(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from app.core.config import Settings
@@ -41,6 +42,13 @@ def _webhook_key(text: str) -> bytes | None:
         return None  # malformed: the signing code refuses it with its own message
 
 
+def _file_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""  # unreadable: the JWT verifier stops the start with its own message
+
+
 def known_secrets_in_use(settings: Settings) -> list[str]:
     """The settings (by environment variable name) that hold a published example value."""
     found = []
@@ -48,6 +56,8 @@ def known_secrets_in_use(settings: Settings) -> list[str]:
         found.append("CONVEYOR_API_KEYS (the example key 'example-key-change-me')")
     if settings.jwt_key is not None and settings.jwt_key.strip() in KNOWN_JWT_KEYS:
         found.append("CONVEYOR_JWT_KEY")
+    if settings.jwt_key_file is not None and _file_text(settings.jwt_key_file).strip() in KNOWN_JWT_KEYS:
+        found.append(f"CONVEYOR_JWT_KEY_FILE ({settings.jwt_key_file})")
     if any(_webhook_key(s) in KNOWN_WEBHOOK_KEYS for s in settings.webhook_secrets):
         found.append("CONVEYOR_WEBHOOK_SECRETS")
     if settings.webhook_master_key and _webhook_key(settings.webhook_master_key) in KNOWN_WEBHOOK_KEYS:

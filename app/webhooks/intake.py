@@ -14,7 +14,7 @@ from typing import Any
 from app.core.config import WebhookSettings
 from app.core.errors import NotServed
 from app.core.keys import Keys
-from app.webhooks.delivery import url_digest
+from app.webhooks.delivery import disabled_digest
 from app.webhooks.events import DEFAULT_EVENTS
 from app.webhooks.ssrf import CallbackRefused, Guard, Reason
 
@@ -34,8 +34,9 @@ class CallbackIntake:
         self.configured = bool(settings.secrets)
         self.guard = Guard(settings.allow_cidrs)
 
-    async def check(self, url: str, events: Sequence[str] | None) -> Callback:
-        """The callback to store; raises CallbackRefused (422) or NotServed (no signing secret)."""
+    async def check(self, url: str, events: Sequence[str] | None, *, tenant: str) -> Callback:
+        """The callback `tenant` may store; raises CallbackRefused (422) or NotServed (no signing
+        secret)."""
         if not self.configured:
             raise NotServed("webhooks are not configured here: set CONVEYOR_WEBHOOK_SECRETS")
         try:
@@ -44,7 +45,7 @@ class CallbackIntake:
             raise CallbackRefused(
                 f"callback host did not resolve within {DNS_TIMEOUT_S:g} s", reason=Reason.UNRESOLVABLE
             ) from exc
-        if await self.redis.exists(self.keys.webhook_disabled(url_digest(url))):
+        if await self.redis.exists(self.keys.webhook_disabled(disabled_digest(tenant, url))):
             raise CallbackRefused(
                 "callback URL is disabled: it answered 410 Gone to an earlier delivery",
                 reason=Reason.DISABLED,

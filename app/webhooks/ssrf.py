@@ -109,11 +109,13 @@ class Guard:
         for ip in addresses:
             reason = refusal(ip)
             if reason is not None and not self.allowed(ip):
+                # The address a name resolved to stays here: naming it would map the internal network
+                # for whoever submits names to probe.
+                where = f"is {ip}" if literal is not None else "resolves to"
                 raise CallbackRefused(
-                    f"callback URL refused: {host!r} is {ip}, a {reason.replace('_', '-')} address",
+                    f"callback URL refused: {host!r} {where} a {reason.replace('_', '-')} address",
                     reason=reason,
                     host=host,
-                    address=str(ip),
                 )
         return Target(url=url, host=host, port=port, addresses=tuple(str(ip) for ip in addresses))
 

@@ -223,7 +223,7 @@ def test_a_valid_rs256_token_is_202_and_owns_its_job(secured, signer, redis):  #
         assert answer.status_code == 202, answer.text
         job_id = answer.json()["id"]
         assert wait(client, job_id)["status"] == "succeeded"
-    assert redis.hget(Keys(secured.namespace).job(job_id), "tenant") == b"jwt-tenant"
+    assert redis.hget(Keys(secured.namespace).job(job_id), "tenant") == b"jwt:jwt-tenant"
     with as_a(secured) as other:
         assert other.get(f"/v1/jobs/{job_id}").status_code == 404
 

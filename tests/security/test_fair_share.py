@@ -11,7 +11,7 @@ waits and the batcher chooses, at every free seat, whose job goes next.
   both were backlogged throughout (its jobs run while it is still queuing the rest: 60 leaves room
   for that). In arrival order the light tenant would get nothing in it;
 - priority entitlements: a tenant may submit only to the classes `CONVEYOR_TENANT_PRIORITIES` lists
-  for it (403 priority_not_allowed otherwise); others keep every class.
+  for it (403 priority_not_allowed otherwise); others keep every class but realtime.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def test_a_tenant_submits_only_to_the_classes_it_is_entitled_to(shared: Stack) -
         assert error["code"] == "priority_not_allowed"
         assert error["details"]["allowed"] == ["normal", "batch"]
         assert light.post("/v1/jobs", json={**JOB, "priority": "low"}).status_code == 202  # batch's alias
-        assert heavy.post("/v1/jobs", json={**JOB, "priority": "realtime"}).status_code == 202  # unlisted
+        assert heavy.post("/v1/jobs", json={**JOB, "priority": "high"}).status_code == 202  # unlisted
+        assert heavy.post("/v1/jobs", json={**JOB, "priority": "realtime"}).status_code == 403  # by name only
         openai = light.post(
             "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "priority": "high"}
         )

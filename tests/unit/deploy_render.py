@@ -128,7 +128,7 @@ def fresh_secrets() -> dict[str, str]:
     digest = hashlib.sha256(secrets.token_urlsafe(32).encode()).hexdigest()
     return {
         "api.env": f'CONVEYOR_API_KEYS={{"{digest}":"tenant"}}\nCONVEYOR_JWT_KEY={secrets.token_hex(32)}\n'
-        'CONVEYOR_JWT_ALGORITHMS=["HS256"]\n',
+        'CONVEYOR_JWT_ALGORITHMS=["HS256"]\nCONVEYOR_JWT_AUDIENCE=conveyor\n',
         "webhooks.env": f'CONVEYOR_WEBHOOK_SECRETS=["{_whsec()}"]\nCONVEYOR_WEBHOOK_MASTER_KEY={_whsec()}\n',
         "redis.env": f"REDIS_PASSWORD={secrets.token_hex(32)}\n",
         "flower.env": f"FLOWER_BASIC_AUTH=admin:{secrets.token_hex(16)}\n",

@@ -78,9 +78,9 @@ def hs256_with(secret: bytes, payload: dict[str, Any]) -> str:
 
 def test_a_valid_rs256_token_names_its_tenant(signer, settings):  # type: ignore[no-untyped-def]
     verifier = JwtVerifier(settings.authenticator)
-    assert verifier.tenant(jwt.encode(claims(), _pem_private(signer), algorithm="RS256")) == "acme"
+    assert verifier.tenant(jwt.encode(claims(), _pem_private(signer), algorithm="RS256")) == "jwt:acme"
     token = jwt.encode(claims(tenant="globex"), _pem_private(signer), algorithm="RS256")
-    assert verifier.tenant(token) == "globex"  # `tenant` comes before `sub` in jwt_tenant_claims
+    assert verifier.tenant(token) == "jwt:globex"  # `tenant` comes before `sub` in jwt_tenant_claims
 
 
 @pytest.mark.parametrize(
@@ -94,6 +94,8 @@ def test_a_valid_rs256_token_names_its_tenant(signer, settings):  # type: ignore
         "no_audience",
         "wrong_issuer",
         "no_exp",
+        "no_iat",
+        "valid_for_longer_than_allowed",
         "another_key",
         "tampered_payload",
         "no_tenant",
@@ -116,6 +118,10 @@ def test_tokens_that_must_be_refused(signer, settings, attack):  # type: ignore[
         "no_audience": lambda: rs256(aud=None),
         "wrong_issuer": lambda: rs256(iss="https://evil.example"),
         "no_exp": lambda: rs256(exp=None),
+        "no_iat": lambda: rs256(iat=None),
+        "valid_for_longer_than_allowed": lambda: rs256(
+            iat=now, exp=now + 86400 + 60
+        ),  # the default cap: a day
         "another_key": lambda: jwt.encode(
             claims(), _pem_private(rsa.generate_private_key(public_exponent=65537, key_size=2048)), "RS256"
         ),
@@ -131,21 +137,12 @@ def test_tokens_that_must_be_refused(signer, settings, attack):  # type: ignore[
     assert refused.value.headers()["WWW-Authenticate"] == 'Bearer realm="conveyor", error="invalid_token"'
 
 
-def test_a_token_with_an_audience_is_refused_when_none_is_configured(signer, settings):  # type: ignore[no-untyped-def]
-    verifier = JwtVerifier(
-        settings.model_copy(update={"jwt_audience": None, "jwt_issuer": None}).authenticator
-    )
-    assert verifier.tenant(jwt.encode(claims(aud=None), _pem_private(signer), algorithm="RS256")) == "acme"
-    with pytest.raises(Unauthorized):
-        verifier.tenant(jwt.encode(claims(), _pem_private(signer), algorithm="RS256"))
-
-
 def test_hs256_when_configured_so(signer):  # type: ignore[no-untyped-def]
     secret = "s" * 32
-    verifier = JwtVerifier(Settings(jwt_key=secret, jwt_algorithms=["HS256"]).authenticator)
-    assert verifier.tenant(jwt.encode(claims(aud=None, iss=None), secret, algorithm="HS256")) == "acme"
+    verifier = JwtVerifier(Settings(jwt_key=secret, jwt_algorithms=["HS256"], jwt_audience=AUD).authenticator)
+    assert verifier.tenant(jwt.encode(claims(iss=None), secret, algorithm="HS256")) == "jwt:acme"
     with pytest.raises(Unauthorized):  # an RS256 token where HS256 is pinned
-        verifier.tenant(jwt.encode(claims(aud=None, iss=None), _pem_private(signer), algorithm="RS256"))
+        verifier.tenant(jwt.encode(claims(iss=None), _pem_private(signer), algorithm="RS256"))
 
 
 @pytest.mark.parametrize(
@@ -156,6 +153,7 @@ def test_hs256_when_configured_so(signer):  # type: ignore[no-untyped-def]
         ({"jwt_algorithms": ["HS256"]}, "PEM key"),
         ({"jwt_algorithms": ["HS256"], "jwt_key": "short"}, "32 bytes"),
         ({"jwt_key": "not a pem"}, "not a PEM"),
+        ({"jwt_audience": None}, "CONVEYOR_JWT_AUDIENCE is required"),
     ],
 )
 def test_unsafe_jwt_settings_stop_the_start(settings, update, reason):  # type: ignore[no-untyped-def]
@@ -166,8 +164,8 @@ def test_unsafe_jwt_settings_stop_the_start(settings, update, reason):  # type: 
 def test_the_jwt_key_can_be_a_file(signer, tmp_path):  # type: ignore[no-untyped-def]
     path = tmp_path / "jwt.pem"
     path.write_text(_pem_public(signer))
-    verifier = JwtVerifier(Settings(jwt_key_file=path).authenticator)
-    assert verifier.tenant(jwt.encode(claims(aud=None, iss=None), _pem_private(signer), "RS256")) == "acme"
+    verifier = JwtVerifier(Settings(jwt_key_file=path, jwt_audience=AUD).authenticator)
+    assert verifier.tenant(jwt.encode(claims(iss=None), _pem_private(signer), "RS256")) == "jwt:acme"
 
 
 def authenticate(settings: Settings, headers: dict[str, str]) -> str:
@@ -183,7 +181,7 @@ def test_api_keys_from_settings_by_either_header(signer, settings):  # type: ign
     assert authenticate(with_key, {"authorization": f"Bearer {key}"}) == "initech"
     assert authenticate(with_key, {"x-api-key": key}) == "initech"
     token = jwt.encode(claims(), _pem_private(signer), algorithm="RS256")
-    assert authenticate(with_key, {"authorization": f"Bearer {token}"}) == "acme"  # JWT-shaped: a JWT
+    assert authenticate(with_key, {"authorization": f"Bearer {token}"}) == "jwt:acme"  # JWT-shaped: a JWT
 
 
 def test_no_credentials_is_401_with_a_challenge(settings):  # type: ignore[no-untyped-def]

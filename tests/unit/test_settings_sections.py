@@ -73,6 +73,7 @@ def test_the_job_service_carries_the_sections_of_what_it_builds() -> None:
     assert section is settings.job_service and section.default_max_tokens == 1024  # within the limit
     assert section.allowed_priorities("anyone") == {"normal", "batch"}  # `low` is `batch`
     assert section.allowed_priorities("ops") == {"realtime", "high"}
-    assert Settings().job_service.allowed_priorities("anyone") is None  # unset: every class
+    # unset: every class but realtime, which is given by name only
+    assert Settings().job_service.allowed_priorities("anyone") == {"high", "normal", "batch"}
     assert section.admission is settings.admission and section.rate_limiter is settings.rate_limiter
     assert section.prompt_encoder is settings.prompt_encoder and section.webhooks is settings.webhooks

@@ -10,7 +10,7 @@ from app.api.auth import current_tenant
 from app.api.deps import get_jobs
 from app.api.routes.jobs import ERRORS
 from app.api.service import JobService
-from app.webhooks.delivery import decode_log, url_digest
+from app.webhooks.delivery import decode_log, disabled_digest
 
 router = APIRouter(prefix="/v1/jobs", tags=["webhooks"])
 
@@ -46,7 +46,8 @@ async def job_deliveries(
     audit.note_job(request, record)
     raw = await jobs.redis.lrange(jobs.keys.webhook_deliveries(job_id), 0, -1)
     url = record.get("callback_url") or None
-    disabled = bool(url) and bool(await jobs.redis.exists(jobs.keys.webhook_disabled(url_digest(url or ""))))
+    disabled_key = jobs.keys.webhook_disabled(disabled_digest(tenant, url or ""))
+    disabled = bool(url) and bool(await jobs.redis.exists(disabled_key))
     return DeliveryLog(
         job_id=job_id,
         callback_url=url,

@@ -8,12 +8,15 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 
+from app.api.auth import ANONYMOUS
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
 from app.api.service import JobService
 from app.core.breaker import Action, decide
 from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.errors import ConveyorError
 from app.core.health import not_healthy
 from app.core.keys import Keys
 
@@ -45,11 +48,14 @@ async def readyz(
     `conveyor up` serves) has a live worker.
 
     Also shown, without deciding readiness: the default model's circuit breaker, the jobs waiting
-    per priority class, what each stage worker serves (layers, dtype, device), each GPU worker's
-    device state, the stage replicas that are unhealthy (or probing) and why, and whether this
-    process's event subscription is up."""
+    per priority class, how many stage replicas are unhealthy (or probing), and whether this
+    process's event subscription is up. To a caller whose credentials name a tenant of
+    `CONVEYOR_ADMIN_TENANTS` only (the probe answers anyone, and worker names are host names): what
+    each stage worker serves (layers, dtype, device), each GPU worker's device state, which replicas
+    are unhealthy and why, and the error of a Redis that does not answer."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
+    admin = await _is_admin(request, settings)
     checks: dict[str, object] = {}
     try:
         started = time.perf_counter()
@@ -90,26 +96,46 @@ async def readyz(
             for worker, raw in (await redis.hgetall(keys.devices())).items()
             if now - (stats := json.loads(raw)).get("at", 0) <= settings.heartbeat_ttl_s
         }
-        if devices:  # GPU workers: memory, utilisation and temperature (NVML), per worker
+        if devices and admin:  # GPU workers: memory, utilisation and temperature (NVML), per worker
             checks["devices"] = devices
         served = {
             worker.decode(): info
             for worker, raw in (await redis.hgetall(keys.stage_info())).items()
             if now - (info := json.loads(raw)).pop("at", 0) <= settings.heartbeat_ttl_s
         }
-        if served:  # what each live stage worker serves: model, layers, family, dtype, device
+        if served and admin:  # what each live stage worker serves: model, layers, family, dtype, device
             checks["stages"] = served
         # Replicas that take no new batches (or have just come back), by worker: model, stage, state,
         # reason (temperature, memory, redis_rtt), detail, since. The other replicas serve meanwhile.
         sick = not_healthy(await redis.hgetall(keys.health()), now, settings.heartbeat_ttl_s)
-        checks["health"] = {"not_healthy": sick}
+        checks["health"] = {"unhealthy_replicas": len(sick), **({"not_healthy": sick} if admin else {})}
         ready = all(n > 0 for m, s in live_per_model.items() if m not in problems for n in s.values())
-    except Exception as exc:  # Redis down: not ready, and say why
-        checks["redis"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # Redis down: not ready, and say why (its address only to an admin)
+        checks["redis"] = {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}" if admin else type(exc).__name__,
+        }
         ready = False
     checks["events"] = {"subscribed": jobs.hub.subscribed}
     body = Health(status="ready" if ready else "not_ready", checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+
+async def _is_admin(request: Request, settings: Settings) -> bool:
+    """The caller's credentials name a tenant of `admin_tenants` (under CONVEYOR_AUTH=none every caller
+    is `anonymous`). A probe without credentials is not authenticated at all: nothing is counted."""
+    if not settings.admin_tenants:
+        return False
+    auth = request.app.state.auth
+    if auth.open:
+        return ANONYMOUS in settings.admin_tenants
+    if not (request.headers.get("authorization") or request.headers.get("x-api-key")):
+        return False
+    try:
+        principal = await auth.authenticate(request.headers)
+    except (ConveyorError, RedisError):  # a bad credential, or Redis down: the answer anyone gets
+        return False
+    return principal.tenant in settings.admin_tenants
 
 
 def _generation_models(settings: Settings) -> list[str]:

@@ -22,7 +22,8 @@ from app.core.jobview import JobPublic
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-EVENT_ID = re.compile(r"^\d+-\d+$")
+EVENT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # a stream entry id: milliseconds-sequence
+MAX_ID_PART = 2**64 - 1  # each part of an entry id is an unsigned 64-bit number in Redis
 # Every protected route may answer 401 unauthorized (with WWW-Authenticate) and 413 payload_too_large.
 ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (401, 404, 413, 422)}
 # Routes that read a JSON body: 400 bad_request when it cannot be parsed at all (not UTF-8).
@@ -145,7 +146,7 @@ async def job_events(
     A client that reconnects after the final event gets `204 No Content`, which tells a browser's
     EventSource to stop reconnecting.
     """
-    after = _checked_event_id(last_event_id)
+    after = checked_event_id(last_event_id, "Last-Event-ID")
     audit.note(request, job_id=job_id)
     # Also the 404 for an unknown job (or another tenant's), before the stream starts.
     if await jobs.is_over(job_id, after, tenant=tenant):
@@ -154,13 +155,14 @@ async def job_events(
     return event_stream(jobs, job_id, settings, after=after, notes=audit.fields(request), slot=slot)
 
 
-def _checked_event_id(value: str | None) -> str | None:
+def checked_event_id(value: str | None, name: str) -> str | None:
+    """An event id a client resumes after (`name`: the header or parameter it came in), or None when
+    absent. Who calls: the SSE and WebSocket routes, before Redis sees it: anything but two ASCII
+    numbers that fit Redis' 64 bits (a trailing newline, other digits, a number past 2^64) is 422."""
     if value is None or value == "":
         return None
-    if not EVENT_ID.match(value):
-        raise InvalidRequest(
-            "Last-Event-ID must be an event id received from this stream, like '1700000000000-0'"
-        )
+    if not EVENT_ID.fullmatch(value) or any(int(part) > MAX_ID_PART for part in value.split("-")):
+        raise InvalidRequest(f"{name} must be an event id received from this stream, like '1700000000000-0'")
     return value
 
 

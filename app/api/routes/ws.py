@@ -29,11 +29,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.api import audit
-from app.api.routes.jobs import EVENT_ID
+from app.api.routes.jobs import checked_event_id
 from app.api.service import JobService
 from app.api.streams import Slot
 from app.core import aio
-from app.core.errors import ConveyorError, JobNotFound, TooManyStreams, Unauthorized
+from app.core.errors import ConveyorError, InvalidRequest, JobNotFound, TooManyStreams, Unauthorized
 from app.core.jobview import JobPublic
 
 log = logging.getLogger(__name__)
@@ -52,12 +52,11 @@ async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = 
     jobs: JobService = websocket.app.state.jobs
     await websocket.accept()
     audit.note(websocket, job_id=job_id)
-    if last_event_id and not EVENT_ID.match(last_event_id):
-        await _close(
-            websocket, INVALID, "invalid_request: last_event_id must be an entry id like 1700000000000-0"
-        )
+    try:
+        after = checked_event_id(last_event_id, "last_event_id")
+    except InvalidRequest as exc:
+        await _close(websocket, INVALID, f"{exc.code}: {exc.message}")
         return
-    after = last_event_id or None
     try:
         principal = await websocket.app.state.auth.authenticate(websocket.headers)
         audit.note(websocket, tenant=principal.tenant)
