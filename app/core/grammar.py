@@ -68,8 +68,7 @@ def grammar_problem(grammar: Grammar) -> str | None:
     from llguidance import LLMatcher
 
     try:
-        text = engine_grammar(grammar)
-    except (ValueError, TypeError) as exc:
-        return str(exc)
-    problem = str(LLMatcher.validate_grammar(text))
+        problem = str(LLMatcher.validate_grammar(engine_grammar(grammar)))
+    except Exception as exc:  # whatever the engine refuses to read is a problem of the request
+        return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
     return problem.strip() or None
