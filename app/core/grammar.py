@@ -42,7 +42,8 @@ class Grammar:
 
 
 def json_schema(schema: dict[str, Any]) -> Grammar:
-    return Grammar("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    """The schema's keys keep their order: the answer's properties come in the order they are declared."""
+    return Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def engine_grammar(grammar: Grammar) -> str:

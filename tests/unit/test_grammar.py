@@ -19,6 +19,11 @@ def test_a_requests_grammar_survives_the_record_and_a_request_without_one_is_wri
     assert "grammar" not in json.loads(plain.to_json())
 
 
+def test_a_schemas_properties_keep_their_declared_order() -> None:
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}}
+    assert list(json.loads(json_schema(schema).text)["properties"]) == ["zeta", "alpha"]
+
+
 def test_the_engine_names_what_it_cannot_compile() -> None:
     assert grammar_problem(json_schema({"type": "object"})) is None
     assert grammar_problem(Grammar("choice", json.dumps(["a b", "c.d", "#&~-"]))) is None
