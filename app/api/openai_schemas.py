@@ -8,6 +8,7 @@ OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,6 +25,7 @@ from pydantic import (
 
 from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature, temperature_schema
 from app.core.errors import InvalidRequest
+from app.core.grammar import Grammar, grammar_problem, json_schema
 from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
@@ -40,7 +42,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -54,11 +55,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
     "include_stop_str_in_output": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 
 
@@ -70,6 +66,36 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(
         default=False, description="With include_usage: every chunk carries the usage so far (vLLM's)."
     )
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer follows (`strict` or not, it is enforced)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = Field(default=None, description="Accepted and ignored.")
+    description: str | None = Field(default=None, description="Accepted and ignored.")
+    schema_: dict[str, Any] = Field(
+        alias="schema", description="A JSON schema; the answer is JSON that follows it."
+    )
+    strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, description="With type json_schema.")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(default=None, description="A Lark grammar (llguidance's dialect).")
+    json_object: bool | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -119,6 +145,13 @@ class OpenAIRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
     timeout_s: float | None = Field(default=None, gt=0)
+    # Structured outputs (app/core/grammar.py): OpenAI's response_format and vLLM's fields, one at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -152,6 +185,34 @@ class OpenAIRequest(BaseModel):
         """The job this request asks for (raises InvalidRequest for what a job cannot take)."""
         raise NotImplementedError
 
+    def output_grammar(self) -> Grammar | None:
+        """The grammar the answer is constrained to, checked (InvalidRequest naming the field and the
+        engine's problem); None for free text."""
+        asked = {
+            name: grammar
+            for name, grammar in (
+                ("response_format", _response_format_grammar(self.response_format)),
+                ("structured_outputs", _structured_grammar(self.structured_outputs)),
+                ("guided_json", _schema_grammar(self.guided_json)),
+                (
+                    "guided_regex",
+                    Grammar("regex", self.guided_regex) if self.guided_regex is not None else None,
+                ),
+                ("guided_choice", _choice_grammar(self.guided_choice)),
+                ("guided_grammar", Grammar("lark", self.guided_grammar) if self.guided_grammar else None),
+            )
+            if grammar is not None
+        }
+        if len(asked) > 1:
+            raise InvalidRequest(f"give one structured output at most, not {' and '.join(asked)}")
+        if not asked:
+            return None
+        ((name, grammar),) = asked.items()
+        problem = grammar_problem(grammar)
+        if problem is not None:
+            raise InvalidRequest(f"{name}: the engine cannot compile it: {problem}")
+        return grammar
+
     def _job(self, *, max_tokens: int | None, **input: Any) -> JobCreate:
         fields: dict[str, Any] = {
             "model": self.model,
@@ -174,6 +235,58 @@ class OpenAIRequest(BaseModel):
             raise InvalidRequest(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
 
+def _schema_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise InvalidRequest("the JSON schema is not JSON") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("a JSON schema is a JSON object")
+    return json_schema(schema)
+
+
+def _choice_grammar(choices: list[str] | None) -> Grammar | None:
+    if choices is None:
+        return None
+    if not choices:
+        raise InvalidRequest("a choice needs at least one string")
+    return Grammar("choice", json.dumps(choices))
+
+
+def _response_format_grammar(value: ResponseFormat | None) -> Grammar | None:
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return json_schema({"type": "object"})
+    if value.json_schema is None:
+        raise InvalidRequest("response_format of type json_schema needs its json_schema")
+    return json_schema(value.json_schema.schema_)
+
+
+def _structured_grammar(value: StructuredOutputs | None) -> Grammar | None:
+    if value is None:
+        return None
+    given = [
+        grammar
+        for grammar in (
+            _schema_grammar(value.json_),
+            Grammar("regex", value.regex) if value.regex is not None else None,
+            _choice_grammar(value.choice),
+            Grammar("lark", value.grammar) if value.grammar is not None else None,
+            json_schema({"type": "object"}) if value.json_object else None,
+        )
+        if grammar is not None
+    ]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+        )
+    return given[0]
+
+
 class CompletionCreate(OpenAIRequest):
     model_config = ConfigDict(
         extra="allow",
@@ -194,7 +307,7 @@ class CompletionCreate(OpenAIRequest):
 
     def to_job(self) -> JobCreate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return self._job(prompt=prompt, max_tokens=self.max_tokens)
+        return self._job(prompt=prompt, max_tokens=self.max_tokens, grammar=self.output_grammar())
 
 
 class TextPart(BaseModel):
@@ -233,6 +346,7 @@ class ChatCompletionCreate(OpenAIRequest):
         return self._job(
             messages=[m.to_chat() for m in self.messages],
             max_tokens=self.max_completion_tokens or self.max_tokens,
+            grammar=self.output_grammar(),
         )
 
 

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from app.core.grammar import Grammar, grammar_problem
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P, temperature_problem
 
@@ -80,6 +81,12 @@ class JobCreate(BaseModel):
     top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
+    grammar: Grammar | None = Field(
+        default=None,
+        description="Structured output: the text is constrained to this grammar (`json_schema`: the "
+        "schema as JSON text; `regex`; `choice`: a JSON list of strings; `lark`) and ends once it is "
+        "complete. Refused (422) when the engine cannot compile it. See docs/structured-outputs.md.",
+    )
     priority: Priority = "normal"
     timeout_s: float | None = Field(
         default=None,
@@ -112,6 +119,21 @@ class JobCreate(BaseModel):
     @classmethod
     def _temperature(cls, value: float) -> float:
         return checked_temperature(value)
+
+    @field_validator("grammar")
+    @classmethod
+    def _compiles(cls, grammar: Grammar | None) -> Grammar | None:
+        problem = None if grammar is None else grammar_problem(grammar)
+        if problem is not None:
+            raise ValueError(f"the grammar cannot be compiled: {problem}")
+        return grammar
+
+    @model_validator(mode="after")
+    def _grammar_ends_it(self) -> JobCreate:
+        # The grammar decides where the text ends: these two would fight it.
+        if self.grammar is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("ignore_eos and min_tokens cannot be used with a grammar (structured output)")
+        return self
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

@@ -224,6 +224,7 @@ class JobService:
             top_p=request.top_p,
             top_k=request.top_k,
             seed=request.seed,
+            grammar=request.grammar,
             stop=tuple(stop),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,

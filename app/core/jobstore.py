@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from string import Template
 from typing import TYPE_CHECKING, Any
 
+from app.core.grammar import Grammar
 from app.core.jobs import (
     FINAL_EVENT,
     TIMESTAMP_FIELD,
@@ -57,6 +58,8 @@ class JobRequest:
     top_p: float
     top_k: int
     seed: int | None = None
+    # Structured outputs: the text is constrained to this grammar (app.workers.grammar).
+    grammar: Grammar | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -69,6 +72,7 @@ class JobRequest:
                 "top_p": self.top_p,
                 "top_k": self.top_k,
                 "seed": self.seed,
+                **({"grammar": self.grammar.to_dict()} if self.grammar is not None else {}),
                 "stop": list(self.stop),
                 "ignore_eos": self.ignore_eos,
                 "min_tokens": self.min_tokens,
@@ -85,6 +89,7 @@ class JobRequest:
             top_p=value["top_p"],
             top_k=value["top_k"],
             seed=value.get("seed"),
+            grammar=Grammar.from_dict(value["grammar"]) if value.get("grammar") else None,
             stop=tuple(value.get("stop") or ()),
             ignore_eos=bool(value.get("ignore_eos")),
             min_tokens=int(value.get("min_tokens") or 0),

@@ -13,6 +13,7 @@ from typing import TypeVar
 import torch
 
 from app.core.publisher import TokenOut
+from app.workers.grammar import Matcher
 from app.workers.sampling import SamplingParams, token_seed
 from app.workers.textstream import TextStream
 
@@ -36,6 +37,7 @@ class Sequence:
     created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
     priority: str = "normal"
     last_token_at: float | None = None  # unix time of its previous token: inter-token latency
+    grammar: Matcher | None = None  # structured outputs: where its text stands in its grammar
 
     def reseed(self) -> None:
         """A seeded job's generator, set for its next token from its seed and that token's index
@@ -50,7 +52,8 @@ def held_tokens(rows: list[Sequence], eos_ids: frozenset[int]) -> list[frozenset
 
 
 def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
-    """Account one sampled token to its sequence and decide whether the sequence ends."""
+    """Account one sampled token to its sequence and decide whether the sequence ends. A sequence
+    with a grammar has consumed the token in its matcher already (`StageRuntime._follow_grammars`)."""
     index = seq.generated
     if token in eos_ids and not seq.ignore_eos:
         seq.finish_reason = "stop"
@@ -62,6 +65,9 @@ def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
     text = seq.text.push(token)
     if seq.text.stopped:
         seq.finish_reason = "stop"
+    elif seq.grammar is not None and seq.grammar.done:  # the grammar is complete: nothing may follow
+        seq.finish_reason = "stop"
+        text += seq.text.finish()
     elif seq.generated >= seq.max_tokens:
         seq.finish_reason = "length"
         text += seq.text.finish()

@@ -25,6 +25,7 @@ import torch
 
 from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
+from app.core.grammar import Grammar
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
@@ -37,6 +38,7 @@ from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.partitions.prefix import Prefill, PrefixCache
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
+from app.workers.grammar import GrammarError, Grammars, Matcher
 from app.workers.latency import StepLatency
 from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
 from app.workers.textstream import TextStream
@@ -87,6 +89,8 @@ class StageRuntime:
     stale_after_s: float = 120.0
     # Prompt prefixes this stage computed, reused by later prompts that start with them; None: off.
     prefixes: PrefixCache | None = None
+    # Last stage: the compiled output grammars of structured outputs (made on the first job with one).
+    grammars: Grammars | None = None
 
     def handle(self, msg: StepMessage) -> None:
         """Run one stage message to its end."""
@@ -248,11 +252,14 @@ class StageRuntime:
             min_tokens=int(request.get("min_tokens") or 0),
             created_at=float(record["created_at"]) if record.get("created_at") else None,
             priority=record.get("priority") or "normal",
+            grammar=self._grammar(request.get("grammar")),
         )
         if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
             for token in self.publisher.emitted(job_id):
                 seq.text.push(token)
                 seq.generated += 1
+                if seq.grammar is not None:  # its matcher replays the tokens it had
+                    seq.grammar.consume(token)
         return seq
 
     def _forward(self, msg: StepMessage, prefill: Prefill | None, hidden: torch.Tensor) -> None:
@@ -281,7 +288,8 @@ class StageRuntime:
         for seq in candidates:
             seq.reseed()
         logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
-        sampled = self._sample_rows(logits, candidates)
+        logits, stuck = self._constrain(logits, candidates)  # structured outputs
+        sampled = self._follow_grammars(self._sample_rows(logits, candidates), stuck)
         for seq, token in sampled:
             if token is None:
                 del sequences[seq.job_id]
@@ -314,6 +322,41 @@ class StageRuntime:
                 self._fail_row(seq.job_id, exc)
                 sampled.append((seq, None))
         return sampled
+
+    def _constrain(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
+        """The rows' logits with what each row's grammar forbids masked; the rows that can go on in
+        no token of their grammar. logits: [B, V]."""
+        if self.grammars is None or all(s.grammar is None for s in rows):
+            return logits, set()
+        logits, stuck = self.grammars.constrain(logits, [s.grammar for s in rows])
+        return logits, set(stuck)
+
+    def _follow_grammars(
+        self, sampled: list[tuple[Sequence, int | None]], stuck: set[int]
+    ) -> list[tuple[Sequence, int | None]]:
+        """Each constrained row's matcher advanced by its token; a row its grammar cannot continue
+        fails alone (None)."""
+        followed: list[tuple[Sequence, int | None]] = []
+        for i, (seq, token) in enumerate(sampled):
+            if seq.grammar is not None and token is not None:
+                try:
+                    if i in stuck:
+                        raise GrammarError("no token can continue the output under its grammar")
+                    seq.grammar.consume(token)
+                except GrammarError as exc:
+                    self._fail_row(seq.job_id, exc)
+                    token = None
+            followed.append((seq, token))
+        return followed
+
+    def _grammar(self, value: dict[str, str] | None) -> Matcher | None:
+        """A new sequence's matcher for the grammar its request names (None: unconstrained)."""
+        if not value:
+            return None
+        if self.grammars is None:
+            vocab = int(self.partition.config.vocab_size)
+            self.grammars = Grammars(self.tokenizer, eos_ids=self.eos_ids, vocab_size=vocab)
+        return self.grammars.matcher(Grammar.from_dict(value))
 
     def _fail_row(self, job_id: str, exc: Exception) -> None:
         """Fail one job of a batch; the batch goes on without it (its row leaves at the next step)."""
