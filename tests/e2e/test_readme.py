@@ -286,7 +286,7 @@ def test_what_make_run_starts_is_what_the_pages_say(monkeypatch) -> None:  # typ
         # its one user, anonymous, sees all of /readyz and may use every class, as the tests' stacks
         "\tCONVEYOR_ADMIN_TENANTS=$${CONVEYOR_ADMIN_TENANTS:-'[\"anonymous\"]'} \\",
         "\tCONVEYOR_TENANT_PRIORITIES=$${CONVEYOR_TENANT_PRIORITIES:-"
-        "'{\"anonymous\": [\"realtime\", \"high\", \"normal\", \"batch\"]}'} \\",
+        '\'{"anonymous": ["realtime", "high", "normal", "batch"]}\'} \\',
         "\tCONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up",  # open unless CONVEYOR_AUTH is set
     ]
     for name in [n for n in os.environ if n.startswith("CONVEYOR_") or n == "REDIS_URL"]:
