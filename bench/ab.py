@@ -2,8 +2,7 @@
 
 What it answers: did a change cost speed or change answers? Both trees run `python -m app.cli up`
 (the earlier one from a temporary git worktree, with this checkout's virtualenv and model) under the
-slice benchmark's load (bench/slice.py: SmolLM2-135M-Instruct, its seeded chat prompts, 64 tokens
-each with `ignore_eos`):
+same load (SmolLM2-135M-Instruct, seeded chat prompts, 64 tokens each with `ignore_eos`):
 
     speed     each tree at its defaults: one job at a time over a spread of the prompts (c1: TTFT
               p50), then every prompt under 32 closed-loop clients (c32: the peak tokens/s). The
@@ -36,13 +35,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from bench.load import Run, closed_run
-from bench.prompts import Prompt
+from bench.prompts import Prompt, make_prompts, spread
 from bench.report import git_commit, greedy_agreement, percentile, report_run, write_results
-from bench.slice import CONCURRENCY, FULL, MAX_TOKENS, QUICK, slice_prompts
-from bench.systems import ROOT, conveyor, say, terminate_on_sigterm, warm_up
+from bench.systems import MODEL_DIR, ROOT, conveyor, say, terminate_on_sigterm, warm_up
 
 DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
+MAX_TOKENS = 64
+CONCURRENCY = 32
+JOBS = {False: (64, 8), True: (32, 4)}  # --quick: (all the prompts, the sequential ones)
+
+
+def ab_prompts(quick: bool) -> tuple[Any, list[Prompt], list[Prompt]] | None:
+    """The model's tokenizer, the run's prompts and the sequential ones among them; None (said why)
+    when the model has not been pulled."""
+    if not (MODEL_DIR / "config.json").exists():
+        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    jobs, sequential = JOBS[quick]
+    prompts = make_prompts(tokenizer, jobs)
+    return tokenizer, prompts, spread(prompts, sequential)
 
 
 @contextmanager
@@ -82,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs of the speed runs (default 2)")
     parser.add_argument("--quick", action="store_true", help="fewer jobs per run")
     args = parser.parse_args(argv)
-    mode = QUICK if args.quick else FULL
     terminate_on_sigterm()
-    loaded = slice_prompts(mode)
+    loaded = ab_prompts(args.quick)
     if loaded is None:
         return 2
     tokenizer, prompts, few = loaded
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             "head": head,
             "command": command,
             "rounds": args.rounds,
-            "mode": mode.name,
+            "mode": "quick" if args.quick else "full",
             "loads": loads,
             "bench_wall_s": time.perf_counter() - started,
         },

@@ -42,9 +42,7 @@ from bench.report import (  # noqa: E402
     system_table,
     target_rows,
     throughput,
-    verdict,
 )
-from bench.scheduling import NOISE, batch_stats, ratios, targets, ttft_row  # noqa: E402
 
 TOKENIZER = make_tokenizer()
 PROMPTS = make_prompts(TOKENIZER, 64)
@@ -241,7 +239,6 @@ def test_class_summary_counts_refused_failed_and_unfinished_apart():
     assert abs(s["ttft_p50_s"] - 0.55) < 1e-9 and abs(s["ttft_p95_s"] - 0.955) < 1e-9
     assert jobs_cell(s) == "10/13 (1 refused, 1 failed, 1 unfinished)"
     assert class_summary(jobs[:2])["unfinished"] == 0 and jobs_cell(class_summary(jobs[:2])) == "2/2"
-    assert ttft_row("x", class_summary(jobs[:2])) == "| x | 2/2 | 150 | 195 | 199 | 1.00 | 1.00 |"
 
 
 def test_throughput_runs_from_the_first_arrival_to_the_last_end():
@@ -253,49 +250,6 @@ def test_throughput_runs_from_the_first_arrival_to_the_last_end():
     t = throughput(jobs, start=10.0)
     assert t == {"span_s": 10.0, "jobs_per_s": 0.2, "tokens_per_s": 3.2}
     assert throughput([], start=0.0)["jobs_per_s"] == 0.0
-
-
-def test_batch_stats_reads_joins_batches_alone_and_stalls_from_the_batch_log():
-    def dispatch(batch_id: str, size: int) -> dict[str, str]:
-        return {"batch_id": batch_id, "size": str(size), "bucket": "64"}
-
-    log = [
-        (1.0, dispatch("host", 4)),
-        (2.0, dispatch("a", 1)),
-        (2.5, {"batch_id": "a", "size": "1", "joined": "host"}),
-        (3.0, dispatch("alone", 9)),
-        (13.0, dispatch("b", 2)),
-        (13.4, {"batch_id": "b", "size": "2", "joined": "host"}),
-        (20.0, dispatch("later", 1)),
-    ]
-    b = batch_stats(log, 1.5, 15.0)
-    assert (b["dispatched"], b["joined"], b["ran_alone"], b["sizes"]) == (3, 2, 1, [1, 9, 2])
-    assert b["joins_into_busiest_host"] == 2 and b["longest_gap_s"] == 10.0
-    empty = batch_stats(log, 30.0, 40.0)
-    assert (empty["dispatched"], empty["longest_gap_s"], empty["joins_into_busiest_host"]) == (0, 10.0, 0)
-
-
-def test_ratios_and_verdicts_of_the_scheduling_targets():
-    results = {
-        "priority": {"high_unloaded": {"ttft_p95_s": 0.2}, "high_saturated": {"ttft_p95_s": 0.25}},
-        "poisson": {
-            "continuous": {"summary": {"ttft_p99_s": 1.0, "jobs_per_s": 0.97}},
-            "request": {"summary": {"ttft_p99_s": 4.0, "jobs_per_s": 1.0}},
-        },
-    }
-    r = ratios(results)
-    assert r == {
-        "high_p95_ttft_saturated_vs_unloaded": 1.25,
-        "p99_ttft_continuous_vs_request": 0.25,
-        "throughput_continuous_vs_request": 0.97,
-    }
-    rows = target_rows(targets(0.7), r)
-    assert rows[2] == "| high P95 TTFT, saturated / unloaded | 1.25x | <= 1.5x | met |"
-    assert rows[3] == "| P99 TTFT at 70% load, continuous / request | 0.25x | <= 0.5x | met |"
-    assert rows[4].endswith("| 0.97x | >= 1.0x | met (equal within noise) |")
-    assert verdict(0.9, 1.0, True, NOISE) == "missed" and verdict(1.2, 1.0, True, NOISE) == "met"
-    assert ratios({"priority": {"error": "x"}, "poisson": {}}) == dict.fromkeys(r)
-    assert target_rows(targets(0.7), {})[2].endswith("| n/a | <= 1.5x | n/a |")  # not measured
 
 
 def lines(chunks: list[str]) -> list[str]:
