@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ import torch
 
 from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.report import git_commit, write_results
+from bench.report import git_commit, median_ms, table, timed, write_results
 from bench.systems import MODEL_DIR, say
 
 ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
@@ -47,6 +46,7 @@ ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
     ("bf16 narrow", torch.bfloat16, attention.IMPLEMENTATION, True, False),
     ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True, True),
 )
+OTHERS = ("fp32", "bf16 before", "bf16 narrow")  # what bf16 is compared with
 
 
 @dataclass
@@ -82,9 +82,14 @@ def step(engine: Engine, tokens: torch.Tensor) -> torch.Tensor:
     assert engine.state is not None
     engine.use()
     engine.state.extend(1)
-    started = time.perf_counter()
-    logits = engine.partition(engine.state, tokens[:, None])
-    engine.timings.append(time.perf_counter() - started)
+    logits: torch.Tensor | None = None
+
+    def forward() -> None:
+        nonlocal logits
+        logits = engine.partition(engine.state, tokens[:, None])  # [B, 1, V]
+
+    engine.timings.append(timed(forward))
+    assert logits is not None
     chosen = logits.argmax(-1)
     engine.tokens.append(chosen.tolist())
     return chosen  # type: ignore[no-any-return]
@@ -134,10 +139,6 @@ def agreement(a: Engine, b: Engine) -> tuple[int, int]:
     return same, total
 
 
-def median_ms(engine: Engine) -> float:
-    return statistics.median(engine.timings) * 1000
-
-
 def markdown(
     rows: list[tuple[int, str, dict[str, float]]], prof: dict[str, float], meta: dict[str, str]
 ) -> str:
@@ -149,30 +150,35 @@ def markdown(
         f"load average {meta['load']}. SmolLM2-135M-Instruct, one stage, prompts of 100-160 tokens "
         "left-padded to the longest; the engines take turns step by step; medians.",
         "",
-        "| batch | rows | "
-        + " | ".join(f"{n} ms" for n in names)
-        + " | "
-        + " | ".join(f"{n} tok/s" for n in names)
-        + " | bf16 vs fp32 | bf16 vs bf16 before | bf16 vs bf16 narrow |",
-        "|---:|---|" + "---:|" * (2 * len(names) + 3),
-    ]
-    for batch, rows_kind, ms in rows:
-        cells = [f"{ms[n]:.1f}" for n in names] + [f"{batch / ms[n] * 1000:.0f}" for n in names]
-        speedup = [f"{ms[other] / ms['bf16']:.2f}×" for other in ("fp32", "bf16 before", "bf16 narrow")]
-        lines.append(f"| {batch} | {rows_kind} | " + " | ".join(cells + speedup) + " |")
-    lines += [
+        *table(
+            "batch> | rows | "
+            + " | ".join(
+                [f"{n} ms>" for n in names]
+                + [f"{n} tok/s>" for n in names]
+                + [f"bf16 vs {o}>" for o in OTHERS]
+            ),
+            (
+                [
+                    batch,
+                    kind,
+                    *(f"{ms[n]:.1f}" for n in names),
+                    *(f"{batch / ms[n] * 1000:.0f}" for n in names),
+                ]
+                + [f"{ms[other] / ms['bf16']:.2f}×" for other in OTHERS]
+                for batch, kind, ms in rows
+            ),
+        ),
         "",
         f"Where one decode step's milliseconds go ({meta['profiled']}, torch profiler; its own overhead "
         "lands in the host line):",
         "",
-        "| work | ms per step | share |",
-        "|---|---:|---:|",
-    ]
-    wall = prof["step (wall)"]
-    for kind, ms in prof.items():
-        share = "" if kind == "step (wall)" else f"{ms / wall:.0%}"
-        lines.append(f"| {kind} | {ms:.1f} | {share} |")
-    lines += [
+        *table(
+            "work | ms per step> | share>",
+            (
+                (kind, f"{ms:.1f}", "" if kind == "step (wall)" else f"{ms / prof['step (wall)']:.0%}")
+                for kind, ms in prof.items()
+            ),
+        ),
         "",
         f"Greedy agreement, bf16 vs bf16 before over every decode step: {meta['agreement']}.",
         "",
@@ -207,7 +213,7 @@ def main() -> None:
     for batch in batches:
         for padded in (True, False):
             run_batch(engines, batch, padded, args.steps)
-            ms = {e.name: median_ms(e) for e in engines}
+            ms = {e.name: median_ms(e.timings) for e in engines}
             kind = "padded" if padded else "unpadded"
             say(f"batch {batch} {kind}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
             rows.append((batch, kind, ms))

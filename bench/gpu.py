@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import git_commit, write_results
+from bench.report import git_commit, table, write_results
 from bench.systems import ROOT, say
 
 BATCHES = (1, 32, 64)
@@ -110,16 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model if (args.model / "config.json").exists() else tiny_model(Path(tempfile.mkdtemp()))
     rows += ["", f"Decode throughput, one stage, in process: {path.name}, {PROMPT_TOKENS}-token prompts.", ""]
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    rows.append("| dtype | decode steps | " + " | ".join(f"batch {b} tokens/s" for b in BATCHES) + " |")
-    rows.append("|---|---|" + "---:|" * len(BATCHES))
-    for dtype in dtypes:
-        for setting, label in (("off", "eager"), ("graphs", "CUDA graphs")):
-            rates = [decode_tokens_per_s(path, dtype, b, "cuda:0", setting) for b in BATCHES]
-            rows.append(
-                f"| {str(dtype).removeprefix('torch.')} | {label} | "
-                + " | ".join(f"{r:.0f}" for r in rates)
-                + " |"
-            )
+    rows += table(
+        "dtype | decode steps | " + " | ".join(f"batch {b} tokens/s>" for b in BATCHES),
+        (
+            [str(dtype).removeprefix("torch."), label]
+            + [f"{decode_tokens_per_s(path, dtype, b, 'cuda:0', setting):.0f}" for b in BATCHES]
+            for dtype in dtypes
+            for setting, label in (("off", "eager"), ("graphs", "CUDA graphs"))
+        ),
+    )
     starts: dict[str, list[float]] = {"off": [], "auto": []}
     for _ in range(3):  # alternating, so a slow spell hits both
         for setting in starts:

@@ -61,14 +61,10 @@ class JobResult:
     tokens: int
     error: str | None = None
     token_ids: list[int] = field(default_factory=list)
-    server_ttft_s: float | None = None  # Conveyor: first_token_at - created_at
     # Conveyor: where that time went: in the intake (created -> scheduled), on the way to the stage
     # (scheduled -> started: the broker and the stage's step in progress), the prefill (-> first token)
     phases_s: dict[str, float] = field(default_factory=dict)
-    batch_id: str | None = None  # Conveyor: the batch the job ran in
-    batch_size: int | None = None
     refused: bool = False  # the submit was answered 429 or 503 (backpressure, not a failure)
-    model: str | None = None  # Conveyor: the model that served it (a route's choice, bench/routes.py)
     gaps_s: list[float] = field(default_factory=list)  # streamed completions: between token chunks
     cls: str = ""  # the class (priority, run) a load shape ran it as
     submitted: float = 0.0  # perf_counter at submit, as a load shape saw it
@@ -93,11 +89,6 @@ def failure(prompt: Prompt, started: float, error: str, refused: bool = False) -
     return JobResult(prompt.index, False, time.perf_counter() - started, None, 0, error, refused=refused)
 
 
-def prompt_fields(prompt: Prompt) -> dict[str, Any]:
-    """A chat prompt's messages, or a raw prompt's text."""
-    return {"messages": prompt.messages} if prompt.messages else {"prompt": prompt.text}
-
-
 # ---------------------------------------------------------------- job clients
 
 
@@ -120,18 +111,15 @@ def naive_job(max_tokens: int) -> Job:
     return job
 
 
-def conveyor_job(
-    max_tokens: int, *, priority: str | None = None, on_token: OnToken | None = None, model: str | None = None
-) -> Job:
-    """POST /v1/jobs (greedy, exactly `max_tokens` tokens), then follow its events to the end.
-
-    `priority` and `model` are sent when given (the server's defaults otherwise); `on_token` sees
-    every token event. A submit answered 429 or 503 is a failed result marked `refused`.
+def conveyor_job(max_tokens: int, *, priority: str | None = None, on_token: OnToken | None = None) -> Job:
+    """POST /v1/jobs of a chat prompt (greedy, exactly `max_tokens` tokens), then follow its events to
+    the end. `priority` is sent when given; `on_token` sees every token event. A submit answered 429
+    or 503 is a failed result marked `refused`.
     """
 
     async def job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
-        body = {**prompt_fields(prompt), "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-        body |= {k: v for k, v in (("priority", priority), ("model", model)) if v is not None}
+        body: dict[str, Any] = {"messages": prompt.messages, "max_tokens": max_tokens, "ignore_eos": True}
+        body |= {"temperature": 0} | ({"priority": priority} if priority else {})
         started = time.perf_counter()
         try:
             answer = await client.post("/v1/jobs", json=body)
@@ -187,12 +175,7 @@ def finished(
     first_token: float | None,
 ) -> JobResult:
     """The result of a job that succeeded, from its final record and the token ids streamed before it."""
-    timings, batch = final.get("timings") or {}, final.get("batch") or {}
-    server_ttft = (
-        timings["first_token_at"] - timings["created_at"]
-        if timings.get("first_token_at") and timings.get("created_at")
-        else None
-    )
+    timings = final.get("timings") or {}
     marks = ("created_at", "scheduled_at", "started_at", "first_token_at")
     phases = (
         {
@@ -212,11 +195,7 @@ def finished(
         first_token - started if first_token else None,
         tokens,
         token_ids=ids,
-        server_ttft_s=server_ttft,
         phases_s=phases,
-        batch_id=batch.get("id"),
-        batch_size=batch.get("size"),
-        model=final.get("model"),
     )
 
 
@@ -281,7 +260,7 @@ def inference_job(body: Callable[[Prompt], dict[str, Any]], headers: Mapping[str
             error = f"HTTP {answer.status_code}: {answer.text[:200]}"
             return failure(prompt, started, error, refused=answer.status_code in REFUSED)
         tokens = int((record.get("usage") or {}).get("completion_tokens", 0))
-        return JobResult(prompt.index, True, latency, latency, tokens, model=record.get("model"))
+        return JobResult(prompt.index, True, latency, latency, tokens)
 
     return job
 
@@ -380,11 +359,6 @@ def offered_tokens_per_s(lengths: Sequence[int], window_s: float) -> float:
     return sum(lengths) / window_s if window_s > 0 else 0.0
 
 
-def cycled(prompts: Sequence[Prompt], count: int) -> list[Prompt]:
-    """`count` prompts, going round `prompts` as often as needed."""
-    return [prompts[i % len(prompts)] for i in range(count)]
-
-
 def sized(make: Callable[[int], Job], lengths: Mapping[int, int]) -> Job:
     """A job client that asks for each prompt's own output length (`lengths` by prompt index)."""
 
@@ -428,7 +402,6 @@ class Run:
     jobs: list[JobResult]
     wall_s: float = 0.0
     load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at start and end
-    note: str = ""
     clients: int = 0  # closed loop: how many
     offsets: list[float] = field(default_factory=list)
     prompts: list[Prompt] = field(default_factory=list)

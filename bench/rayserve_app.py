@@ -42,8 +42,7 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    from bench.naive_server import Engine, GenerateRequest
-    from bench.raw import left_pad
+    from bench.naive_server import Engine, GenerateRequest, left_pad
 
     @serve.deployment(
         num_replicas=1,

@@ -358,7 +358,7 @@ async def measure(
 ) -> tuple[float, float, Tally, Samples]:
     """Capacity, then the soak at `--load` of it and the drain: the elapsed time, the tally, the samples."""
     assert system.process is not None
-    redis = redis_lib.Redis.from_url(system.redis_url)
+    redis = redis_lib.Redis.from_url(system.env["REDIS_URL"])
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=system.base_url, timeout=120.0, limits=limits) as client:
         capacity = await calibrate(client, keys, args.calibrate_s, args.max_tokens)
