@@ -1,19 +1,16 @@
 """A/B: this tree's Conveyor against an earlier commit's, in one run, on the same machine and prompts.
 
-What it answers: did a change cost speed or change answers? Both trees run `python -m app.cli up`
-(the earlier one from a temporary git worktree, with this checkout's virtualenv and model) under the
-same load (SmolLM2-135M-Instruct, seeded chat prompts, 64 tokens each with `ignore_eos`):
+Did a change cost speed or change answers? Both trees run `python -m app.cli up` (the earlier one
+from a temporary git worktree, with this checkout's virtualenv and model) under the same load
+(SmolLM2-135M-Instruct, seeded chat prompts, 64 tokens each with `ignore_eos`):
 
-    speed     each tree at its defaults: one job at a time over a spread of the prompts (c1: TTFT
-              p50), then every prompt under 32 closed-loop clients (c32: the peak tokens/s). The
-              trees alternate, A B B A, over `--rounds` pairs, so a machine that drifts during the
-              run weighs on both; each figure is the median of its tree's rounds.
-    answers   each tree in fp32 (CONVEYOR_DTYPE=float32), one job at a time (a batch of one, so no
-              neighbour changes a row's arithmetic): the greedy tokens of every sequential prompt,
-              compared token for token up to the first EOS.
+    speed     at its defaults: one job at a time over a spread of the prompts (c1: TTFT p50), then
+              every prompt under 32 closed-loop clients (c32: peak tokens/s); the trees alternate,
+              A B B A, over `--rounds` pairs; each figure is the median of its tree's rounds.
+    answers   in fp32, one job at a time: the greedy tokens of every sequential prompt, compared up
+              to the first EOS.
 
-Run from the repository root (about 2 minutes per stack start and load on 2 cores; `--quick` halves
-the jobs):
+About 2 minutes per stack start and load on 2 cores; `--quick` halves the jobs:
 
     .venv/bin/python -m bench.ab [--base 6399fb6] [--rounds 2] [--quick]
 
@@ -39,7 +36,7 @@ from transformers import AutoTokenizer
 
 from bench.load import Run, closed_run
 from bench.prompts import Prompt, make_prompts, spread
-from bench.report import git_commit, greedy_agreement, percentile, report_run, write_results
+from bench.report import git_commit, greedy_agreement, percentile, report_run, table, write_results
 from bench.systems import MODEL_DIR, ROOT, conveyor, say, terminate_on_sigterm, warm_up
 
 DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
@@ -91,6 +88,12 @@ def ttft_p50(run: Run) -> float | None:
     return percentile([j.ttft_s for j in run.ok if j.ttft_s is not None], 50)
 
 
+def tree_cells(tree: str, f: dict[str, Any]) -> list[str]:
+    """A tree's row: its medians, then each round's figures."""
+    rounds = ", ".join(f"{r['peak_tokens_per_s']:.1f} / {r['c1_ttft_p50_s'] * 1000:.0f}" for r in f["rounds"])
+    return [tree, f"{f['peak_tokens_per_s']:.1f}", f"{f['c1_ttft_p50_s'] * 1000:.0f} ms", rounds]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default=DEFAULT_BASE, help=f"the earlier commit (default {DEFAULT_BASE})")
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     tokens = figures["head"]["peak_tokens_per_s"] / figures["base"]["peak_tokens_per_s"]
     ttft = figures["head"]["c1_ttft_p50_s"] / figures["base"]["c1_ttft_p50_s"]
+    revs = (("base", base_rev), ("head", head))
     command = " ".join(["python -m bench.ab", *(sys.argv[1:] if argv is None else argv)])
     lines = [
         f"# A/B: {head} against {base_rev}",
@@ -140,18 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load "
         f"{min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds each, alternating; medians)",
         "",
-        f"| tree | peak tokens/s (c{CONCURRENCY}) | c1 TTFT p50 | rounds (tokens/s, TTFT ms) |",
-        "|---|---:|---:|---|",
-    ]
-    for label, rev in (("base", base_rev), ("head", head)):
-        f = figures[label]
-        shown = ", ".join(
-            f"{r['peak_tokens_per_s']:.1f} / {r['c1_ttft_p50_s'] * 1000:.0f}" for r in f["rounds"]
-        )
-        lines.append(
-            f"| {label} {rev} | {f['peak_tokens_per_s']:.1f} | {f['c1_ttft_p50_s'] * 1000:.0f} ms | {shown} |"
-        )
-    lines += [
+        *table(
+            f"tree | peak tokens/s (c{CONCURRENCY})> | c1 TTFT p50> | rounds (tokens/s, TTFT ms)",
+            [tree_cells(f"{label} {rev}", figures[label]) for label, rev in revs],
+        ),
         "",
         f"- this tree / base: peak tokens/s **{tokens:.2f}x**, c1 TTFT p50 **{ttft:.2f}x** (lower is faster)",
         f"- greedy tokens in fp32, one job at a time: {agreement['identical']} of {agreement['compared']} "

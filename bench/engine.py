@@ -1,10 +1,8 @@
 """What one stage does per decode step: its milliseconds, by precision, attention path and weights.
 
 SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill, then
-decode steps. Each batch size runs twice: "padded" (prompts of 100-160 tokens left-padded to the
-longest, as rows of different lengths or a join leave them: a mask is passed) and "unpadded" (all
-of 128 tokens: no mask, as for one stream). Four engines take turns, a step each, so a slow spell
-of the shared machine hits all of them alike:
+decode steps, "padded" (prompts of 100-160 tokens left-padded: a mask is passed) and "unpadded" (all
+of 128 tokens: no mask). Four engines take turns, a step each, so a slow spell hits all alike:
 
     fp32            float32, transformers' SDPA attention (what fp32 serves with)
     bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights
@@ -13,12 +11,9 @@ of the shared machine hits all of them alike:
     bf16            the same, a step of 4 rows or more attending over the cache's whole buffers
                     with two matrix products (`StagePartition._wide_slabs`): what bf16 serves with
 
-For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others. Then a
-profile of one engine at the largest batch: where a step's milliseconds go (linear layers,
-attention, the other kernels, and the host time no kernel accounts for). Last, greedy agreement
-of bf16 with bf16 before over the decode steps taken (packing changes no number; the attention
-path changes the last bit of unpadded steps, so an argmax may flip where two logits tie at bf16
-precision).
+For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others;
+then where a bf16 step's milliseconds go at the largest batch (torch profiler), and the greedy
+agreement of bf16 with bf16 before (an argmax may flip where two logits tie at bf16 precision).
 
     .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--threads 1]
 

@@ -1,27 +1,18 @@
 """The load: job clients, seeded schedules, every load shape, and the one record of a job and of a run.
 
-A `Job` is one request-response exchange on a shared `httpx.AsyncClient`, timed on the client's
-clock; it never raises: an HTTP error or a wrong answer is a failed `JobResult`, and a submit
-answered 429 or 503 is one marked `refused` (backpressure, counted apart from failures). The
-clients: `conveyor_job` (POST /v1/jobs, then its SSE events), `naive_job` (the naive server's and
-Ray Serve's /generate: no streaming, so TTFT is the latency), `completions_job` (streamed OpenAI
-/v1/completions, which every peer serves) and `inference_job` (Conveyor's synchronous
-/v1/inference).
+A `Job` is one exchange on a shared `httpx.AsyncClient`, timed on the client's clock; it never
+raises: an HTTP error or a wrong answer is a failed `JobResult`, a submit answered 429 or 503 one
+marked `refused`. The clients: `conveyor_job` (POST /v1/jobs, then its SSE events), `naive_job`
+(the naive server's and Ray Serve's /generate: TTFT is the latency), `completions_job` (streamed
+/v1/completions, which every peer serves) and `inference_job` (Conveyor's /v1/inference).
 
-The shapes, all on perf_counter:
-
-    closed          `closed_loop` / `closed_run`: clients run one job after another over a list
-    closed-until    `closed_loop_until`: clients loop until an event is set (saturation, peak)
-    open            `open_loop` / `open_run`: prompt i submitted at its offset, whatever runs
-    burst           `burst_run`: several open-loop streams (classes) on one clock
-    peak            `peak_run`: the token rate closed-loop clients receive over a window
-
-Each job the shapes run is a `JobResult` that also says its class and when it was submitted; a
-`Run` holds one system's jobs with the clock marks and, for an open loop, the schedule (so jobs
-that never ended can be counted). The schedules (`poisson_arrivals`, `burst_arrivals`,
-`output_lengths`) are functions of their seeds: every system in a run, and a rerun, sees the same.
-What the figures of a run are is bench/report.py's. The soak's traffic (tenants, cancels, poison
-requests, a tally of outcomes rather than timings) stays in bench/soak.py.
+The shapes, on perf_counter: `closed_run` (clients run one job after another over a list),
+`closed_loop_until` (until an event is set), `open_run` (prompt i submitted at its offset, whatever
+runs), `burst_run` (several open-loop classes on one clock), `peak_run` (the token rate closed-loop
+clients receive over a window). A `Run` holds one system's jobs with the clock marks and, for an
+open loop, the schedule (so jobs that never ended can be counted). The schedules
+(`poisson_arrivals`, `burst_arrivals`, `output_lengths`) are functions of their seeds. What a run's
+figures are is bench/report.py's.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
 `POST /generate` takes {"messages" | "prompt", "max_tokens", "ignore_eos"} and answers with the whole text
 when generation ends (no streaming). One thread runs every `model.generate`, one request at a time in
-arrival order; waiting requests queue in the event loop. (Not a plain `def` endpoint with a lock: its
-requests would wait for the lock holding all of the thread pool's 40 tokens, and FastAPI validates a
-`def` endpoint's response on that pool too, so a finished job's answer would wait behind every request
-queued after it; past 40 waiting requests the server would look many times slower than it is.)
-Generation is greedy, fp32, on the CPU with torch's default threads, prompts rendered with the model's
-chat template exactly as Conveyor's api renders them.
+arrival order; waiting requests queue in the event loop (a `def` endpoint with a lock would hold the
+thread pool's 40 tokens, and finished answers would wait behind the queue). Greedy, fp32, prompts
+rendered with the model's chat template as Conveyor's api renders them.
 
 Run (the benchmark does this for you):
 

@@ -1,11 +1,9 @@
 """Ray Serve as the seeds ran it: one replica, `@serve.batch` around the same model's `model.generate`.
 
-Requests are batched by Ray Serve (up to `MAX_BATCH_SIZE` per call, waiting at most `BATCH_WAIT_S` for
-a batch to fill); a batch is one left-padded `generate` call for the longest answer any of its requests
-asks for (request-level batching: a batch runs until its longest sequence ends, and a request that
-arrives meanwhile waits for the next batch). Each request gets its own tokens, cut to its own length.
-The body and the answer are the naive server's (bench/naive_server.py), so bench.load's `naive_job`
-drives both; the prompt is rendered by the naive server's `Engine`, so every system sees the same ids.
+Ray Serve batches requests (up to `MAX_BATCH_SIZE`, waiting at most `BATCH_WAIT_S`); a batch is one
+left-padded `generate` call for its longest answer (request-level batching), each request cut to its
+own length. Body, answer and prompt rendering are the naive server's (bench/naive_server.py), so
+bench.load's `naive_job` drives both.
 
 Run (bench.suite does this for you; needs the `bench` extra: `pip install -e '.[bench]'`):
 

@@ -8,18 +8,13 @@
     transformers serve  `transformers serve --continuous-batching`, the project's transformers
     redis               an embedded redis-server of its own (app.core.redis.start_embedded)
 
-Each is a context manager that yields a `System` (its name, base URL and log; for Conveyor the
-settings it saw and its process) once it answers, and on the way out stops it and whatever it
-started: a server runs in its own session with its output in a log file, gets SIGTERM, then SIGKILL
-after a timeout, and its leftover descendants are killed. A system that does not come up raises
-RuntimeError with the reason and the end of its log, which a benchmark reports in place of its
-figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C so that those exits run.
-
-Not here, and why: raw `generate` (bench/raw.py) is loaded in process, not started, and imports
-torch; the tests' stack launcher (tests/conftest.py `start_stack`) stays the tests' own: it clears
-the caller's CONVEYOR_* settings and pins fp32 so that tests compare tokens with `generate`, where a
-benchmark passes the user's settings through (REDIS_URL, CONVEYOR_TORCH_THREADS) and runs the
-defaults it measures. Both take the tiny model from tests/tiny.py.
+Each is a context manager that yields a `System` (name, base URL, log, process) once it answers,
+and on the way out stops it and whatever it started: a server runs in its own session with its
+output in a log file, gets SIGTERM, then SIGKILL after a timeout, and its leftover descendants are
+killed. A system that does not come up raises RuntimeError with the end of its log, which a
+benchmark reports in place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C.
+Raw `generate` (bench/raw.py) is loaded in process instead. Unlike the tests' `start_stack`, a
+benchmark passes the user's CONVEYOR_* settings through and runs the defaults it measures.
 """
 
 from __future__ import annotations
