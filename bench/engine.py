@@ -218,11 +218,8 @@ def main() -> None:
     prof = profile(engines[3], profiled, max(4, args.steps // 3))
     say("profile: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     meta = {
-        "command": "python -m bench.engine "
-        + " ".join(
-            f"--{k} {v}"
-            for k, v in (("batches", args.batches), ("steps", args.steps), ("threads", args.threads))
-        ),
+        "command": f"python -m bench.engine --batches {args.batches} --steps {args.steps} "
+        f"--threads {args.threads}",
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": str(args.threads),

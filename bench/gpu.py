@@ -2,17 +2,14 @@
 
     .venv/bin/python -m bench.gpu [--model DIR] [--quick]
 
-1. `pytest -m gpu tests/gpu`: every family's tiny model on CUDA against `generate` (1 and 2 stages,
-   stage k on GPU k mod N), SmolLM2 and Gemma 3 270M where they are in the model store, and a
-   two-stage hand-off between devices.
-2. Decode throughput of one stage holding the whole model (SmolLM2 where present, else the tiny
-   Llama the tests use), in-process: a left-padded batch of B prompts prefilled, then 32 decode steps;
-   tokens/s = B x steps / time, for B in 1, 32, 64 and each dtype the GPU has, with decode steps
-   eager (`CONVEYOR_COMPILE=off`) and replayed as CUDA graphs (`auto` on a GPU).
+1. `pytest -m gpu tests/gpu` (skipped with `--quick`): every family's tiny model on CUDA against
+   `generate`, 1 and 2 stages.
+2. Decode throughput of one stage holding the whole model (SmolLM2 where present, else the tests'
+   tiny Llama): B prompts prefilled, then 32 decode steps; tokens/s for B in 1, 32, 64 and each
+   dtype the GPU has, decode steps eager (`CONVEYOR_COMPILE=off`) and as CUDA graphs (`auto`).
 3. A stage's start (load and warm-up, bf16), eager and with its first CUDA graph captured.
 
-Prints one Markdown table with the GPU's name (and writes bench/results/gpu.md). Without CUDA it
-says so and exits 2: no figure is ever made up.
+Writes bench/results/gpu.md. Without CUDA it says so and exits 2: no figure is ever made up.
 """
 
 from __future__ import annotations

@@ -80,9 +80,6 @@ def failure(prompt: Prompt, started: float, error: str, refused: bool = False) -
     return JobResult(prompt.index, False, time.perf_counter() - started, None, 0, error, refused=refused)
 
 
-# ---------------------------------------------------------------- job clients
-
-
 def naive_job(max_tokens: int) -> Job:
     """POST /generate for exactly `max_tokens` tokens; the answer comes whole, so TTFT is the latency."""
 
@@ -132,7 +129,8 @@ async def follow(
     started: float,
     on_token: OnToken | None = None,
 ) -> JobResult:
-    """Read the job's events up to `done` (or `error`): token times on the client, the final record."""
+    """Read the job's events up to `done` (or `error`): token times on the client's clock; from the
+    final record, the token count and where the time went (intake, handoff, prefill)."""
     first_token: float | None = None
     ids: list[int] = []
     final: dict[str, Any] | None = None
@@ -154,18 +152,6 @@ async def follow(
         return failure(prompt, started, "event stream ended without done")
     if final.get("status") != "succeeded":
         return failure(prompt, started, f"job {final.get('status')}: {final.get('error')}")
-    return finished(prompt, started, final, ids, latency, first_token)
-
-
-def finished(
-    prompt: Prompt,
-    started: float,
-    final: dict[str, Any],
-    ids: list[int],
-    latency: float,
-    first_token: float | None,
-) -> JobResult:
-    """The result of a job that succeeded, from its final record and the token ids streamed before it."""
     timings = final.get("timings") or {}
     marks = ("created_at", "scheduled_at", "started_at", "first_token_at")
     phases = (
@@ -179,15 +165,8 @@ def finished(
     tokens = int(final["usage"]["completion_tokens"])
     if len(ids) != tokens:
         return failure(prompt, started, f"{len(ids)} token events for {tokens} tokens")
-    return JobResult(
-        prompt.index,
-        True,
-        latency,
-        first_token - started if first_token else None,
-        tokens,
-        token_ids=ids,
-        phases_s=phases,
-    )
+    ttft = first_token - started if first_token else None
+    return JobResult(prompt.index, True, latency, ttft, tokens, token_ids=ids, phases_s=phases)
 
 
 def completions_job(max_tokens: int, *, model: str, extra: Mapping[str, object] | None = None) -> Job:
@@ -292,9 +271,6 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]
             data.append(line[5:].removeprefix(" "))
 
 
-# ---------------------------------------------------------------- schedules and workloads
-
-
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
     """Arrival offsets (seconds from 0) of a Poisson process of `rate` per second within `duration_s`.
 
@@ -359,25 +335,9 @@ def sized(make: Callable[[int], Job], lengths: Mapping[int, int]) -> Job:
     return job
 
 
-@dataclass
-class TokenLog:
-    """The client's arrival times of token events (perf_counter), in order: throughput over a window."""
-
-    times: list[float] = field(default_factory=list)
-
-    def add(self, at: float) -> None:
-        self.times.append(at)
-
-    def between(self, start: float, end: float) -> int:
-        return tokens_between(self.times, start, end)
-
-
 def tokens_between(times: Sequence[float], start: float, end: float) -> int:
     """Token events in [start, end); `times` sorted."""
     return bisect.bisect_left(times, end) - bisect.bisect_left(times, start)
-
-
-# ---------------------------------------------------------------- runs
 
 
 @dataclass
@@ -426,36 +386,26 @@ async def timed(cls: str, job: Job, client: httpx.AsyncClient, prompt: Prompt) -
     return result
 
 
-async def closed_loop(
-    client: httpx.AsyncClient, job: Job, prompts: Sequence[Prompt], concurrency: int
-) -> tuple[list[JobResult], float]:
-    """`concurrency` clients each run one job after another until the prompts are used up.
-
-    Returns the results in prompt order and the wall time from the first submit to the last completion.
-    """
-    queue = deque(prompts)
-    results: list[JobResult] = []
-
-    async def client_loop() -> None:
-        while queue:
-            results.append(await timed("", job, client, queue.popleft()))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    return sorted(results, key=lambda j: j.prompt), wall
-
-
 def closed_run(name: str, base_url: str, job: Job, prompts: Sequence[Prompt], clients: int) -> Run:
-    """`clients` closed-loop clients share the prompts (a fresh event loop): the run with its load average."""
+    """`clients` closed-loop clients run one job after another until the prompts are used up (in a
+    fresh event loop): the jobs in prompt order, the wall time from the first submit to the last
+    completion, and the load average."""
+    queue, jobs = deque(prompts), []
 
-    async def run() -> tuple[list[JobResult], float]:
+    async def run() -> float:
         async with load_client(base_url, clients) as client:
-            return await closed_loop(client, job, prompts, clients)
+
+            async def loop() -> None:
+                while queue:
+                    jobs.append(await timed("", job, client, queue.popleft()))
+
+            started = time.perf_counter()
+            await asyncio.gather(*(loop() for _ in range(clients)))
+            return time.perf_counter() - started
 
     before = loadavg()
-    jobs, wall = asyncio.run(run())
-    return Run(name, jobs, wall, (before, loadavg()), clients=clients)
+    wall = asyncio.run(run())
+    return Run(name, sorted(jobs, key=lambda j: j.prompt), wall, (before, loadavg()), clients=clients)
 
 
 async def closed_loop_until(
@@ -468,15 +418,14 @@ async def closed_loop_until(
     stagger_s: float,
     stop: asyncio.Event,
     done: list[JobResult],
-    submitted: list[float] | None = None,
 ) -> None:
     """`clients` loops, each submitting its next job when the last ends, until `stop` is set.
 
     Client i starts `i * stagger_s / clients` seconds in, so that jobs do not all run in lockstep, and
     runs jobs i, i + clients, ...: prompt n is `prompts(n)`, or of a list the n-th going round it.
-    Each submit's time goes to `submitted`, each finished job to `done`; once `stop` is set the loops
-    end with their jobs in flight (cancel the task to abandon those). A client whose job was refused
-    or failed waits `BACKOFF_S` before its next, rather than resubmit at once in a tight loop.
+    Each finished job goes to `done`; once `stop` is set the loops end with their jobs in flight
+    (cancel the task to abandon those). A client whose job was refused or failed waits `BACKOFF_S`
+    before its next, rather than resubmit at once in a tight loop.
     """
     pick = prompts if callable(prompts) else lambda n: prompts[n % len(prompts)]
 
@@ -484,8 +433,6 @@ async def closed_loop_until(
         await asyncio.sleep(i * stagger_s / clients)
         n = i
         while not stop.is_set():
-            if submitted is not None:
-                submitted.append(time.perf_counter())
             result = await timed(cls, job, client, pick(n))
             done.append(result)
             n += clients
@@ -584,8 +531,8 @@ async def peak_run(
     from `warm_s` after the ramp, is the stack's peak. The wait lets the prefills of the ramp's arrivals
     (all `clients` prompts at once) drain, so the window sees steady state: a job ending, the next one's
     prefill joining. The jobs in flight at the end are abandoned (the stack stops next)."""
-    tokens = TokenLog()
-    job = make(max_tokens, on_token=tokens.add)
+    tokens: list[float] = []  # the client's clock at each token event, in order
+    job = make(max_tokens, on_token=tokens.append)
     done: list[JobResult] = []
     stop = asyncio.Event()
     async with load_client(base_url, clients) as client:
@@ -603,7 +550,7 @@ async def peak_run(
         with contextlib.suppress(asyncio.CancelledError):
             await loops
     failed = [j for j in done if not j.ok]
-    window, received = end - start, tokens.between(start, end)
+    window, received = end - start, tokens_between(tokens, start, end)
     return {
         "clients": clients,
         "window_s": window,

@@ -61,15 +61,29 @@ class GenerateResponse(BaseModel):
     generate_s: float
 
 
-def left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id rows padded on the left to one width: ids [B, S] and attention mask [B, S]."""
+def generate_rows(
+    model: Any, rows: Sequence[list[int]], pad_id: int, max_tokens: int, *, exact: bool, streamer: Any = None
+) -> torch.Tensor:
+    """One greedy `generate` call over token id rows, left-padded to one width: the new tokens
+    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). Raw `generate` (bench/raw.py)
+    and Ray Serve's batches (bench/rayserve_app.py) call it."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, S]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, S]
     for i, row in enumerate(rows):
         ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
         mask[i, width - len(row) :] = 1
-    return ids, mask
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            streamer=streamer,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens if exact else None,
+            pad_token_id=pad_id,
+        )
+    return output[:, width:]  # type: ignore[no-any-return]
 
 
 class Engine:

@@ -11,9 +11,8 @@ SmolLM2's attention shapes (9 query heads, 3 key/value heads, head dim 64), B de
             row's blocks gathered; its `Ragged` layout is built once a step for every layer and
             timed apart (`layout`)
 
-The two take turns, call by call, so a slow spell of the shared machine hits both alike. Prints
-the median ms per call, paged / today of the medians and of the fastest calls (above 1: paged is
-slower), and the layout's median ms.
+The two take turns, call by call. Prints the median ms per call, paged / today of the medians and
+of the fastest calls (above 1: paged is slower), and the layout's median ms.
 
     .venv/bin/python -m bench.paged_attention [--rows 16,64] [--calls 200] [--threads 1]
 """

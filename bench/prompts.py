@@ -32,28 +32,12 @@ def text_prompt(index: int, text: str) -> Prompt:
     return Prompt(index, [], 0, [], text)
 
 
-TOPICS = [
-    "the water cycle",
-    "black holes",
-    "sourdough bread",
-    "the French revolution",
-    "public key cryptography",
-    "photosynthesis",
-    "compound interest",
-    "the immune system",
-    "plate tectonics",
-    "jazz improvisation",
-    "machine learning",
-    "the Roman empire",
-    "electric cars",
-    "coral reefs",
-    "the printing press",
-    "volcanoes",
-    "honey bees",
-    "the stock market",
-    "vaccines",
-    "solar panels",
-]
+TOPICS = (
+    "the water cycle, black holes, sourdough bread, the French revolution, public key cryptography, "
+    "photosynthesis, compound interest, the immune system, plate tectonics, jazz improvisation, "
+    "machine learning, the Roman empire, electric cars, coral reefs, the printing press, volcanoes, "
+    "honey bees, the stock market, vaccines, solar panels"
+).split(", ")
 TASKS = [
     "Define {topic}.",
     "Tell me about {topic}.",

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench.load import JobResult, Run, checked, loadavg
-from bench.naive_server import left_pad
+from bench.naive_server import generate_rows
 from bench.prompts import Prompt
 from bench.systems import say
 
@@ -45,26 +45,15 @@ def load_model(path: Path) -> Any:
 
 def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_tokens: int) -> list[JobResult]:
     """One `generate` call over `prompts`; every job's latency is the call, its TTFT the first token."""
-    ids, mask = left_pad([p.ids for p in prompts], pad_id)
     clock = FirstTokenClock()
     started = time.perf_counter()
     try:
-        with torch.inference_mode():
-            output = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                streamer=clock,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=pad_id,
-            )
+        new = generate_rows(model, [p.ids for p in prompts], pad_id, max_tokens, exact=True, streamer=clock)
     except Exception as exc:  # a failed call fails its jobs; the run goes on
         elapsed = time.perf_counter() - started
         return [JobResult(p.index, False, elapsed, None, 0, f"{type(exc).__name__}: {exc}") for p in prompts]
     elapsed = time.perf_counter() - started
     ttft = clock.first_token_at - started if clock.first_token_at is not None else None
-    new = output[:, ids.shape[1] :]
     return [
         checked(
             JobResult(p.index, True, elapsed, ttft, int(new.shape[1]), token_ids=new[i].tolist()), max_tokens

@@ -40,7 +40,7 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    from bench.naive_server import Engine, GenerateRequest, left_pad
+    from bench.naive_server import Engine, GenerateRequest, generate_rows
 
     @serve.deployment(
         num_replicas=1,
@@ -58,18 +58,9 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
             call prints a `BATCH_LINE` (the replica's output reaches the server's log), so a run can
             say which batch sizes Ray Serve actually formed (`batch_sizes`)."""
             started = time.perf_counter()
-            ids, mask = left_pad([r[0] for r in rows], int(self.engine.tokenizer.pad_token_id))
-            longest = max(r[1] for r in rows)
-            with torch.inference_mode():
-                output = self.engine.model.generate(
-                    input_ids=ids,  # [B, S], left-padded
-                    attention_mask=mask,
-                    do_sample=False,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest if all(r[2] for r in rows) else None,
-                    pad_token_id=self.engine.tokenizer.pad_token_id,
-                )
-            new = output[:, ids.shape[1] :]  # [B, longest]
+            longest, exact = max(r[1] for r in rows), all(r[2] for r in rows)
+            pad_id = int(self.engine.tokenizer.pad_token_id)
+            new = generate_rows(self.engine.model, [r[0] for r in rows], pad_id, longest, exact=exact)
             took = time.perf_counter() - started
             print(f"{BATCH_LINE} rows={len(rows)} longest={longest} seconds={took:.3f}", flush=True)
             return [new[i, : r[1]].tolist() for i, r in enumerate(rows)]

@@ -26,9 +26,6 @@ from bench.systems import ROOT, say
 RESULTS_DIR = ROOT / "bench" / "results"
 
 
-# ---------------------------------------------------------------- numbers
-
-
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks; None for no values."""
     if not values:
@@ -83,9 +80,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-# ---------------------------------------------------------------- targets
-
-
 @dataclass(frozen=True)
 class Target:
     key: str
@@ -95,15 +89,12 @@ class Target:
     unit: str = "x"
     scale: float = 1.0  # the value is shown and judged times this (seconds as ms: 1000)
     digits: int = 2
-    noise: float = 0.0  # at_least: a value this close under the goal is equal within the machine's noise
 
 
-def verdict(value: float | None, goal: float, at_least: bool, noise: float = 0.0) -> str:
+def verdict(value: float | None, goal: float, at_least: bool) -> str:
     if value is None:
         return "n/a"
-    if value >= goal if at_least else value <= goal:
-        return "met"
-    return "met (equal within noise)" if at_least and noise and value >= goal - noise else "missed"
+    return "met" if (value >= goal if at_least else value <= goal) else "missed"
 
 
 def target_rows(targets: Sequence[Target], values: Mapping[str, float | None]) -> list[str]:
@@ -114,11 +105,8 @@ def target_rows(targets: Sequence[Target], values: Mapping[str, float | None]) -
         value = None if raw is None else raw * t.scale
         shown = fmt(value, digits=t.digits) + (t.unit if value is not None else "")
         goal = f"{'>=' if t.at_least else '<='} {t.goal}{t.unit}"
-        cells.append((t.label, shown, goal, verdict(value, t.goal, t.at_least, t.noise)))
+        cells.append((t.label, shown, goal, verdict(value, t.goal, t.at_least)))
     return table("target | value> | goal> | ", cells)
-
-
-# ---------------------------------------------------------------- closed-loop runs
 
 
 def summary(run: Run) -> dict[str, Any]:
@@ -137,10 +125,6 @@ def summary(run: Run) -> dict[str, Any]:
         "p50_ttft_s": percentile(ttfts, 50),
         "errors": sorted({j.error for j in run.jobs if j.error}),
     }
-
-
-def failed(runs: Sequence[Run]) -> bool:
-    return any(not j.ok for r in runs for j in r.jobs)
 
 
 def report_run(run: Run) -> None:
@@ -162,9 +146,6 @@ def greedy_agreement(reference: Run, other: Run, eos_ids: set[int]) -> dict[str,
         compared += 1
         same += job.token_ids[:cut] == ref[job.prompt][:cut]
     return {"compared": compared, "identical": same}
-
-
-# ---------------------------------------------------------------- classes and open-loop runs
 
 
 def counts(jobs: Sequence[JobResult], submitted: int | None = None) -> dict[str, int]:
@@ -292,9 +273,6 @@ def job_rows(run: Run) -> list[dict[str, Any]]:
         if p.index not in ended
     ]
     return rows
-
-
-# ---------------------------------------------------------------- files
 
 
 def git_commit() -> str:

@@ -35,7 +35,7 @@ import redis as redis_lib
 
 from bench.load import JobResult, closed_loop_until, inference_job, poisson_arrivals
 from bench.prompts import Prompt
-from bench.report import RESULTS_DIR, git_commit, table
+from bench.report import RESULTS_DIR, git_commit, table, write_results
 from bench.systems import (
     Model,
     System,
@@ -58,9 +58,6 @@ POISON = (
     {"top_k": 2**63},  # 422: past int64
 )
 WORDS = "river stone cloud lantern orbit maple signal harbor copper meadow violet engine".split()
-
-
-# ---------------------------------------------------------------- pure parts (tests/unit/test_soak_bench.py)
 
 
 def kind_of(rng: random.Random, cancel: float, poison: float) -> str:
@@ -126,9 +123,6 @@ class Tally:
 class Samples:
     redis: list[tuple[float, float]] = field(default_factory=list)  # (s, MiB)
     rss: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # "role pid" -> (s, MiB)
-
-
-# ---------------------------------------------------------------- the run
 
 
 def job_body(i: int, max_tokens: int) -> dict[str, object]:
@@ -439,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         text = run(args, model, Path(tmp))
     print(text)
-    args.out.write_text(text)
-    say(f"wrote {args.out}")
+    write_results(args.out.stem, text, None, args.out.parent)
     return 0
 
 

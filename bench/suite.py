@@ -94,7 +94,7 @@ CONVEYOR_2 = "conveyor 2 stages"
 SYSTEMS = (NAIVE, RAY, CONVEYOR_1, CONVEYOR_2)
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
     CONVEYOR_1: {},
-    # as bench/pipeline.py's 2-stage layout: a thread per stage worker, so the two share the 2 cores
+    # a thread per stage worker, so the two stages share the 2 cores
     CONVEYOR_2: {"CONVEYOR_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
 }
 COLORS = {NAIVE: "tab:red", RAY: "tab:orange", CONVEYOR_1: "tab:blue", CONVEYOR_2: "tab:green"}
@@ -103,7 +103,7 @@ ARRIVAL_SEED = SEED + 11  # the sweep's Poisson schedule (one stream, scaled by 
 HIGH_SEED = SEED + 12  # the burst's high prompts, lengths and arrivals
 BURST_SEED = SEED + 13  # the burst's normal arrivals
 BURST_FACTOR = 10.0
-PEAK_TOKENS = 64  # the peak and the raw limit: every job this long, as bench.slice's
+PEAK_TOKENS = 64  # the peak and the raw limit: every job this long
 RAW_BATCHES = (32, 64)
 
 
@@ -167,19 +167,16 @@ FULL = Plan(
     raw_calls=2,
     second_layout_rates=(0.25, 0.5, 0.75, 1.0, 1.25),
 )
-QUICK = Plan(
-    "quick",
+QUICK = replace(  # under 10 minutes: shorter windows, 2 rates, the 2-stage layout at the main rate only
+    FULL,
+    name="quick",
     rates=(0.5, 1.0),
-    main_rate=1.0,
     window_s=20.0,
     drain_cap_s=20.0,
     burst_drain_cap_s=45.0,
-    burst_normal_rate=0.12,
-    burst_high_rate=0.5,
     burst_before_s=10.0,
     burst_s=10.0,
     burst_after_s=5.0,
-    peak_clients=64,
     peak_ramp_s=10.0,
     peak_warm_s=20.0,
     peak_window_s=30.0,
@@ -262,9 +259,6 @@ def start(name: str, model: Model, workdir: Path, warm: list[Prompt]) -> Iterato
     with started as system:
         warm_up(system, warm)
         yield system
-
-
-# ---------------------------------------------------------------- phases
 
 
 def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict[str, Any]:
@@ -398,9 +392,6 @@ def bench_raw(model: Model, tokenizer: Any, work: Workload, plan: Plan) -> dict[
     }
 
 
-# ---------------------------------------------------------------- report
-
-
 def point(results: dict[str, Any], name: str, rate: float) -> dict[str, Any] | None:
     system = results.get("systems", {}).get(name) or {}
     return (system.get("points") or {}).get(str(rate))
@@ -488,22 +479,12 @@ def peak_rows(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 
 
 def burst_rows(burst: dict[str, Any]) -> list[str]:
-    return table(
-        "class | arrivals> | phase | jobs> | queue wait median (ms)> | queue wait p95 (ms)>",
-        (
-            (
-                cls,
-                burst[cls]["arrivals"],
-                phase,
-                s["jobs"],
-                fmt(s["median_s"], 1000, 0),
-                fmt(s["p95_s"], 1000, 0),
-            )
-            for cls in ("high", "normal")
-            for phase in ("before", "during", "after")
-            if (s := burst[cls][phase])
-        ),
-    )
+    cells = []
+    for cls in ("high", "normal"):
+        for phase, s in ((phase, burst[cls][phase]) for phase in ("before", "during", "after")):
+            waits = (fmt(s["median_s"], 1000, 0), fmt(s["p95_s"], 1000, 0))
+            cells.append((cls, burst[cls]["arrivals"], phase, s["jobs"], *waits))
+    return table("class | arrivals> | phase | jobs> | queue wait median (ms)> | queue wait p95 (ms)>", cells)
 
 
 def burst_section(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
@@ -608,9 +589,6 @@ def payload(results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- plots
-
-
 def cdf_points(latencies: list[float], submitted: int) -> tuple[list[float], list[float]]:
     """(sorted latencies, fraction of the submitted jobs done by each): a CDF that ends below 1 when
     jobs never finished."""
@@ -695,9 +673,6 @@ def plot_all(results: dict[str, Any], meta: dict[str, Any], directory: Path = RE
         fig.savefig(directory / name, dpi=110)
         plt.close(fig)
     say(f"wrote the plots {', '.join(PLOTS)} in {directory}")
-
-
-# ---------------------------------------------------------------- main
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -63,9 +63,6 @@ def terminate_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-# ---------------------------------------------------------------- models
-
-
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -99,9 +96,6 @@ def chosen_model(name: str, workdir: Path) -> Model | None:
     return model
 
 
-# ---------------------------------------------------------------- processes
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -120,34 +114,6 @@ def consecutive_ports(n: int) -> int:
                 continue
             return base
     raise RuntimeError(f"no {n} consecutive free ports")
-
-
-@contextmanager
-def server_process(
-    name: str,
-    argv: list[str],
-    env: Mapping[str, str],
-    log_path: Path,
-    stop_timeout_s: float,
-    cwd: Path = ROOT,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `argv` in `cwd` (a `python -m` there imports that tree's code) with its output in
-    `log_path`; on the way out SIGTERM it, SIGKILL after the timeout."""
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        say(f"{name}: started pid {process.pid}, log {log_path}")
-        try:
-            yield process
-        finally:
-            stop(name, process, stop_timeout_s)
 
 
 def stop(name: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -243,21 +209,27 @@ def started(
     ready_timeout_s: float = READY_TIMEOUT_S,
     cwd: Path = ROOT,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process, once `ready_url` answers 200 (at once when None); a start that fails raises
-    RuntimeError with the end of its log."""
-    with server_process(name, argv, env, log, stop_timeout_s, cwd) as process:
-        began = time.perf_counter()
-        if ready_url is not None:
-            try:
-                wait_ready(ready_url, process, ready_timeout_s, log)
-            except RuntimeError as exc:
-                tail = log_tail(log)
-                raise RuntimeError(f"{name}: {exc}" + (f"; log ends: {tail}" if tail else "")) from exc
-            say(f"{name}: ready after {time.perf_counter() - began:.1f} s")
-        yield process
-
-
-# ---------------------------------------------------------------- systems
+    """`argv` run in `cwd` (a `python -m` there imports that tree's code) in a session of its own, its
+    output in `log`, once `ready_url` answers 200 (at once when None); a start that fails raises
+    RuntimeError with the end of its log. On the way out: SIGTERM, SIGKILL after `stop_timeout_s`."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        say(f"{name}: started pid {process.pid}, log {log}")
+        try:
+            began = time.perf_counter()
+            if ready_url is not None:
+                try:
+                    wait_ready(ready_url, process, ready_timeout_s, log)
+                except RuntimeError as exc:
+                    tail = log_tail(log)
+                    raise RuntimeError(f"{name}: {exc}" + (f"; log ends: {tail}" if tail else "")) from exc
+                say(f"{name}: ready after {time.perf_counter() - began:.1f} s")
+            yield process
+        finally:
+            stop(name, process, stop_timeout_s)
 
 
 @dataclass(frozen=True)
