@@ -1,20 +1,16 @@
 """A/B: this tree's Conveyor against an earlier commit's, in one run, on the same machine and prompts.
 
-What it answers: did a change cost speed or change answers? Both trees run `python -m app.cli up`
-(the earlier one from a temporary git worktree, with this checkout's virtualenv and model) under the
-slice benchmark's load (bench/slice.py: SmolLM2-135M-Instruct, its seeded chat prompts, 64 tokens
-each with `ignore_eos`):
+Did a change cost speed or change answers? Both trees run `python -m app.cli up` (the earlier one
+from a temporary git worktree, with this checkout's virtualenv and model) under the same load
+(SmolLM2-135M-Instruct, seeded chat prompts, 64 tokens each with `ignore_eos`):
 
-    speed     each tree at its defaults: one job at a time over a spread of the prompts (c1: TTFT
-              p50), then every prompt under 32 closed-loop clients (c32: the peak tokens/s). The
-              trees alternate, A B B A, over `--rounds` pairs, so a machine that drifts during the
-              run weighs on both; each figure is the median of its tree's rounds.
-    answers   each tree in fp32 (CONVEYOR_DTYPE=float32), one job at a time (a batch of one, so no
-              neighbour changes a row's arithmetic): the greedy tokens of every sequential prompt,
-              compared token for token up to the first EOS.
+    speed     at its defaults: one job at a time over a spread of the prompts (c1: TTFT p50), then
+              every prompt under 32 closed-loop clients (c32: peak tokens/s); the trees alternate,
+              A B B A, over `--rounds` pairs; each figure is the median of its tree's rounds.
+    answers   in fp32, one job at a time: the greedy tokens of every sequential prompt, compared up
+              to the first EOS.
 
-Run from the repository root (about 2 minutes per stack start and load on 2 cores; `--quick` halves
-the jobs):
+About 2 minutes per stack start and load on 2 cores; `--quick` halves the jobs:
 
     .venv/bin/python -m bench.ab [--base 6399fb6] [--rounds 2] [--quick]
 
@@ -36,13 +32,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from bench.load import Run, closed_run
-from bench.prompts import Prompt
-from bench.report import git_commit, greedy_agreement, percentile, report_run, write_results
-from bench.slice import CONCURRENCY, FULL, MAX_TOKENS, QUICK, slice_prompts
-from bench.systems import ROOT, conveyor, say, terminate_on_sigterm, warm_up
+from bench.prompts import Prompt, make_prompts, spread
+from bench.report import git_commit, greedy_agreement, percentile, report_run, table, write_results
+from bench.systems import MODEL_DIR, ROOT, conveyor, say, terminate_on_sigterm, warm_up
 
 DEFAULT_BASE = "6399fb6"  # the commit before the job record and the stage worker were rebuilt
+MAX_TOKENS = 64
+CONCURRENCY = 32
+JOBS = {False: (64, 8), True: (32, 4)}  # --quick: (all the prompts, the sequential ones)
+
+
+def ab_prompts(quick: bool) -> tuple[Any, list[Prompt], list[Prompt]] | None:
+    """The model's tokenizer, the run's prompts and the sequential ones among them; None (said why)
+    when the model has not been pulled."""
+    if not (MODEL_DIR / "config.json").exists():
+        say(f"no model at {MODEL_DIR}; run `.venv/bin/python -m app.cli model pull` first")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    jobs, sequential = JOBS[quick]
+    prompts = make_prompts(tokenizer, jobs)
+    return tokenizer, prompts, spread(prompts, sequential)
 
 
 @contextmanager
@@ -76,15 +88,20 @@ def ttft_p50(run: Run) -> float | None:
     return percentile([j.ttft_s for j in run.ok if j.ttft_s is not None], 50)
 
 
+def tree_cells(tree: str, f: dict[str, Any]) -> list[str]:
+    """A tree's row: its medians, then each round's figures."""
+    rounds = ", ".join(f"{r['peak_tokens_per_s']:.1f} / {r['c1_ttft_p50_s'] * 1000:.0f}" for r in f["rounds"])
+    return [tree, f"{f['peak_tokens_per_s']:.1f}", f"{f['c1_ttft_p50_s'] * 1000:.0f} ms", rounds]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default=DEFAULT_BASE, help=f"the earlier commit (default {DEFAULT_BASE})")
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs of the speed runs (default 2)")
     parser.add_argument("--quick", action="store_true", help="fewer jobs per run")
     args = parser.parse_args(argv)
-    mode = QUICK if args.quick else FULL
     terminate_on_sigterm()
-    loaded = slice_prompts(mode)
+    loaded = ab_prompts(args.quick)
     if loaded is None:
         return 2
     tokenizer, prompts, few = loaded
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     tokens = figures["head"]["peak_tokens_per_s"] / figures["base"]["peak_tokens_per_s"]
     ttft = figures["head"]["c1_ttft_p50_s"] / figures["base"]["c1_ttft_p50_s"]
+    revs = (("base", base_rev), ("head", head))
     command = " ".join(["python -m bench.ab", *(sys.argv[1:] if argv is None else argv)])
     lines = [
         f"# A/B: {head} against {base_rev}",
@@ -126,18 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load "
         f"{min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds each, alternating; medians)",
         "",
-        f"| tree | peak tokens/s (c{CONCURRENCY}) | c1 TTFT p50 | rounds (tokens/s, TTFT ms) |",
-        "|---|---:|---:|---|",
-    ]
-    for label, rev in (("base", base_rev), ("head", head)):
-        f = figures[label]
-        shown = ", ".join(
-            f"{r['peak_tokens_per_s']:.1f} / {r['c1_ttft_p50_s'] * 1000:.0f}" for r in f["rounds"]
-        )
-        lines.append(
-            f"| {label} {rev} | {f['peak_tokens_per_s']:.1f} | {f['c1_ttft_p50_s'] * 1000:.0f} ms | {shown} |"
-        )
-    lines += [
+        *table(
+            f"tree | peak tokens/s (c{CONCURRENCY})> | c1 TTFT p50> | rounds (tokens/s, TTFT ms)",
+            [tree_cells(f"{label} {rev}", figures[label]) for label, rev in revs],
+        ),
         "",
         f"- this tree / base: peak tokens/s **{tokens:.2f}x**, c1 TTFT p50 **{ttft:.2f}x** (lower is faster)",
         f"- greedy tokens in fp32, one job at a time: {agreement['identical']} of {agreement['compared']} "
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "head": head,
             "command": command,
             "rounds": args.rounds,
-            "mode": mode.name,
+            "mode": "quick" if args.quick else "full",
             "loads": loads,
             "bench_wall_s": time.perf_counter() - started,
         },

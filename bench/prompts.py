@@ -3,7 +3,7 @@
 `make_prompts` draws the requests from a fixed seed, so a run and its rerun (and every system within a
 run) see the same prompts; each one carries its chat-templated token ids, rendered exactly as Conveyor's
 api (and the naive server) render a chat request. `spread` picks a subset evenly over the lengths.
-`text_prompt` is a raw prompt instead (its text, no messages), `note` a seeded one of any length.
+`text_prompt` is a raw prompt instead (its text, no messages).
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from typing import Any
 
 SEED = 20240601
 USER_TOKENS = (10, 120)  # the range of user-message lengths, in tokens
-NOTE_WORDS = (
-    "river stone cloud lantern orbit maple signal harbor copper meadow violet engine thread canyon".split()
-)
 
 
 @dataclass(frozen=True)
@@ -35,34 +32,12 @@ def text_prompt(index: int, text: str) -> Prompt:
     return Prompt(index, [], 0, [], text)
 
 
-def note(index: int, words: int) -> str:
-    """A seeded note of `words` words to summarise (400 words: about 2,900 characters)."""
-    rng = random.Random(index)
-    return f"Summarise note {index} in one line: " + " ".join(rng.choice(NOTE_WORDS) for _ in range(words))
-
-
-TOPICS = [
-    "the water cycle",
-    "black holes",
-    "sourdough bread",
-    "the French revolution",
-    "public key cryptography",
-    "photosynthesis",
-    "compound interest",
-    "the immune system",
-    "plate tectonics",
-    "jazz improvisation",
-    "machine learning",
-    "the Roman empire",
-    "electric cars",
-    "coral reefs",
-    "the printing press",
-    "volcanoes",
-    "honey bees",
-    "the stock market",
-    "vaccines",
-    "solar panels",
-]
+TOPICS = (
+    "the water cycle, black holes, sourdough bread, the French revolution, public key cryptography, "
+    "photosynthesis, compound interest, the immune system, plate tectonics, jazz improvisation, "
+    "machine learning, the Roman empire, electric cars, coral reefs, the printing press, volcanoes, "
+    "honey bees, the stock market, vaccines, solar panels"
+).split(", ")
 TASKS = [
     "Define {topic}.",
     "Tell me about {topic}.",

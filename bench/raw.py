@@ -2,14 +2,12 @@
 
 `run_raw` calls `model.generate` on batches of prompts (left padding, attention mask, greedy, exactly
 `max_tokens` new tokens): a job's latency is its `generate` call and its TTFT the moment that call
-produced its first token; `raw_runs` loads the model once for several such runs. `prefill_s` times
-one forward pass over one prompt at batch 1, the least a first token costs. Loaded in process rather
+produced its first token; `raw_runs` loads the model once for several such runs. Loaded in process rather
 than started (bench/systems.py starts the servers), with torch imported here only.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +18,9 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench.load import JobResult, Run, checked, loadavg
+from bench.naive_server import generate_rows
 from bench.prompts import Prompt
 from bench.systems import say
-
-PREFILL_RUNS = 7
 
 
 class FirstTokenClock(BaseStreamer):
@@ -46,38 +43,17 @@ def load_model(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def left_pad(rows: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
 def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_tokens: int) -> list[JobResult]:
     """One `generate` call over `prompts`; every job's latency is the call, its TTFT the first token."""
-    ids, mask = left_pad([p.ids for p in prompts], pad_id)
     clock = FirstTokenClock()
     started = time.perf_counter()
     try:
-        with torch.inference_mode():
-            output = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                streamer=clock,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=pad_id,
-            )
+        new = generate_rows(model, [p.ids for p in prompts], pad_id, max_tokens, exact=True, streamer=clock)
     except Exception as exc:  # a failed call fails its jobs; the run goes on
         elapsed = time.perf_counter() - started
         return [JobResult(p.index, False, elapsed, None, 0, f"{type(exc).__name__}: {exc}") for p in prompts]
     elapsed = time.perf_counter() - started
     ttft = clock.first_token_at - started if clock.first_token_at is not None else None
-    new = output[:, ids.shape[1] :]
     return [
         checked(
             JobResult(p.index, True, elapsed, ttft, int(new.shape[1]), token_ids=new[i].tolist()), max_tokens
@@ -111,20 +87,3 @@ def raw_runs(
         say(f"{run.name}: {ok} jobs, {rate:.1f} tokens/s over {run.wall_s:.1f} s")
         runs.append(run)
     return model, runs
-
-
-def prefill_s(model: Any, prompt: Prompt, runs: int = PREFILL_RUNS) -> float:
-    """Median time of one forward pass over the prompt at batch 1 (what the first token costs at least).
-
-    Like `generate`'s prefill it keeps the logits of the last position only: the vocabulary projection
-    of every prompt position would add about a fifth to this small model's time.
-    """
-    ids = torch.tensor([prompt.ids], dtype=torch.long)
-    times = []
-    with torch.inference_mode():
-        for run in range(runs + 1):  # the first is a warm-up
-            started = time.perf_counter()
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
-            if run:
-                times.append(time.perf_counter() - started)
-    return statistics.median(times)

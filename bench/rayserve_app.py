@@ -1,11 +1,9 @@
 """Ray Serve as the seeds ran it: one replica, `@serve.batch` around the same model's `model.generate`.
 
-Requests are batched by Ray Serve (up to `MAX_BATCH_SIZE` per call, waiting at most `BATCH_WAIT_S` for
-a batch to fill); a batch is one left-padded `generate` call for the longest answer any of its requests
-asks for (request-level batching: a batch runs until its longest sequence ends, and a request that
-arrives meanwhile waits for the next batch). Each request gets its own tokens, cut to its own length.
-The body and the answer are the naive server's (bench/naive_server.py), so bench.load's `naive_job`
-drives both; the prompt is rendered by the naive server's `Engine`, so every system sees the same ids.
+Ray Serve batches requests (up to `MAX_BATCH_SIZE`, waiting at most `BATCH_WAIT_S`); a batch is one
+left-padded `generate` call for its longest answer (request-level batching), each request cut to its
+own length. Body, answer and prompt rendering are the naive server's (bench/naive_server.py), so
+bench.load's `naive_job` drives both.
 
 Run (bench.suite does this for you; needs the `bench` extra: `pip install -e '.[bench]'`):
 
@@ -42,8 +40,7 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    from bench.naive_server import Engine, GenerateRequest
-    from bench.raw import left_pad
+    from bench.naive_server import Engine, GenerateRequest, generate_rows
 
     @serve.deployment(
         num_replicas=1,
@@ -61,18 +58,9 @@ def build_app(model_path: Path, *, max_batch_size: int, batch_wait_s: float) -> 
             call prints a `BATCH_LINE` (the replica's output reaches the server's log), so a run can
             say which batch sizes Ray Serve actually formed (`batch_sizes`)."""
             started = time.perf_counter()
-            ids, mask = left_pad([r[0] for r in rows], int(self.engine.tokenizer.pad_token_id))
-            longest = max(r[1] for r in rows)
-            with torch.inference_mode():
-                output = self.engine.model.generate(
-                    input_ids=ids,  # [B, S], left-padded
-                    attention_mask=mask,
-                    do_sample=False,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest if all(r[2] for r in rows) else None,
-                    pad_token_id=self.engine.tokenizer.pad_token_id,
-                )
-            new = output[:, ids.shape[1] :]  # [B, longest]
+            longest, exact = max(r[1] for r in rows), all(r[2] for r in rows)
+            pad_id = int(self.engine.tokenizer.pad_token_id)
+            new = generate_rows(self.engine.model, [r[0] for r in rows], pad_id, longest, exact=exact)
             took = time.perf_counter() - started
             print(f"{BATCH_LINE} rows={len(rows)} longest={longest} seconds={took:.3f}", flush=True)
             return [new[i, : r[1]].tolist() for i, r in enumerate(rows)]

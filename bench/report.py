@@ -1,25 +1,22 @@
 """What a benchmark reports: the figures of its runs, targets with a verdict each, tables, result files.
 
 Figures of jobs and runs (bench/load.py's records): `summary` of a closed-loop run (throughput over
-its wall time, P50/P99 latency, P50 TTFT), `class_summary` of a class's jobs (counts with the refused
-and unfinished apart, TTFT P50/P95/P99 on both clocks, where the time went), `throughput` from the
-first arrival to the last end, `job_figures` of an open-loop run (unfinished jobs counted at the time
-they had waited), queue waits and ITL. A `Target` is a figure's goal; `target_rows` is the one verdict
-table every benchmark prints. `write_results` writes a report and its JSON side by side, with the
-commit (`git_commit`) and the run's circumstances (`in_process_meta`). Each benchmark's own tables are
-in its script: they read the layout of its own results.
+its wall time, P50/P99 latency, P50 TTFT), `throughput` from the first arrival to the last end,
+`job_figures` of an open-loop run (unfinished jobs counted at the time they had waited), queue waits
+and ITL. Every driver renders its tables here: `table` (a header, its columns' alignment, the rows)
+and `target_rows`, the one verdict table (a `Target` is a figure's goal). `write_results` writes a
+report and its JSON side by side; `git_commit` names the tree measured.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +24,6 @@ from bench.load import JobResult, Run
 from bench.systems import ROOT, say
 
 RESULTS_DIR = ROOT / "bench" / "results"
-
-
-# ---------------------------------------------------------------- numbers
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -66,7 +60,24 @@ def row(*cells: object) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-# ---------------------------------------------------------------- targets
+def table(columns: str, rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table: its header's cells `|` apart (a name ending in `>` is a right-aligned column,
+    shown without the `>`), then a line per row."""
+    names = [name.strip() for name in columns.split("|")]
+    rule = "|".join("---:" if name.endswith(">") else "---" for name in names)
+    return [row(*(name.removesuffix(">") for name in names)), f"|{rule}|", *(row(*cells) for cells in rows)]
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    """The median of timings in seconds, in milliseconds (the in-process micro-benchmarks' figure)."""
+    return statistics.median(samples) * 1000
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` took."""
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
 
 
 @dataclass(frozen=True)
@@ -78,30 +89,24 @@ class Target:
     unit: str = "x"
     scale: float = 1.0  # the value is shown and judged times this (seconds as ms: 1000)
     digits: int = 2
-    noise: float = 0.0  # at_least: a value this close under the goal is equal within the machine's noise
 
 
-def verdict(value: float | None, goal: float, at_least: bool, noise: float = 0.0) -> str:
+def verdict(value: float | None, goal: float, at_least: bool) -> str:
     if value is None:
         return "n/a"
-    if value >= goal if at_least else value <= goal:
-        return "met"
-    return "met (equal within noise)" if at_least and noise and value >= goal - noise else "missed"
+    return "met" if (value >= goal if at_least else value <= goal) else "missed"
 
 
 def target_rows(targets: Sequence[Target], values: Mapping[str, float | None]) -> list[str]:
     """| target | value | goal | verdict |, a row per target (n/a where its figure is missing)."""
-    rows = ["| target | value | goal | |", "|---|---:|---:|---|"]
+    cells = []
     for t in targets:
         raw = values.get(t.key)
         value = None if raw is None else raw * t.scale
         shown = fmt(value, digits=t.digits) + (t.unit if value is not None else "")
         goal = f"{'>=' if t.at_least else '<='} {t.goal}{t.unit}"
-        rows.append(row(t.label, shown, goal, verdict(value, t.goal, t.at_least, t.noise)))
-    return rows
-
-
-# ---------------------------------------------------------------- closed-loop runs
+        cells.append((t.label, shown, goal, verdict(value, t.goal, t.at_least)))
+    return table("target | value> | goal> | ", cells)
 
 
 def summary(run: Run) -> dict[str, Any]:
@@ -122,43 +127,11 @@ def summary(run: Run) -> dict[str, Any]:
     }
 
 
-def failed(runs: Sequence[Run]) -> bool:
-    return any(not j.ok for r in runs for j in r.jobs)
-
-
 def report_run(run: Run) -> None:
     say(
         f"{run.name}: {len(run.ok)}/{len(run.jobs)} jobs in {run.wall_s:.1f} s, "
         f"{run.tokens_per_s():.1f} tokens/s (load average {run.load[0]:.2f} -> {run.load[1]:.2f})"
     )
-
-
-def system_table(runs: Sequence[Run]) -> list[str]:
-    """One row per system: jobs, throughput, P50/P99 latency, P50 TTFT."""
-    rows = [
-        "| system | jobs | tokens/s | p50 latency (s) | p99 latency (s) | p50 TTFT (ms) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for run in runs:
-        s = summary(run)
-        jobs = (
-            str(s["succeeded"]) if not s["failed"] else f"{s['succeeded']}/{s['jobs']} ({s['failed']} failed)"
-        )
-        rows.append(
-            row(
-                run.name,
-                jobs,
-                fmt(s["tokens_per_s"], digits=1),
-                fmt(s["p50_latency_s"]),
-                fmt(s["p99_latency_s"]),
-                fmt(s["p50_ttft_s"], 1000, 1),
-            )
-        )
-    return rows
-
-
-def failure_lines(runs: Sequence[Run]) -> list[str]:
-    return [f"- {run.name} failure: {error}" for run in runs for error in summary(run)["errors"]]
 
 
 def greedy_agreement(reference: Run, other: Run, eos_ids: set[int]) -> dict[str, int]:
@@ -173,30 +146,6 @@ def greedy_agreement(reference: Run, other: Run, eos_ids: set[int]) -> dict[str,
         compared += 1
         same += job.token_ids[:cut] == ref[job.prompt][:cut]
     return {"compared": compared, "identical": same}
-
-
-def job_record(job: JobResult) -> dict[str, Any]:
-    """A job for the JSON: what the server and the client said, without its tokens and load-shape marks."""
-    record = asdict(job)
-    for name in ("token_ids", "gaps_s", "cls", "submitted"):
-        record.pop(name)
-    return record
-
-
-def systems_record(runs: Sequence[Run]) -> dict[str, Any]:
-    """Each system's summary, note, load average and jobs (without their token ids), by name."""
-    return {
-        run.name: {
-            **summary(run),
-            "note": run.note,
-            "load_average": list(run.load),
-            "jobs_detail": [job_record(j) for j in run.jobs],
-        }
-        for run in runs
-    }
-
-
-# ---------------------------------------------------------------- classes and open-loop runs
 
 
 def counts(jobs: Sequence[JobResult], submitted: int | None = None) -> dict[str, int]:
@@ -221,31 +170,6 @@ def jobs_cell(s: Mapping[str, Any]) -> str:
     """`ok/submitted`, with the refused, failed and unfinished jobs when there are any."""
     extra = [f"{s[k]} {k}" for k in ("refused", "failed", "unfinished") if s.get(k)]
     return f"{s['ok']}/{s['jobs']}" + (f" ({', '.join(extra)})" if extra else "")
-
-
-def class_summary(jobs: Sequence[JobResult], submitted: int | None = None) -> dict[str, Any]:
-    """Counts (ok, refused, failed, unfinished) and TTFT / latency percentiles of the jobs that succeeded.
-
-    `jobs` are those that ended; `submitted` (default: as many) counts the ones given up in flight too.
-    """
-    ok = [j for j in jobs if j.ok]
-    ttfts = [j.ttft_s for j in ok if j.ttft_s is not None]
-    server = [j.server_ttft_s for j in ok if j.server_ttft_s is not None]
-    latencies = [j.latency_s for j in ok]
-    return {
-        **counts(jobs, submitted),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p95_s": percentile(ttfts, 95),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "server_ttft_p95_s": percentile(server, 95),
-        "phases_p95_s": {
-            name: percentile([j.phases_s[name] for j in ok if name in j.phases_s], 95)
-            for name in ("intake", "handoff", "prefill")
-        },
-        "latency_p50_s": percentile(latencies, 50),
-        "latency_p99_s": percentile(latencies, 99),
-        "errors": errors(jobs),
-    }
 
 
 def throughput(jobs: Sequence[JobResult], start: float) -> dict[str, Any]:
@@ -351,9 +275,6 @@ def job_rows(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
-# ---------------------------------------------------------------- files
-
-
 def git_commit() -> str:
     """The short commit of the repository, `+dirty` with uncommitted changes to tracked files."""
     try:
@@ -375,20 +296,6 @@ def git_commit() -> str:
         return f"{out}{'+dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def in_process_meta(command: str) -> dict[str, str]:
-    """What an in-process benchmark's report says about its run: the command, torch, when, the
-    commit (CONVEYOR_COMMIT) and the load average at the end."""
-    import torch
-
-    return {
-        "command": command,
-        "torch": torch.__version__,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("CONVEYOR_COMMIT", ""),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
 
 
 def write_results(

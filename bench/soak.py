@@ -1,23 +1,16 @@
 """The soak: a whole stack under steady mixed load for half an hour, checked for what a long run
 would show and a test would not: lost or stuck jobs, memory that creeps, tracebacks in the log.
 
-One `conveyor up` (its own embedded Redis, two tenants' API keys) is first saturated by a closed
-loop of clients to measure its capacity (jobs/s); then jobs arrive as a Poisson process at
-`--load` (70%) of that capacity, for `--minutes`, from two tenants (two thirds and one third of
-the traffic): 5% are cancelled shortly after they are accepted, 5% are poison (a sampling value out
-of bounds, an unknown model alias, a `top_k` past int64: each must be refused 4xx, never a 500 and
-never harm to the others). Every 15 s the sampler reads Redis's `used_memory` and the RSS of every
-process of the stack, and every 5 s the watcher reads each accepted job's status straight from
-Redis (one pipeline; following each job's event stream from one Python client would make the load
-generator, not the stack, the bottleneck); what it has not seen end once the load stops is polled
-through the API. A job accepted and gone without having been seen to end is lost; one not ended
-after the drain is stuck. "Arrivals behind schedule" says whether the generator kept up.
-Memory slopes (MiB per hour, least squares after the warm-up) tell whether anything grows; the
-stack's log is searched for tracebacks.
-
-Ended jobs keep their records `--ended-ttl-s` (300 s here, an hour by default in production): with
-the default, Redis would grow for the whole first hour by design, and the soak could not tell that
-growth from a leak. The warm-up is the longer of that TTL and a fifth of the run.
+One `conveyor up` (its own embedded Redis, two tenants' API keys) is saturated by a closed loop to
+measure its capacity; then jobs arrive as a Poisson process at `--load` of it for `--minutes`, from
+two tenants (2/3 and 1/3): 5% cancelled shortly after acceptance, 5% poison (each must be refused
+4xx, never a 500). Every 15 s the sampler reads Redis's `used_memory` and every stack process's
+RSS; every 5 s the watcher reads each accepted job's status straight from Redis (one pipeline, so
+the load generator is not the bottleneck); what it has not seen end is polled through the API at
+the end. Accepted and gone without ending: lost; not ended after the drain: stuck. Memory slopes
+(MiB/h, least squares after the warm-up) tell whether anything grows; the log is searched for
+tracebacks. Ended records live `--ended-ttl-s` (300 s, so Redis stops growing by design early);
+the warm-up is the longer of that TTL and a fifth of the run.
 
     python -m bench.soak [--model tiny|smollm2] [--minutes 30] [--load 0.7] [--calibrate-s 60]
 
@@ -42,7 +35,7 @@ import redis as redis_lib
 
 from bench.load import JobResult, closed_loop_until, inference_job, poisson_arrivals
 from bench.prompts import Prompt
-from bench.report import RESULTS_DIR, git_commit
+from bench.report import RESULTS_DIR, git_commit, table, write_results
 from bench.systems import (
     Model,
     System,
@@ -67,9 +60,6 @@ POISON = (
 WORDS = "river stone cloud lantern orbit maple signal harbor copper meadow violet engine".split()
 
 
-# ---------------------------------------------------------------- pure parts (tests/unit/test_soak_bench.py)
-
-
 def kind_of(rng: random.Random, cancel: float, poison: float) -> str:
     """What one arrival is: `cancel`, `poison` or `normal`."""
     draw = rng.random()
@@ -77,24 +67,14 @@ def kind_of(rng: random.Random, cancel: float, poison: float) -> str:
 
 
 def tenant_of(rng: random.Random) -> str:
-    draw, total = rng.random(), 0.0
-    for tenant, share in TENANTS:
-        total += share
-        if draw < total:
-            return tenant
-    return TENANTS[-1][0]
+    return rng.choices([tenant for tenant, _ in TENANTS], weights=[share for _, share in TENANTS])[0]
 
 
 def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, value) samples, per hour; None with fewer than 3 samples."""
-    if len(samples) < 3:
+    if len(samples) < 3 or len({t for t, _ in samples}) < 2:
         return None
-    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var * 3600
+    return statistics.linear_regression(*zip(*samples, strict=True)).slope * 3600
 
 
 def role_of(cmdline: str) -> str:
@@ -143,9 +123,6 @@ class Tally:
 class Samples:
     redis: list[tuple[float, float]] = field(default_factory=list)  # (s, MiB)
     rss: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # "role pid" -> (s, MiB)
-
-
-# ---------------------------------------------------------------- the run
 
 
 def job_body(i: int, max_tokens: int) -> dict[str, object]:
@@ -358,7 +335,7 @@ async def measure(
 ) -> tuple[float, float, Tally, Samples]:
     """Capacity, then the soak at `--load` of it and the drain: the elapsed time, the tally, the samples."""
     assert system.process is not None
-    redis = redis_lib.Redis.from_url(system.redis_url)
+    redis = redis_lib.Redis.from_url(system.env["REDIS_URL"])
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=system.base_url, timeout=120.0, limits=limits) as client:
         capacity = await calibrate(client, keys, args.calibrate_s, args.max_tokens)
@@ -397,17 +374,20 @@ def report(
         f" {args.poison:.0%} poison, tenants {', '.join(f'{t} {s:.0%}' for t, s in TENANTS)};"
         f" ended jobs kept {args.ended_ttl_s} s; run and drain {elapsed / 60:.1f} min.",
         "",
-        "| jobs | count |",
-        "|---|---:|",
-        f"| accepted (202) | {len(tally.accepted)} |",
-        *(f"| ended {status} | {n} |" for status, n in sorted(tally.final.items())),
-        f"| cancel answered 200 | {len(tally.cancelled)} |",
-        f"| **lost** (accepted, then gone) | **{len(tally.lost)}** |",
-        f"| **stuck** (not ended after the drain) | **{len(tally.stuck)}** |",
-        f"| poison refused | {', '.join(f'{c}: {n}' for c, n in sorted(tally.refused.items())) or 0} |",
-        f"| unexpected answers | {unexpected} |",
-        f"| tracebacks in the log | {len(traces)} |",
-        f"| arrivals behind schedule, at most | {tally.lag_s:.2f} s |",
+        *table(
+            "jobs | count>",
+            [
+                ("accepted (202)", len(tally.accepted)),
+                *((f"ended {status}", n) for status, n in sorted(tally.final.items())),
+                ("cancel answered 200", len(tally.cancelled)),
+                ("**lost** (accepted, then gone)", f"**{len(tally.lost)}**"),
+                ("**stuck** (not ended after the drain)", f"**{len(tally.stuck)}**"),
+                ("poison refused", ", ".join(f"{c}: {n}" for c, n in sorted(tally.refused.items())) or 0),
+                ("unexpected answers", unexpected),
+                ("tracebacks in the log", len(traces)),
+                ("arrivals behind schedule, at most", f"{tally.lag_s:.2f} s"),
+            ],
+        ),
         "",
         "Tokens of succeeded jobs per tenant: "
         + ", ".join(f"{t} {n}" for t, n in sorted(tally.tokens.items()))
@@ -415,17 +395,15 @@ def report(
         "",
         f"Memory after the {warmup / 60:.0f}-minute warm-up (sampled every {SAMPLE_S:g} s):",
         "",
-        "| process | first MiB | last MiB | slope MiB/h |",
-        "|---|---:|---:|---:|",
     ]
+    cells = []
     for name, series in rows:
-        kept = after(series)
-        if not kept:
-            continue
-        slope = slope_per_hour(kept)
-        lines.append(
-            f"| {name} | {kept[0][1]:.1f} | {kept[-1][1]:.1f} | {'-' if slope is None else f'{slope:+.1f}'} |"
-        )
+        if kept := after(series):
+            slope = slope_per_hour(kept)
+            cells.append(
+                (name, f"{kept[0][1]:.1f}", f"{kept[-1][1]:.1f}", "-" if slope is None else f"{slope:+.1f}")
+            )
+    lines += table("process | first MiB> | last MiB> | slope MiB/h>", cells)
     if traces:
         lines += ["", "Tracebacks: " + "; ".join(sorted(set(traces)))]
     return "\n".join(lines) + "\n"
@@ -455,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         text = run(args, model, Path(tmp))
     print(text)
-    args.out.write_text(text)
-    say(f"wrote {args.out}")
+    write_results(args.out.stem, text, None, args.out.parent)
     return 0
 
 

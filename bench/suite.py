@@ -1,44 +1,27 @@
 """The benchmark suite: Conveyor against a naive server and Ray Serve: same model, prompts, machine and run.
 
-Systems (started by bench/systems.py): the naive server (`model.generate` one request at a time), Ray Serve
-(`@serve.batch` around `model.generate`, one replica of 2 CPUs), Conveyor with 1 stage and with 2
-stages, and in-process `model.generate` at batch 32 and 64 (the raw limit). Every job asks for its own
-number of tokens with EOS ignored, so every system does the same work: output lengths are a seeded
-lognormal (median 64, clipped to 16-256), prompts bench.prompts' seeded chat requests.
+Systems (bench/systems.py): the naive server (`generate` one request at a time), Ray Serve
+(`@serve.batch` around `generate`), Conveyor with 1 and 2 stages, and in-process `generate` at
+batch 32 and 64 (the raw limit). Every job asks for its own number of tokens with EOS ignored
+(a seeded lognormal, median 64, clipped to 16-256) over bench.prompts' seeded chat requests.
 
-1. Load sweep: open-loop Poisson arrivals at each rate (jobs/s) of the plan for `window_s`, the same
-   seeded schedule and prompts on every system; each system gets `drain_cap_s` after the last arrival,
-   then its unfinished jobs are counted (and enter the P99 at the time they had waited). A system that
-   left jobs unfinished is started afresh for its next phase: the work it had queued would run on into
-   it. The comparison point is `main_rate`: 1 job/s, about 87 tokens/s asked, five times what the naive
-   server generates on 2 cores (about 17 tokens/s) and more than Ray Serve's request-level batches keep
-   up with, at the edge of Conveyor's capacity. A throughput ratio at a load can be no more than that load
-   over the slower system's capacity: at 0.75 jobs/s (70 tokens/s asked) that ceiling is about 4x, too
-   close to the 3.8x target to tell the systems apart. Throughput: tokens of successful jobs / (first
-   arrival to last completion).
-2. Peak (Conveyor 1 stage): 64 closed-loop clients, 64 tokens a job; the token rate received over a
-   window that opens once the ramp's prefills have drained (steady state), against raw `generate` at
-   batch 32 and 64 (64 tokens, prefill included; the better of the two).
-3. Burst (Conveyor 1 stage): `normal` jobs at a low rate that steps up 10x for a window and back, plus
-   `high` jobs at a steady rate; the high jobs' queue wait (started_at - created_at, from each job's final
-   record: the intake, the broker and the step in progress, until its prefill began) before and during
-   the burst, and that no accepted job was lost.
+1. Load sweep: open-loop Poisson arrivals at each rate of the plan for `window_s`, the same on
+   every system, then `drain_cap_s`; unfinished jobs enter the P99 at the time they had waited, and
+   a system that left some is started afresh for its next phase. `main_rate` (1 job/s) is the
+   comparison point. Throughput: tokens of successful jobs / (first arrival to last completion).
+2. Peak (Conveyor 1 stage): 64 closed-loop clients, 64 tokens a job, the token rate over a window
+   after the ramp's prefills drained, against raw `generate`'s better batch size.
+3. Burst (Conveyor 1 stage): `normal` jobs stepping up 10x for a window, `high` jobs throughout;
+   the high jobs' queue wait (started_at - created_at) before and during, and no accepted job lost.
 
     .venv/bin/python -m bench.suite [--quick | --smoke] [--model smollm2|tiny] [--systems "naive server,..."]
                                     [--rates 0.5,0.75,1] [--no-raw] [--results DIR]
 
---quick (what `make bench` runs) is under 10 minutes on 2 cores (shorter windows, 2 rates, the 2-stage
-layout at the main rate only); the full plan (`make bench-full`) about an hour;
-`--rates` narrows its sweep (three rates: about 45 minutes). `--smoke --model tiny`
-runs the tests' tiny random Llama for seconds a phase: a check of the machinery, not a measurement.
-Writes bench/results/suite.md, suite.json and three plots (matplotlib, Agg backend), drawn from the
-same results as the report:
-
-    suite_latency_cdf.png   end-to-end latency CDF per system at the comparison rate; the curve is a
-                            fraction of the jobs submitted, so unfinished jobs keep it below 1
-    suite_load.png          throughput and P99 latency (with unfinished jobs) against the offered load
-    suite_burst.png         Conveyor's queue wait (started_at - created_at) by submit time in the burst,
-                            per priority class, the burst window shaded
+--quick (`make bench`) is under 10 minutes on 2 cores, the full plan (`make bench-full`) about an
+hour; `--smoke --model tiny` checks the machinery in seconds a phase. Writes bench/results/suite.md,
+suite.json and three plots (matplotlib): the latency CDF per system at the comparison rate
+(suite_latency_cdf.png), throughput and P99 against the offered load (suite_load.png), and the
+burst's queue waits by submit time (suite_burst.png). docs/benchmarks.md says what a run can tell.
 """
 
 from __future__ import annotations
@@ -63,7 +46,6 @@ from bench.load import (
     OUTPUT_MEDIAN,
     OUTPUT_SIGMA,
     OUTPUT_TOKENS,
-    Run,
     burst_arrivals,
     burst_run,
     offered_tokens_per_s,
@@ -86,8 +68,8 @@ from bench.report import (
     load_cell,
     queue_waits,
     ratio,
-    row,
     summary,
+    table,
     target_rows,
     token_stats,
     wait_stats,
@@ -112,7 +94,7 @@ CONVEYOR_2 = "conveyor 2 stages"
 SYSTEMS = (NAIVE, RAY, CONVEYOR_1, CONVEYOR_2)
 STAGE_SETTINGS: dict[str, dict[str, str]] = {
     CONVEYOR_1: {},
-    # as bench/pipeline.py's 2-stage layout: a thread per stage worker, so the two share the 2 cores
+    # a thread per stage worker, so the two stages share the 2 cores
     CONVEYOR_2: {"CONVEYOR_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
 }
 COLORS = {NAIVE: "tab:red", RAY: "tab:orange", CONVEYOR_1: "tab:blue", CONVEYOR_2: "tab:green"}
@@ -121,7 +103,7 @@ ARRIVAL_SEED = SEED + 11  # the sweep's Poisson schedule (one stream, scaled by 
 HIGH_SEED = SEED + 12  # the burst's high prompts, lengths and arrivals
 BURST_SEED = SEED + 13  # the burst's normal arrivals
 BURST_FACTOR = 10.0
-PEAK_TOKENS = 64  # the peak and the raw limit: every job this long, as bench.slice's
+PEAK_TOKENS = 64  # the peak and the raw limit: every job this long
 RAW_BATCHES = (32, 64)
 
 
@@ -185,19 +167,16 @@ FULL = Plan(
     raw_calls=2,
     second_layout_rates=(0.25, 0.5, 0.75, 1.0, 1.25),
 )
-QUICK = Plan(
-    "quick",
+QUICK = replace(  # under 10 minutes: shorter windows, 2 rates, the 2-stage layout at the main rate only
+    FULL,
+    name="quick",
     rates=(0.5, 1.0),
-    main_rate=1.0,
     window_s=20.0,
     drain_cap_s=20.0,
     burst_drain_cap_s=45.0,
-    burst_normal_rate=0.12,
-    burst_high_rate=0.5,
     burst_before_s=10.0,
     burst_s=10.0,
     burst_after_s=5.0,
-    peak_clients=64,
     peak_ramp_s=10.0,
     peak_warm_s=20.0,
     peak_window_s=30.0,
@@ -282,9 +261,6 @@ def start(name: str, model: Model, workdir: Path, warm: list[Prompt]) -> Iterato
         yield system
 
 
-# ---------------------------------------------------------------- phases
-
-
 def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict[str, Any]:
     offsets = work.schedules[rate]
     prompts = work.pool[: len(offsets)]
@@ -299,21 +275,18 @@ def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict
             drain_cap_s=plan.drain_cap_s,
         )
     )
-    figures = point_figures(run, rate, [work.lengths[p.index] for p in prompts], plan.window_s)
+    lengths = [work.lengths[p.index] for p in prompts]
+    figures = {
+        "rate": rate,
+        "offered_tokens_per_s": offered_tokens_per_s(lengths, plan.window_s),
+        **job_figures(run),
+        "jobs_detail": job_rows(run),
+    }
     say(
         f"{system.name} @ {rate:g}/s: {figures['ok']}/{figures['jobs']} ok, {figures['unfinished']} "
         f"unfinished, {figures['tokens_per_s']:.1f} tokens/s, P99 {figures['latency_p99_all_s'] or 0:.1f} s"
     )
     return figures
-
-
-def point_figures(run: Run, rate: float, lengths: list[int], window_s: float) -> dict[str, Any]:
-    return {
-        "rate": rate,
-        "offered_tokens_per_s": offered_tokens_per_s(lengths, window_s),
-        **job_figures(run),
-        "jobs_detail": job_rows(run),
-    }
 
 
 def burst(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
@@ -344,15 +317,10 @@ def burst(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
             "load_average": figures["load_average"],
             "waits": [[round(a, 4), round(w, 5)] for a, w in waits],
         }
-    say(
-        f"burst: high queue wait P95 before {fmt_ms(result['high']['before']['p95_s'])}, during "
-        f"{fmt_ms(result['high']['during']['p95_s'])}"
-    )
+    high = result["high"]
+    before, during = (fmt(high[phase]["p95_s"], 1000, 0) for phase in ("before", "during"))
+    say(f"burst: high queue wait P95 before {before} ms, during {during} ms")
     return result
-
-
-def fmt_ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def peak(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
@@ -424,9 +392,6 @@ def bench_raw(model: Model, tokenizer: Any, work: Workload, plan: Plan) -> dict[
     }
 
 
-# ---------------------------------------------------------------- report
-
-
 def point(results: dict[str, Any], name: str, rate: float) -> dict[str, Any] | None:
     system = results.get("systems", {}).get(name) or {}
     return (system.get("points") or {}).get(str(rate))
@@ -462,66 +427,45 @@ def ratios(results: dict[str, Any], main_rate: float) -> dict[str, float | None]
 
 
 def main_rows(results: dict[str, Any], rate: float) -> list[str]:
-    rows = [
-        "| system | ok/submitted | tokens/s | latency p50 (s) | p99, done (s) | p99 with unfinished (s) "
-        "| TTFT p50 (s) | ITL p50 (ms) | load average |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in SYSTEMS:
-        if name not in results.get("systems", {}):
-            continue
+    cells = []
+    for name in (n for n in SYSTEMS if n in results.get("systems", {})):
         f = point(results, name, rate)
         if f is None:
-            rows.append(f"| {name} | not measured | | | | | | | |")
+            cells.append([name, "not measured", *[""] * 7])
             continue
-        rows.append(
-            row(
-                name,
-                jobs_cell(f),
-                fmt(f["tokens_per_s"], digits=1),
-                fmt(f["latency_p50_s"]),
-                fmt(f["latency_p99_s"]),
-                fmt(f["latency_p99_all_s"]),
-                fmt(f["ttft_p50_s"]),
-                fmt(f["itl_p50_s"], 1000, 0) if f["itl_p50_s"] is not None else "(not streamed)",
-                load_cell(f.get("load_average")),
-            )
-        )
-    return rows
+        latencies = [fmt(f[k]) for k in ("latency_p50_s", "latency_p99_s", "latency_p99_all_s", "ttft_p50_s")]
+        itl = fmt(f["itl_p50_s"], 1000, 0) if f["itl_p50_s"] is not None else "(not streamed)"
+        tokens = fmt(f["tokens_per_s"], digits=1)
+        cells.append([name, jobs_cell(f), tokens, *latencies, itl, load_cell(f.get("load_average"))])
+    return table(
+        "system | ok/submitted> | tokens/s> | latency p50 (s)> | p99, done (s)> | p99 with unfinished (s)> "
+        "| TTFT p50 (s)> | ITL p50 (ms)> | load average>",
+        cells,
+    )
 
 
 def sweep_rows(results: dict[str, Any], rates: list[float]) -> list[str]:
-    rows = [
-        "| system | jobs/s | tokens/s asked | ok/submitted | tokens/s | p99 with unfinished (s) "
-        "| load average |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    cells = [
+        [name, f"{rate:g}", fmt(f["offered_tokens_per_s"], digits=1), jobs_cell(f)]
+        + [fmt(f["tokens_per_s"], digits=1), fmt(f["latency_p99_all_s"]), load_cell(f.get("load_average"))]
+        for name in SYSTEMS
+        for rate in rates
+        if (f := point(results, name, rate)) is not None
     ]
-    for name in SYSTEMS:
-        for rate in rates:
-            f = point(results, name, rate)
-            if f is None:
-                continue
-            rows.append(
-                row(
-                    name,
-                    f"{rate:g}",
-                    fmt(f["offered_tokens_per_s"], digits=1),
-                    jobs_cell(f),
-                    fmt(f["tokens_per_s"], digits=1),
-                    fmt(f["latency_p99_all_s"]),
-                    load_cell(f.get("load_average")),
-                )
-            )
-    return rows
+    return table(
+        "system | jobs/s> | tokens/s asked> | ok/submitted> | tokens/s> | p99 with unfinished (s)> "
+        "| load average>",
+        cells,
+    )
 
 
 def peak_rows(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
-    rows = ["| system | tokens/s | how | load average |", "|---|---:|---|---:|"]
-    for name, r in (results.get("raw") or {}).items():
-        how = f"{r['jobs']} prompts, {r['jobs'] // r['batch']} `generate` call(s) of {r['batch']}, 64 tokens"
-        rows.append(
-            f"| {name} | {fmt(r['tokens_per_s'], digits=1)} | {how} | {load_cell(r['load_average'])} |"
-        )
+    cells = [
+        [name, fmt(r["tokens_per_s"], digits=1)]
+        + [f"{r['jobs']} prompts, {r['jobs'] // r['batch']} `generate` call(s) of {r['batch']}, 64 tokens"]
+        + [load_cell(r["load_average"])]
+        for name, r in (results.get("raw") or {}).items()
+    ]
     peak = (results.get("systems", {}).get(CONVEYOR_1) or {}).get("peak")
     if peak:
         opens = meta["plan"]["peak_ramp_s"] + meta["plan"]["peak_warm_s"]
@@ -530,25 +474,17 @@ def peak_rows(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             f"{peak['window_s']:.0f} s from {opens:.0f} s after the first ({peak['jobs_ended']} jobs ended, "
             f"{peak['failed']} failed)"
         )
-        rows.append(
-            f"| {CONVEYOR_1} | {fmt(peak['tokens_per_s'], digits=1)} | {how} | {load_cell(peak['load'])} |"
-        )
-    return rows
+        cells.append((CONVEYOR_1, fmt(peak["tokens_per_s"], digits=1), how, load_cell(peak["load"])))
+    return table("system | tokens/s> | how | load average>", cells)
 
 
 def burst_rows(burst: dict[str, Any]) -> list[str]:
-    rows = [
-        "| class | arrivals | phase | jobs | queue wait median (ms) | queue wait p95 (ms) |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
+    cells = []
     for cls in ("high", "normal"):
-        for phase in ("before", "during", "after"):
-            s = burst[cls][phase]
-            rows.append(
-                f"| {cls} | {burst[cls]['arrivals']} | {phase} | {s['jobs']} | {fmt(s['median_s'], 1000, 0)} "
-                f"| {fmt(s['p95_s'], 1000, 0)} |"
-            )
-    return rows
+        for phase, s in ((phase, burst[cls][phase]) for phase in ("before", "during", "after")):
+            waits = (fmt(s["median_s"], 1000, 0), fmt(s["p95_s"], 1000, 0))
+            cells.append((cls, burst[cls]["arrivals"], phase, s["jobs"], *waits))
+    return table("class | arrivals> | phase | jobs> | queue wait median (ms)> | queue wait p95 (ms)>", cells)
 
 
 def burst_section(results: dict[str, Any], meta: dict[str, Any]) -> list[str]:
@@ -653,18 +589,6 @@ def payload(results: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- plots
-
-
-def pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def cdf_points(latencies: list[float], submitted: int) -> tuple[list[float], list[float]]:
     """(sorted latencies, fraction of the submitted jobs done by each): a CDF that ends below 1 when
     jobs never finished."""
@@ -672,75 +596,50 @@ def cdf_points(latencies: list[float], submitted: int) -> tuple[list[float], lis
     return ordered, [(i + 1) / submitted for i in range(len(ordered))] if submitted else []
 
 
-def latency_cdf(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
+def latency_cdf(plt: Any, results: dict[str, Any], meta: dict[str, Any]) -> Any:
     main = str(meta["plan"]["main_rate"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in SYSTEMS:
         point = ((results["systems"].get(name) or {}).get("points") or {}).get(main)
-        if not point:
-            continue
-        latencies = [j["latency_s"] for j in point["jobs_detail"] if j["status"] == "succeeded"]
-        xs, ys = cdf_points(latencies, point["jobs"])
-        ax.step(
-            xs, ys, where="post", label=f"{name} ({point['ok']}/{point['jobs']} done)", color=COLORS.get(name)
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("end-to-end latency (s, log scale)")
-    ax.set_ylabel("fraction of submitted jobs done")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"Latency CDF at {main} jobs/s ({meta['model']}, {meta['plan']['name']})")
+        if point:
+            latencies = [j["latency_s"] for j in point["jobs_detail"] if j["status"] == "succeeded"]
+            label = f"{name} ({point['ok']}/{point['jobs']} done)"
+            ax.step(*cdf_points(latencies, point["jobs"]), where="post", label=label, color=COLORS.get(name))
+    ax.set(xscale="log", xlabel="end-to-end latency (s, log scale)", ylabel="fraction of submitted jobs done")
+    ax.set(ylim=(0, 1.02), title=f"Latency CDF at {main} jobs/s ({meta['model']}, {meta['plan']['name']})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def load_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
+def load_plot(plt: Any, results: dict[str, Any], meta: dict[str, Any]) -> Any:
     fig, (tput, p99) = plt.subplots(1, 2, figsize=(11, 4.5))
+    top = 1.0
     for name in SYSTEMS:
         points = (results["systems"].get(name) or {}).get("points") or {}
         ordered = sorted(points.values(), key=lambda p: p["offered_tokens_per_s"])
-        if not ordered:
-            continue
         offered = [p["offered_tokens_per_s"] for p in ordered]
+        top = max([top, *offered])
         style = {"marker": "o", "label": name, "color": COLORS.get(name)}
-        tput.plot(offered, [p["tokens_per_s"] for p in ordered], **style)
-        p99.plot(offered, [p["latency_p99_all_s"] or float("nan") for p in ordered], **style)
-    top = max(
-        (
-            p["offered_tokens_per_s"]
-            for s in results["systems"].values()
-            for p in (s.get("points") or {}).values()
-        ),
-        default=1.0,
-    )
+        if ordered:
+            tput.plot(offered, [p["tokens_per_s"] for p in ordered], **style)
+            p99.plot(offered, [p["latency_p99_all_s"] or float("nan") for p in ordered], **style)
     tput.plot([0, top], [0, top], linestyle=":", color="grey", label="= offered")
-    tput.set_xlabel("offered load (tokens/s asked)")
-    tput.set_ylabel("throughput (tokens/s)")
-    tput.set_title("Throughput")
-    p99.set_xlabel("offered load (tokens/s asked)")
+    tput.set(xlabel="offered load (tokens/s asked)", ylabel="throughput (tokens/s)", title="Throughput")
+    p99.set(xlabel="offered load (tokens/s asked)", yscale="log", title="P99 latency")
     p99.set_ylabel("P99 end-to-end latency (s), unfinished jobs included")
-    p99.set_yscale("log")
-    p99.set_title("P99 latency")
     for ax in (tput, p99):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{meta['model']}, {meta['plan']['name']} plan, {meta['cpus']} cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def burst_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
+def burst_plot(plt: Any, results: dict[str, Any], meta: dict[str, Any]) -> Any:
     burst = (results["systems"].get(CONVEYOR_1) or {}).get("burst")
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if burst:
-        start, end = burst["window_s"]["burst"]
-        ax.axvspan(start, end, color="grey", alpha=0.15, label="burst (normal x10)")
+        ax.axvspan(*burst["window_s"]["burst"], color="grey", alpha=0.15, label="burst (normal x10)")
         for cls, color in (("normal", "tab:blue"), ("high", "tab:red")):
             waits = burst[cls]["waits"]
             ax.scatter([a for a, _ in waits], [w * 1000 for _, w in waits], s=14, color=color, label=cls)
@@ -748,37 +647,32 @@ def burst_plot(results: dict[str, Any], meta: dict[str, Any], path: Path) -> Non
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "burst not measured", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("submit time (s from the start)")
-    ax.set_ylabel("queue wait, started_at - created_at (ms)")
+    ax.set(xlabel="submit time (s from the start)", ylabel="queue wait, started_at - created_at (ms)")
     ax.set_title(f"{CONVEYOR_1}: queue wait through a 10x burst ({meta['model']}, {meta['plan']['name']})")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+PLOTS = {"suite_latency_cdf.png": latency_cdf, "suite_load.png": load_plot, "suite_burst.png": burst_plot}
 
 
 def plot_all(results: dict[str, Any], meta: dict[str, Any], directory: Path = RESULTS_DIR) -> None:
     """The three PNGs; a missing matplotlib is reported, not fatal (the tables are written already)."""
     try:
-        pyplot()
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError as exc:
         say(f"no plots: matplotlib is not installed ({exc}); pip install -e '.[bench]'")
         return
     directory.mkdir(parents=True, exist_ok=True)
-    for name, draw in (
-        ("suite_latency_cdf.png", latency_cdf),
-        ("suite_load.png", load_plot),
-        ("suite_burst.png", burst_plot),
-    ):
-        draw(results, meta, directory / name)
-    say(f"wrote the plots suite_latency_cdf.png, suite_load.png and suite_burst.png in {directory}")
-
-
-# ---------------------------------------------------------------- main
-
-
-def command_line(argv: list[str]) -> str:
-    return " ".join([".venv/bin/python -m bench.suite", *argv])
+    for name, draw in PLOTS.items():
+        fig = draw(plt, results, meta)
+        fig.tight_layout()
+        fig.savefig(directory / name, dpi=110)
+        plt.close(fig)
+    say(f"wrote the plots {', '.join(PLOTS)} in {directory}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -841,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(tokenizer, plan)
     lengths = [work.lengths[p.index] for p in work.pool]
     meta: dict[str, Any] = {
-        "command": command_line(argv),
+        "command": " ".join([".venv/bin/python -m bench.suite", *argv]),
         "plan": asdict(plan),
         "model": model.name,
         "cpus": os.cpu_count(),

@@ -8,18 +8,13 @@
     transformers serve  `transformers serve --continuous-batching`, the project's transformers
     redis               an embedded redis-server of its own (app.core.redis.start_embedded)
 
-Each is a context manager that yields a `System` (its name, base URL and log; for Conveyor the
-settings it saw and its process) once it answers, and on the way out stops it and whatever it
-started: a server runs in its own session with its output in a log file, gets SIGTERM, then SIGKILL
-after a timeout, and its leftover descendants are killed. A system that does not come up raises
-RuntimeError with the reason and the end of its log, which a benchmark reports in place of its
-figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C so that those exits run.
-
-Not here, and why: raw `generate` (bench/raw.py) is loaded in process, not started, and imports
-torch; the tests' stack launcher (tests/conftest.py `start_stack`) stays the tests' own: it clears
-the caller's CONVEYOR_* settings and pins fp32 so that tests compare tokens with `generate`, where a
-benchmark passes the user's settings through (REDIS_URL, CONVEYOR_TORCH_THREADS) and runs the
-defaults it measures. Both take the tiny model from tests/tiny.py.
+Each is a context manager that yields a `System` (name, base URL, log, process) once it answers,
+and on the way out stops it and whatever it started: a server runs in its own session with its
+output in a log file, gets SIGTERM, then SIGKILL after a timeout, and its leftover descendants are
+killed. A system that does not come up raises RuntimeError with the end of its log, which a
+benchmark reports in place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C.
+Raw `generate` (bench/raw.py) is loaded in process instead. Unlike the tests' `start_stack`, a
+benchmark passes the user's CONVEYOR_* settings through and runs the defaults it measures.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ import secrets
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +35,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -54,7 +47,6 @@ MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
 VLLM_VENV = ROOT / ".conveyor" / "bench-venvs" / "vllm"
 READY_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 6
-PROBE_EVERY_S = 0.5
 
 
 def say(line: str) -> None:
@@ -69,9 +61,6 @@ def terminate_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
-
-
-# ---------------------------------------------------------------- models
 
 
 @dataclass(frozen=True)
@@ -107,9 +96,6 @@ def chosen_model(name: str, workdir: Path) -> Model | None:
     return model
 
 
-# ---------------------------------------------------------------- processes
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -128,34 +114,6 @@ def consecutive_ports(n: int) -> int:
                 continue
             return base
     raise RuntimeError(f"no {n} consecutive free ports")
-
-
-@contextmanager
-def server_process(
-    name: str,
-    argv: list[str],
-    env: Mapping[str, str],
-    log_path: Path,
-    stop_timeout_s: float,
-    cwd: Path = ROOT,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `argv` in `cwd` (a `python -m` there imports that tree's code) with its output in
-    `log_path`; on the way out SIGTERM it, SIGKILL after the timeout."""
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        say(f"{name}: started pid {process.pid}, log {log_path}")
-        try:
-            yield process
-        finally:
-            stop(name, process, stop_timeout_s)
 
 
 def stop(name: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -251,21 +209,27 @@ def started(
     ready_timeout_s: float = READY_TIMEOUT_S,
     cwd: Path = ROOT,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process, once `ready_url` answers 200 (at once when None); a start that fails raises
-    RuntimeError with the end of its log."""
-    with server_process(name, argv, env, log, stop_timeout_s, cwd) as process:
-        began = time.perf_counter()
-        if ready_url is not None:
-            try:
-                wait_ready(ready_url, process, ready_timeout_s, log)
-            except RuntimeError as exc:
-                tail = log_tail(log)
-                raise RuntimeError(f"{name}: {exc}" + (f"; log ends: {tail}" if tail else "")) from exc
-            say(f"{name}: ready after {time.perf_counter() - began:.1f} s")
-        yield process
-
-
-# ---------------------------------------------------------------- systems
+    """`argv` run in `cwd` (a `python -m` there imports that tree's code) in a session of its own, its
+    output in `log`, once `ready_url` answers 200 (at once when None); a start that fails raises
+    RuntimeError with the end of its log. On the way out: SIGTERM, SIGKILL after `stop_timeout_s`."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        say(f"{name}: started pid {process.pid}, log {log}")
+        try:
+            began = time.perf_counter()
+            if ready_url is not None:
+                try:
+                    wait_ready(ready_url, process, ready_timeout_s, log)
+                except RuntimeError as exc:
+                    tail = log_tail(log)
+                    raise RuntimeError(f"{name}: {exc}" + (f"; log ends: {tail}" if tail else "")) from exc
+                say(f"{name}: ready after {time.perf_counter() - began:.1f} s")
+            yield process
+        finally:
+            stop(name, process, stop_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -276,7 +240,6 @@ class System:
     base_url: str
     log: Path
     make: Callable[..., Job] = conveyor_job  # a job client for n tokens (Conveyor's: and a priority)
-    streams: bool = True  # its TTFT is a first token (SSE), not the whole answer
     process: subprocess.Popen[bytes] | None = None
     env: Mapping[str, str] = field(default_factory=dict)  # Conveyor: CONVEYOR_* and REDIS_URL it saw
     model: str = MODEL_NAME  # the name it serves the model by
@@ -285,16 +248,6 @@ class System:
     @property
     def namespace(self) -> str:
         return self.env.get("CONVEYOR_NAMESPACE", "")
-
-    @property
-    def redis_url(self) -> str:
-        """REDIS_URL, or the stack's embedded Redis: its password is in the stack's home (while it runs)."""
-        if self.env.get("REDIS_URL"):
-            return self.env["REDIS_URL"]
-        from app.core.redis import embedded_url, password_file
-
-        password = password_file(Path(self.env["CONVEYOR_HOME"])).read_text().strip()
-        return embedded_url("127.0.0.1", int(self.env["CONVEYOR_EMBEDDED_REDIS_PORT"]), password)
 
 
 def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
@@ -320,21 +273,18 @@ def conveyor(
     settings: Mapping[str, str] | None = None,
     *,
     model: Model | None = None,
-    args: Sequence[str] = (),
     cwd: Path = ROOT,
-    ready: bool = True,
 ) -> Iterator[System]:
-    """`conveyor up [args]` run in `cwd` (bench.ab: an earlier commit's tree) with this run's own
-    namespace, ports and home (`conveyor_env`), the model (SmolLM2 unless given) and `settings` over
-    them; its home is removed afterwards. `ready=False`: no wait for /readyz (a host without the api)."""
+    """`conveyor up` run in `cwd` (bench.ab: an earlier commit's tree) with this run's own namespace,
+    ports and home (`conveyor_env`), the model (SmolLM2 unless given) and `settings` over them; its
+    home is removed afterwards."""
     model, port = model or smollm2(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**conveyor_env(port, workdir), **model.env(), **(settings or {})}
     base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, name)
-    ready_url = f"{base}/readyz" if ready else None
-    argv = [sys.executable, "-m", "app.cli", "up", *args]
+    argv = [sys.executable, "-m", "app.cli", "up"]
     try:
-        with started(name, argv, env, log, ready_url, stop_timeout_s=60.0, cwd=cwd) as process:
+        with started(name, argv, env, log, f"{base}/readyz", stop_timeout_s=60.0, cwd=cwd) as process:
             used = {k: v for k, v in env.items() if k.startswith("CONVEYOR_") or k == "REDIS_URL"}
             yield System(name, base, log, process=process, env=used, model=model.name)
     finally:
@@ -353,7 +303,7 @@ def naive(workdir: Path, model: Model | None = None) -> Iterator[System]:
     ]  # fmt: skip
     base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "naive-server")
     with started("naive server", argv, env, log, f"{base}/healthz", stop_timeout_s=5.0) as process:
-        yield System("naive server", base, log, naive_job, streams=False, process=process, model=model.name)
+        yield System("naive server", base, log, naive_job, process=process, model=model.name)
 
 
 @contextmanager
@@ -370,7 +320,7 @@ def ray_serve(workdir: Path, model: Model | None = None) -> Iterator[System]:
     base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "ray-serve")
     with started("ray serve", argv, os.environ, log, f"{base}/healthz", stop_timeout_s=30.0) as process:
         try:
-            yield System("ray serve", base, log, naive_job, streams=False, process=process, model=model.name)
+            yield System("ray serve", base, log, naive_job, process=process, model=model.name)
         finally:  # what `@serve.batch` formed, not what it may form (max 32)
             say(f"ray serve: {describe(batch_sizes(log.read_text(errors='replace')))}")
 
@@ -421,9 +371,7 @@ def transformers_serve(workdir: Path, model: Model | None = None, *, min_tokens:
 
 
 @contextmanager
-def redis_server(
-    workdir: Path, appendfsync: str = "everysec"
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def redis_server(workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """An embedded Redis of its own (the bundled redis-server, a random password): its URL and process."""
     from app.core.redis import start_embedded
 
@@ -431,7 +379,6 @@ def redis_server(
         workdir / f"redis-{secrets.token_hex(2)}",
         free_port(),
         password=secrets.token_hex(16),
-        appendfsync=appendfsync,
     )
     try:
         yield url, process
@@ -457,71 +404,3 @@ def warm_up(system: System, prompts: Sequence[Prompt], job: Job | None = None) -
             await asyncio.gather(*(job(client, p) for p in prompts[:WARM_UP_PROMPTS]))
 
     asyncio.run(run())
-
-
-# ---------------------------------------------------------------- what a Conveyor stack reports
-
-
-async def batch_log(system: System) -> list[tuple[float, dict[str, str]]]:
-    """The stack's batch log: (perf_counter time, fields) per entry, oldest first.
-
-    An entry id's milliseconds are Redis's clock (unix time, the same machine): mapped onto this
-    process's perf_counter, on which every window of a benchmark is measured.
-    """
-    import redis.asyncio as aioredis
-
-    from app.core.keys import Keys
-
-    client = aioredis.from_url(system.redis_url, decode_responses=True)
-    try:
-        entries: Any = await client.xrange(Keys(system.namespace).batch_log())
-    finally:
-        await client.aclose()
-    offset = time.time() - time.perf_counter()
-    return [(int(entry_id.split("-")[0]) / 1000.0 - offset, fields) for entry_id, fields in entries]
-
-
-@dataclass
-class Probe:
-    """Samples a stack's Redis every `PROBE_EVERY_S` while load runs: (perf_counter, jobs waiting per
-    class in the intake streams, stage 0's step-time EWMA as its worker reports it)."""
-
-    system: System
-    samples: list[tuple[float, dict[str, int], float | None]] = field(default_factory=list)
-
-    async def run(self) -> None:
-        import redis.asyncio as aioredis
-
-        from app.core.keys import PRIORITIES, Keys
-
-        keys = Keys(self.system.namespace)
-        client = aioredis.from_url(self.system.redis_url)
-        try:
-            while True:
-                pipe = client.pipeline(transaction=False)
-                for priority in PRIORITIES:
-                    pipe.xlen(keys.intake(priority))
-                pipe.hget(keys.latency(self.system.model), "0")
-                *depths, latency = await pipe.execute()
-                step = json.loads(latency).get("ewma_s") if latency else None
-                self.samples.append((time.perf_counter(), dict(zip(PRIORITIES, depths, strict=True)), step))
-                await asyncio.sleep(PROBE_EVERY_S)
-        except Exception as exc:  # a probe that cannot read leaves the figures out; the run goes on
-            say(f"{self.system.name}: probe stopped: {type(exc).__name__}: {exc}")
-        finally:
-            await client.aclose()
-
-    def window(self, start: float, end: float) -> dict[str, Any]:
-        """Waiting jobs (all classes; normal) and stage 0's step EWMA over [start, end): median and max."""
-        inside = [s for s in self.samples if start <= s[0] < end]
-        waiting = [sum(d.values()) for _, d, _ in inside]
-        normal = [d.get("normal", 0) for _, d, _ in inside]
-        steps = [s for _, _, s in inside if s is not None]
-        return {
-            "samples": len(inside),
-            "waiting_median": statistics.median(waiting) if waiting else None,
-            "waiting_max": max(waiting) if waiting else None,
-            "normal_waiting_median": statistics.median(normal) if normal else None,
-            "normal_waiting_max": max(normal) if normal else None,
-            "step_ewma_median_s": statistics.median(steps) if steps else None,
-        }
