@@ -334,6 +334,11 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"  # local only: turn auth (and TLS) on before binding elsewhere
     api_port: int = 8000  # the HTTP API (and its /metrics)
+    # Seconds a client has, from its connection's start and from the end of each answer, to send a
+    # request's headers before the API closes the connection (uvicorn itself waits for ever).
+    # Headers are a few hundred bytes; 10 s is generous to the slowest link, short for an attacker
+    # holding connections open (app/api/connections.py).
+    api_header_timeout_s: float = Field(default=10.0, gt=0)
     # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
     # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
