@@ -85,6 +85,7 @@ class TenantLimits(BaseModel):
     burst: int | None = Field(default=None, ge=1)
     tokens_per_min: int | None = Field(default=None, ge=0)
     embedding_bytes_per_min: int | None = Field(default=None, ge=0)
+    retained_bytes: int | None = Field(default=None, ge=0)  # Settings.tenant_retained_bytes
 
 
 class RoutePolicy(BaseModel):
@@ -197,6 +198,10 @@ class AdmissionSettings:
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
     idempotency_ttl_s: int  # at most job_ttl_s, so the job outlives its key
+    # Bytes of jobs one tenant may keep in Redis (tenant_retained_bytes, and rate_limits' per-tenant
+    # retained_bytes); None: derived from Redis's maxmemory (`retained_quota`); 0: no quota.
+    tenant_retained_default: int | None
+    tenant_retained_limits: Mapping[str, int]
     submit_fsync_timeout_ms: int
     life: Lifetimes  # of the jobs it writes (Lifetimes.of)
 
@@ -207,6 +212,16 @@ class AdmissionSettings:
         """Jobs of `tenant` that may wait in one priority class: its share of queue_depth_limit,
         rounded down, at least one."""
         return self.tenant_queue_limits.get(tenant, self.tenant_queue_default)
+
+    def retained_quota(self, tenant: str, maxmemory: int) -> int:
+        """Bytes of jobs `tenant` may keep in Redis (0: no quota). Unset: a quarter of Redis's
+        `maxmemory` (none without one): one tenant cannot take the store, and the high-water mark
+        (admission's gate 0) bounds all of them together."""
+        quota = self.tenant_retained_limits.get(tenant, self.tenant_retained_default)
+        return maxmemory // RETAINED_SHARE_OF_MAXMEMORY if quota is None else quota
+
+
+RETAINED_SHARE_OF_MAXMEMORY = 4  # a tenant's default retained-bytes quota: maxmemory / this
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -519,6 +534,13 @@ class Settings(BaseSettings):
     tenant_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     # Per-tenant overrides of tenant_queue_share (JSON, tenant -> share): {"batch-import": 0.1}.
     tenant_queue_shares: dict[str, float] = Field(default_factory=dict)
+    # Bytes one tenant's jobs may hold in Redis, live and ended until their records expire (each
+    # counted at what it may weigh: its prompt, every token it may generate); past it 429
+    # tenant_quota_exceeded, so one tenant cannot fill Redis for all. Unset: a quarter of Redis's
+    # maxmemory (256 MiB of 1 GB; none on a Redis without maxmemory, nor under auth=none, where
+    # there is one tenant); 0: no quota. Per tenant: `retained_bytes` in rate_limits.
+    # docs/operations.md ("Sizing") has the arithmetic.
+    tenant_retained_bytes: int | None = Field(default=None, ge=0)
     # Retry-After when nothing better is known (Redis away, no measured completion rate): seconds.
     retry_after_s: float = Field(default=2.0, gt=0)
     # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
@@ -757,6 +779,17 @@ class Settings(BaseSettings):
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant_queue_shares.items()}
             ),
             idempotency_ttl_s=min(self.idempotency_ttl_s, self.job_ttl_s),
+            # One tenant (auth=none): no share to keep; the high-water mark bounds Redis.
+            tenant_retained_default=0
+            if self.auth == "none" and self.tenant_retained_bytes is None
+            else self.tenant_retained_bytes,
+            tenant_retained_limits=MappingProxyType(
+                {
+                    t: limits.retained_bytes
+                    for t, limits in self.rate_limits.items()
+                    if limits.retained_bytes is not None
+                }
+            ),
             submit_fsync_timeout_ms=self.submit_fsync_timeout_ms,
             life=Lifetimes.of(self),
         )
