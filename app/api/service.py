@@ -112,6 +112,7 @@ class JobService:
             )
         stop = request.stop_list()
         self._check_stop(stop)
+        self.check_messages(len(request.messages or ()))
 
         quota = await self.ratelimit.take(tenant, tokens=max_tokens)
         try:
@@ -340,6 +341,15 @@ class JobService:
                 f"{[p for p in PRIORITIES if p in allowed]}",
                 priority=priority,
                 allowed=[p for p in PRIORITIES if p in allowed],
+            )
+
+    def check_messages(self, count: int) -> None:
+        """Refuse a chat of more than `max_chat_messages` messages (422), before any work on them."""
+        if count > self.settings.max_chat_messages:
+            raise InvalidRequest(
+                f"the chat has {count} messages, over the limit of {self.settings.max_chat_messages}",
+                limit=self.settings.max_chat_messages,
+                messages=count,
             )
 
     def _check_stop(self, stop: list[str]) -> None:

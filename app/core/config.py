@@ -311,6 +311,7 @@ class JobServiceSettings:
     default_max_tokens: int  # at most max_tokens_limit
     max_stop_strings: int
     max_stop_length: int
+    max_chat_messages: int
     # The classes each tenant may submit to, aliases resolved ("*": every tenant not listed).
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
@@ -372,6 +373,10 @@ class Settings(BaseSettings):
     default_max_tokens: int = 128  # a job that names no max_tokens: a chat answer
     max_stop_strings: int = 4  # OpenAI's limit of 4 stop strings
     max_stop_length: int = 64  # characters per stop string
+    # Messages in one chat; past it 422 before anything is rendered. Each message costs its template
+    # tokens (about 5 for SmolLM2's), and rendering and tokenizing take API CPU per message: 30,000
+    # empty messages fit a 1 MiB body and cost seconds. 1,024 is more than any context holds.
+    max_chat_messages: int = Field(default=1024, ge=1)
     # A prompt of more than context length x this many characters is refused (422) before it is
     # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
     # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
@@ -836,6 +841,7 @@ class Settings(BaseSettings):
             default_max_tokens=min(self.default_max_tokens, self.max_tokens_limit),
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
+            max_chat_messages=self.max_chat_messages,
             tenant_priorities=MappingProxyType(
                 {
                     tenant: frozenset(PRIORITY_ALIASES.get(c, c) for c in classes)
