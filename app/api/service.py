@@ -21,7 +21,7 @@ from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
 from app.api.streams import Slot, StreamSlots
-from app.batching.intake import intake_fields, padded_positions
+from app.batching.intake import intake_fields, padded_bytes, padded_positions
 from app.core import metrics, routing
 from app.core.admission import Admission
 from app.core.config import EMBEDDING_MODEL, JobServiceSettings
@@ -412,7 +412,7 @@ class JobService:
         limit = self.settings.max_embedding_inputs
         if not 1 <= len(texts) <= limit or not all(texts):
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
-        await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
+        await self.ratelimit.take_embedding(tenant, nbytes=padded_bytes(texts))  # the work, padded
         now = time.time()
         ticket = await self.admission.check(model=EMBEDDING_MODEL, priority="normal", timeout_s=None, now=now)
         job_id = uuid.uuid4().hex

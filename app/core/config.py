@@ -631,8 +631,10 @@ class Settings(BaseSettings):
     # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
     # Bytes of embeddings input (UTF-8 texts) per tenant per minute, a minute's worth at once; past it
-    # 429 rate_limited. The texts sit in Redis until their job runs: 16 MiB lets a tenant send sixteen
-    # of the largest requests (max_body_bytes) a minute, and no tenant fill Redis with them. 0: off.
+    # 429 rate_limited. A request counts padded, as a batch computes it: every text as long as its
+    # longest (2 bytes a padded token position), or its bytes if more. The texts sit in Redis until
+    # their job runs: 16 MiB lets a tenant send sixteen of the largest requests (max_body_bytes) a
+    # minute, and no tenant fill Redis with them. 0: off.
     embedding_bytes_per_min: int = Field(default=16 * 1024 * 1024, ge=0)
     # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
