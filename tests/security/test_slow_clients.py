@@ -10,6 +10,7 @@ nothing (or half a request's headers). Before the fix the API stopped accepting 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets
 from conftest import free_port
 
 from app.api.auth import key_digest, new_api_key
@@ -37,9 +39,12 @@ def lowered_fd_limit() -> None:  # in the child, before exec
     resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, HARD))
 
 
-@pytest.fixture()
-def api(tmp_path: Path, redis_url: str, tiny_model: Path) -> Iterator[tuple[str, str, int]]:
+@pytest.fixture(scope="module")
+def api(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path
+) -> Iterator[tuple[str, str, int]]:
     """The API's URL, an API key and the API's pid."""
+    tmp_path = tmp_path_factory.mktemp("slow-clients")
     key, port, namespace = new_api_key(), free_port(), f"test-slow-{os.getpid()}-{time.monotonic_ns()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
     env |= {
@@ -145,3 +150,22 @@ def test_a_kept_alive_connection_is_closed_once_its_next_request_is_late(api):  
         s.sendall(b"GET /healthz HTTP/1.1\r\n")  # disarms uvicorn's keep-alive timer; never finished
         s.setblocking(False)
         assert not wait_all_closed([s], within_s=HEADER_TIMEOUT_S + 10)
+
+
+def test_a_websocket_outlives_the_header_timeout(api):  # type: ignore[no-untyped-def]
+    url, key, _ = api
+    job = httpx.post(f"{url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}, headers={"X-API-Key": key})
+    assert job.status_code == 202, job.text
+
+    async def follow() -> str:
+        ws_url = url.replace("http", "ws", 1) + f"/v1/jobs/{job.json()['id']}/ws"
+        async with websockets.connect(ws_url, additional_headers={"X-API-Key": key}) as ws:
+            try:  # no worker runs the job: nothing comes, and the connection stays
+                await asyncio.wait_for(ws.recv(), HEADER_TIMEOUT_S * 2)
+            except TimeoutError:
+                return "open"
+            except websockets.ConnectionClosed as closed:
+                return f"closed: {closed}"
+            return "a message"
+
+    assert asyncio.run(follow()) == "open"
