@@ -69,6 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"open files allowed here: {raise_fd_limit()}")
     parts = urlsplit(args.url)
+    healthz_ms(args.url, n=5)  # warm-up: the first answers pay for imports and connections
     baseline = healthz_ms(args.url)
     held = hold(parts.hostname or "127.0.0.1", parts.port or 80, args.connections)
     loaded = healthz_ms(args.url)
