@@ -73,7 +73,8 @@ def main() -> None:
     baseline = healthz_ms(args.url)
     held = hold(parts.hostname or "127.0.0.1", parts.port or 80, args.connections)
     loaded = healthz_ms(args.url)
-    print(f"held {len(held)} connections without headers; the server had closed {closed_by_server(held)}")
+    closed = closed_by_server(held)
+    print(f"held {len(held)} connections without headers; {closed} closed by now (by the server, or reset)")
     if baseline is None or loaded is None:
         print(f"/healthz: no answer ({'with' if baseline else 'without'} the idle connections)")
     else:
