@@ -5,7 +5,8 @@ its file descriptors nor stay open, and a client with a real request still gets 
 limit of 1,024 open files under a hard limit of 2,048; 2,500 connections then open and send
 nothing (or half a request's headers). Before the fix the API stopped accepting at its soft limit
 (`/healthz` waited for ever) and kept every such connection open. `bench/slow_clients.py` holds
-20,000 against a stack of your own.
+20,000 against a stack of your own. Where nginx is installed, the shipped proxy configuration runs in
+front of the same API: requests pass, idle connections close, an oversized body stops there.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import free_port
+from conftest import ROOT, free_port
 
 from app.api.auth import key_digest, new_api_key
 from tests.tinyapi import forget_namespace
@@ -169,3 +172,40 @@ def test_a_websocket_outlives_the_header_timeout(api):  # type: ignore[no-untype
             return "a message"
 
     assert asyncio.run(follow()) == "open"
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+def test_the_proxy_in_front_closes_idle_connections_and_passes_requests(api, tmp_path):  # type: ignore[no-untyped-def]
+    """deploy/nginx/nginx.conf as shipped, but for the upstream's address, its port and its files:
+    a request goes through, an idle connection is closed after client_header_timeout, a body over
+    the limit is 413 at the proxy."""
+    url, key, _ = api
+    port = free_port()
+    conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+    conf = conf.replace("server api:8000;", f"server {url.removeprefix('http://')};")
+    conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};").replace("/tmp/", f"{tmp_path}/")
+    (tmp_path / "nginx.conf").write_text(conf)
+    timeout_s = int(re.search(r"client_header_timeout (\d+)s;", conf).group(1))  # type: ignore[union-attr]
+    nginx = subprocess.Popen(["nginx", "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"])
+    proxy = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                answer = httpx.get(f"{proxy}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert nginx.poll() is None and time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.2)
+        assert answer.status_code == 200
+        job = httpx.post(
+            f"{proxy}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}, headers={"X-API-Key": key}
+        )
+        assert job.status_code == 202, job.text
+        too_big = httpx.post(f"{proxy}/v1/jobs", content=b"x" * (1024 * 1024 + 1), headers={"X-API-Key": key})
+        assert too_big.status_code == 413
+        idle = open_idle(port, 3)
+        assert not wait_all_closed(idle, within_s=timeout_s + 10)
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
