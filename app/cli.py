@@ -315,8 +315,10 @@ def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> Non
     import uvicorn
 
     from app.api.app import create_app
+    from app.api.connections import serving
 
-    uvicorn.run(create_app(settings), **uvicorn_options(settings, ssl_certfile, ssl_keyfile))
+    options = uvicorn_options(settings, ssl_certfile, ssl_keyfile)
+    uvicorn.run(create_app(settings), **options, **serving(header_timeout_s=settings.api_header_timeout_s))
 
 
 def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,6 +44,26 @@ class ModelInfo:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
+
+    @cached_property
+    def message_tokens(self) -> int:
+        """Tokens the chat template adds for each message at the least, whatever its content and role
+        (at least 1): what one more empty message adds to a chat of one, for the role that adds
+        the fewest; rendered once per model."""
+        one = [{"role": "user", "content": ""}]
+        added = []
+        for role in ("user", "assistant", "system"):
+            try:
+                added.append(
+                    len(self._render([*one, {"role": role, "content": ""}])) - len(self._render(one))
+                )
+            except Exception:  # a template that refuses such a chat (roles must alternate, ...)
+                continue
+        return max(1, min(added, default=1))
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

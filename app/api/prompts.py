@@ -1,9 +1,12 @@
 """A job's prompt as token ids, for the API (JobService.submit, after the tenant's rate limit).
 
 Tokenizing is CPU work proportional to the prompt: a 1 MB prompt holds a tokenizer for about half a
-second. So a prompt with more characters than its model's context could ever hold is refused before
-it is read, and tokenizing runs on a pool of `Settings.tokenize_threads` threads of its own, never on
-the event loop, where every other request (health checks included) would wait behind it.
+second, and a chat's template renders each message. So a prompt with more characters than its
+model's context could ever hold, or a chat whose messages' template tokens alone overflow it, is
+refused before it is rendered or read, and rendering and tokenizing run on a pool of
+`Settings.tokenize_threads` threads of its own, never on the event loop, where every other request
+(health checks included) would wait behind it. (The number of messages is capped before the rate
+limit: `JobService.check_messages`.)
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ class PromptEncoder:
         self.check_length(model, sum(len(text) for text in texts))
         loop = asyncio.get_running_loop()
         if request.messages is not None:
-            messages = [m.model_dump() for m in request.messages]
-            prompt_ids = await loop.run_in_executor(self._pool, model.encode_chat, messages)
+            per_message = await loop.run_in_executor(self._pool, lambda: model.message_tokens)  # once a model
+            self.check_messages(model, len(request.messages), per_message)
+            chat = request.messages
+            prompt_ids = await loop.run_in_executor(
+                self._pool, lambda: model.encode_chat([m.model_dump() for m in chat])
+            )
         else:
             prompt_ids = await loop.run_in_executor(self._pool, model.encode_prompt, request.prompt or "")
         if not prompt_ids:
@@ -50,6 +57,19 @@ class PromptEncoder:
                 limit=model.context_length,
                 prompt_chars=chars,
                 max_prompt_chars=most,
+            )
+
+    def check_messages(self, model: ModelInfo, count: int, per_message: int) -> None:
+        """A chat whose template tokens alone (`per_message`: `ModelInfo.message_tokens`) overflow the
+        context: 422 before anything is rendered."""
+        template = count * per_message
+        if template > model.context_length:
+            raise ContextLengthExceeded(
+                f"the chat's {count} messages take at least {template} tokens of chat template, more "
+                f"than the context of {model.context_length} tokens",
+                limit=model.context_length,
+                messages=count,
+                template_tokens=template,
             )
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
 from app.api.streams import Slot, StreamSlots
-from app.batching.intake import intake_fields, padded_positions
+from app.batching.intake import intake_fields, padded_bytes, padded_positions
 from app.core import metrics, routing
 from app.core.admission import Admission
 from app.core.config import EMBEDDING_MODEL, JobServiceSettings
@@ -112,6 +112,7 @@ class JobService:
             )
         stop = request.stop_list()
         self._check_stop(stop)
+        self.check_messages(len(request.messages or ()))
 
         quota = await self.ratelimit.take(tenant, tokens=max_tokens)
         try:
@@ -345,6 +346,15 @@ class JobService:
                 allowed=[p for p in PRIORITIES if p in allowed],
             )
 
+    def check_messages(self, count: int) -> None:
+        """Refuse a chat of more than `max_chat_messages` messages (422), before any work on them."""
+        if count > self.settings.max_chat_messages:
+            raise InvalidRequest(
+                f"the chat has {count} messages, over the limit of {self.settings.max_chat_messages}",
+                limit=self.settings.max_chat_messages,
+                messages=count,
+            )
+
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
             raise InvalidRequest(
@@ -405,7 +415,7 @@ class JobService:
         limit = self.settings.max_embedding_inputs
         if not 1 <= len(texts) <= limit or not all(texts):
             raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
-        await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
+        await self.ratelimit.take_embedding(tenant, nbytes=padded_bytes(texts))  # the work, padded
         now = time.time()
         ticket = await self.admission.check(model=EMBEDDING_MODEL, priority="normal", timeout_s=None, now=now)
         job_id = uuid.uuid4().hex

@@ -59,6 +59,17 @@ def padded_positions(texts: Sequence[str], max_length: int = EMBEDDING_MAX_TOKEN
     return len(texts) * min(max_length, -(-longest // 2) + 2)
 
 
+BYTES_PER_POSITION = 2  # padded_positions' estimate of a token
+
+
+def padded_bytes(texts: Sequence[str]) -> int:
+    """What an embeddings request is charged on its tenant's `embedding_bytes_per_min`: the work a
+    batch does for it, its padded token positions (`padded_positions`: every text as long as the
+    longest) at BYTES_PER_POSITION bytes each, or its bytes if more (what it holds in Redis). 64
+    one-byte texts beside one 500-byte text are 565 bytes but as much work as 64 long texts."""
+    return max(sum(len(t.encode()) for t in texts), BYTES_PER_POSITION * padded_positions(texts))
+
+
 def ensure_groups(client: redis.Redis, keys: Keys) -> None:
     for stream in [*(keys.intake(p) for p in PRIORITIES), keys.control()]:
         try:

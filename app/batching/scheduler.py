@@ -40,6 +40,11 @@ MAX_BLOCK_MS = 1000
 # With jobs ready and no room, look again this often: sequences finishing free room without a
 # message (a finished batch, an arrival or a closing window wake the batcher at once).
 ROOM_POLL_MS = 20
+# The embeddings pipeline's share per replica: a batch per stage and one waiting (`budget` gives a
+# pipeline at least stages + 1). A batch is one forward over all its rows, which a deeper queue does
+# not speed up; it would only put more of one tenant's heavy batches ahead of another's one sentence,
+# which fair share then picks first for the next batch.
+EMBEDDING_SHARE = Share(batches=1, sequences=None)
 # An urgent batch not started after this long (its worker is busy with a long step, or gone) no
 # longer holds the urgent jobs that arrived after it.
 URGENT_HOLD_MAX_S = 2.0
@@ -173,7 +178,7 @@ class Batcher:
         budgets = {
             model: budget(
                 live,
-                self.share,
+                EMBEDDING_SHARE if model == EMBEDDING_MODEL else self.share,
                 max_batches=s.max_inflight_batches,
                 max_sequences=s.max_inflight_sequences,
             )

@@ -2,6 +2,9 @@
 
 The gates, in order; the first that refuses answers, with a Retry-After:
 
+0. Redis's `used_memory` at or past HIGH_WATER of its `maxmemory`      -> 503 store_full
+   (read at most once a second per API process; below `maxmemory`, so that running jobs' tokens,
+   heartbeats, the batcher and the workers always have room to write);
 1. a stage of the model's pipeline without a live worker for longer than `stage_down_after_s`
    (default 2 x heartbeat_ttl_s)                                      -> 503 stage_unavailable
    (shorter gaps are a worker being restarted: jobs accepted meanwhile wait in the intake);
@@ -10,12 +13,14 @@ The gates, in order; the first that refuses answers, with a Retry-After:
 4. jobs waiting in the job's class >= `queue_depth_limit`              -> 429 queue_full;
 5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable;
 6. the tenant's jobs waiting in the job's class >= its share of `queue_depth_limit`
-   (`AdmissionSettings.tenant_queue_limit`)                            -> 429 tenant_queue_full.
+   (`AdmissionSettings.tenant_queue_limit`)                            -> 429 tenant_queue_full;
+7. the bytes the tenant's jobs hold in Redis (live, and ended until their records expire), with
+   this one's, over its quota (`AdmissionSettings.retained_quota`)     -> 429 tenant_quota_exceeded.
 
 "Waiting" is the length of a class's intake stream: the batcher deletes an entry once its job is
 dispatched. Gates 3 and 4 are checked again inside the script that writes the job (`ADMIT_LUA`,
 app/core/jobstore.py), so concurrent submits cannot overshoot a limit; 1, 2 and 5 are judgements,
-read once. Gate 6 is
+read once. Gates 6 and 7 are
 checked by that script only, so one tenant's share holds however many API processes submit for it.
 A tenant's waiting jobs are counted from the job store's `tenant_waiting` set, which holds a job
 exactly while it is queued or recovering (the store adds and removes it with each move), so a job
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +52,19 @@ from app.core.errors import (
     Overloaded,
     QueueFull,
     StageUnavailable,
+    StoreFull,
     TenantQueueFull,
+    TenantQuotaExceeded,
 )
 from app.core.jobstore import AsyncJobStore, JobRecord
 from app.core.keys import PRIORITIES, Keys
 
 MAX_RETRY_AFTER_S = 60.0  # a drain estimate past a minute is a guess; ask again within one
+# Gate 0: submits stop at this share of Redis's maxmemory. The tenth left holds what running jobs
+# still write (64 sequences x 1,024 tokens x ~80 B is 5 MB) and the heartbeats many times over.
+HIGH_WATER = 0.9
+MEMORY_READ_S = 1.0  # how stale the used_memory gate 0 reads may be
+STORE_FULL_RETRY_S = 30.0
 STAGE_MARK_TTL_S = 86_400  # a stage-down mark is deleted when a worker is back; this only bounds it
 
 
@@ -176,6 +189,45 @@ def check_deadline(
 
 
 @dataclass(frozen=True)
+class Memory:
+    """Redis's INFO memory, as gate 0 last read it."""
+
+    used: int
+    maxmemory: int  # 0: no bound
+    read_at: float  # monotonic
+
+    @property
+    def over(self) -> bool:
+        """At or past the high-water mark."""
+        return bool(self.maxmemory) and self.used >= HIGH_WATER * self.maxmemory
+
+
+def check_memory(memory: Memory) -> None:
+    """Gate 0: refuse new work once Redis is at its high-water mark."""
+    if memory.over:
+        raise StoreFull(
+            f"the job store (Redis) holds {memory.used} bytes, {memory.used / memory.maxmemory:.0%} of its "
+            f"maxmemory; it takes no new work past {HIGH_WATER:.0%}; retry later",
+            retry_after_s=STORE_FULL_RETRY_S,
+            reason="high_water",
+            used_memory=memory.used,
+            maxmemory=memory.maxmemory,
+        )
+
+
+def tenant_quota(detail: str, *, limit: int, now: float) -> TenantQuotaExceeded:
+    """Gate 7 (the write script's answer: the bytes held and when the oldest job expires, unix ms)."""
+    held, _, oldest_ms = detail.partition(" ")
+    return TenantQuotaExceeded(
+        f"your jobs hold {int(held)} bytes of the job store, your quota is {limit}; room comes back as "
+        "your oldest jobs expire",
+        retry_after_s=max(1.0, float(oldest_ms) / 1000 - now),
+        retained_bytes=int(held),
+        limit=limit,
+    )
+
+
+@dataclass(frozen=True)
 class Ticket:
     """A job that passed the gates: what the write needs to know."""
 
@@ -204,6 +256,17 @@ class Admission:
         self.breaker = breaker.Breaker(redis, keys, settings.breaker)
         self.store = AsyncJobStore(redis, keys)
         self.fsync: str | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync: how (set at the API's start)
+        self._memory: Memory | None = None
+
+    async def memory(self) -> Memory:
+        """Redis's memory use (INFO memory), read at most every MEMORY_READ_S while under the
+        high-water mark and at every call past it, so that submits resume as soon as there is room."""
+        now = time.monotonic()
+        last = self._memory
+        if last is None or last.over or now - last.read_at >= MEMORY_READ_S:
+            info = await self.redis.info("memory")
+            last = self._memory = Memory(int(info["used_memory"]), int(info.get("maxmemory", 0)), now)
+        return last
 
     async def depths(self) -> dict[str, int]:
         """Jobs waiting per priority class."""
@@ -249,7 +312,9 @@ class Admission:
             await pipe.execute()
 
     async def check(self, *, model: str, priority: str, timeout_s: float | None, now: float) -> Ticket:
-        """Run gates 1-5 for one job (one round trip of reads); raise the first refusal."""
+        """Run gates 0-5 for one job (one round trip of reads, and INFO memory once a second); raise
+        the first refusal."""
+        check_memory(await self.memory())
         seen, snap, depths = await self.read(model, now)
         check_stages(
             model,
@@ -311,6 +376,7 @@ class Admission:
         dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
         ttl = self.settings.idempotency_ttl_s  # at most job_ttl_s: the job outlives its key
         tenant_depth = self.settings.tenant_queue_limit(record.tenant)
+        tenant_bytes = self.settings.retained_quota(record.tenant, (await self.memory()).maxmemory)
         try:
             outcome, detail = await self.store.admit(
                 record,
@@ -318,6 +384,7 @@ class Admission:
                 class_depth=self.limits.class_depth,
                 overall=self.limits.overall,
                 tenant_depth=tenant_depth,
+                tenant_bytes=tenant_bytes,
                 ttl_s=self.settings.life.ttl_s,
                 idempotency=None if idempotency is None else (*idempotency, ttl),
                 callback_at=callback_at,
@@ -332,6 +399,8 @@ class Admission:
                 return Written(held=detail)
             if outcome == "overloaded":
                 overload(int(detail), limits=self.limits, rate=ticket.rate)
+            if outcome == "tenant_quota":
+                raise tenant_quota(detail, limit=tenant_bytes, now=time.time())
             if outcome == "tenant_queue_full":
                 tenant_queue_full(
                     int(detail), ticket.priority, limit=tenant_depth, limits=self.limits, rate=ticket.rate

@@ -85,6 +85,7 @@ class TenantLimits(BaseModel):
     burst: int | None = Field(default=None, ge=1)
     tokens_per_min: int | None = Field(default=None, ge=0)
     embedding_bytes_per_min: int | None = Field(default=None, ge=0)
+    retained_bytes: int | None = Field(default=None, ge=0)  # Settings.tenant_retained_bytes
 
 
 class RoutePolicy(BaseModel):
@@ -197,6 +198,10 @@ class AdmissionSettings:
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
     idempotency_ttl_s: int  # at most job_ttl_s, so the job outlives its key
+    # Bytes of jobs one tenant may keep in Redis (tenant_retained_bytes, and rate_limits' per-tenant
+    # retained_bytes); None: derived from Redis's maxmemory (`retained_quota`); 0: no quota.
+    tenant_retained_default: int | None
+    tenant_retained_limits: Mapping[str, int]
     submit_fsync_timeout_ms: int
     life: Lifetimes  # of the jobs it writes (Lifetimes.of)
 
@@ -207,6 +212,16 @@ class AdmissionSettings:
         """Jobs of `tenant` that may wait in one priority class: its share of queue_depth_limit,
         rounded down, at least one."""
         return self.tenant_queue_limits.get(tenant, self.tenant_queue_default)
+
+    def retained_quota(self, tenant: str, maxmemory: int) -> int:
+        """Bytes of jobs `tenant` may keep in Redis (0: no quota). Unset: a quarter of Redis's
+        `maxmemory` (none without one): one tenant cannot take the store, and the high-water mark
+        (admission's gate 0) bounds all of them together."""
+        quota = self.tenant_retained_limits.get(tenant, self.tenant_retained_default)
+        return maxmemory // RETAINED_SHARE_OF_MAXMEMORY if quota is None else quota
+
+
+RETAINED_SHARE_OF_MAXMEMORY = 4  # a tenant's default retained-bytes quota: maxmemory / this
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -301,6 +316,7 @@ class JobServiceSettings:
     default_max_tokens: int  # at most max_tokens_limit
     max_stop_strings: int
     max_stop_length: int
+    max_chat_messages: int
     # The classes each tenant may submit to, aliases resolved ("*": every tenant not listed).
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
@@ -344,6 +360,11 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"  # local only: turn auth (and TLS) on before binding elsewhere
     api_port: int = 8000  # the HTTP API (and its /metrics)
+    # Seconds a client has, from its connection's start and from the end of each answer, to send a
+    # request's headers before the API closes the connection (uvicorn itself waits for ever).
+    # Headers are a few hundred bytes; 10 s is generous to the slowest link, short for an attacker
+    # holding connections open (app/api/connections.py).
+    api_header_timeout_s: float = Field(default=10.0, gt=0)
     # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
     # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
@@ -364,6 +385,10 @@ class Settings(BaseSettings):
     default_max_tokens: int = 128  # a job that names no max_tokens: a chat answer
     max_stop_strings: int = 4  # OpenAI's limit of 4 stop strings
     max_stop_length: int = 64  # characters per stop string
+    # Messages in one chat; past it 422 before anything is rendered. Each message costs its template
+    # tokens (about 5 for SmolLM2's), and rendering and tokenizing take API CPU per message: 30,000
+    # empty messages fit a 1 MiB body and cost seconds. 1,024 is more than any context holds.
+    max_chat_messages: int = Field(default=1024, ge=1)
     # A prompt of more than context length x this many characters is refused (422) before it is
     # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
     # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
@@ -526,6 +551,13 @@ class Settings(BaseSettings):
     tenant_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     # Per-tenant overrides of tenant_queue_share (JSON, tenant -> share): {"batch-import": 0.1}.
     tenant_queue_shares: dict[str, float] = Field(default_factory=dict)
+    # Bytes one tenant's jobs may hold in Redis, live and ended until their records expire (each
+    # counted at what it may weigh: its prompt, every token it may generate); past it 429
+    # tenant_quota_exceeded, so one tenant cannot fill Redis for all. Unset: a quarter of Redis's
+    # maxmemory (256 MiB of 1 GB; none on a Redis without maxmemory, nor under auth=none, where
+    # there is one tenant); 0: no quota. Per tenant: `retained_bytes` in rate_limits.
+    # docs/operations.md ("Sizing") has the arithmetic.
+    tenant_retained_bytes: int | None = Field(default=None, ge=0)
     # Retry-After when nothing better is known (Redis away, no measured completion rate): seconds.
     retry_after_s: float = Field(default=2.0, gt=0)
     # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
@@ -620,8 +652,10 @@ class Settings(BaseSettings):
     # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
     # Bytes of embeddings input (UTF-8 texts) per tenant per minute, a minute's worth at once; past it
-    # 429 rate_limited. The texts sit in Redis until their job runs: 16 MiB lets a tenant send sixteen
-    # of the largest requests (max_body_bytes) a minute, and no tenant fill Redis with them. 0: off.
+    # 429 rate_limited. A request counts padded, as a batch computes it: every text as long as its
+    # longest (2 bytes a padded token position), or its bytes if more. The texts sit in Redis until
+    # their job runs: 16 MiB lets a tenant send sixteen of the largest requests (max_body_bytes) a
+    # minute, and no tenant fill Redis with them. 0: off.
     embedding_bytes_per_min: int = Field(default=16 * 1024 * 1024, ge=0)
     # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
@@ -774,6 +808,17 @@ class Settings(BaseSettings):
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant_queue_shares.items()}
             ),
             idempotency_ttl_s=min(self.idempotency_ttl_s, self.job_ttl_s),
+            # One tenant (auth=none): no share to keep; the high-water mark bounds Redis.
+            tenant_retained_default=0
+            if self.auth == "none" and self.tenant_retained_bytes is None
+            else self.tenant_retained_bytes,
+            tenant_retained_limits=MappingProxyType(
+                {
+                    t: limits.retained_bytes
+                    for t, limits in self.rate_limits.items()
+                    if limits.retained_bytes is not None
+                }
+            ),
             submit_fsync_timeout_ms=self.submit_fsync_timeout_ms,
             life=Lifetimes.of(self),
         )
@@ -821,6 +866,7 @@ class Settings(BaseSettings):
             default_max_tokens=min(self.default_max_tokens, self.max_tokens_limit),
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
+            max_chat_messages=self.max_chat_messages,
             tenant_priorities=MappingProxyType(
                 {
                     tenant: frozenset(PRIORITY_ALIASES.get(c, c) for c in classes)

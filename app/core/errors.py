@@ -127,6 +127,14 @@ class TenantQueueFull(Refused):
     status = 429
 
 
+class TenantQuotaExceeded(Refused):
+    """The tenant's jobs already hold its quota of Redis (`Settings.tenant_retained_bytes`): room comes
+    back as its oldest jobs' records expire (`ended_job_ttl_s` after they end)."""
+
+    code = "tenant_quota_exceeded"
+    status = 429
+
+
 class DeadlineUnmeetable(Refused):
     """The predicted queue wait is already longer than the job's timeout_s."""
 

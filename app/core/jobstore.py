@@ -292,6 +292,10 @@ TRANSITION_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + "return transition(KEY
 # keeps its prompt here: stage 0 reads it right after it moved the job to running, and may be about
 # to; the last stage drops it at the batch's next step (STEP_LUA), when the prefill has certainly
 # read it. Every caller writes the record's final status first.
+#
+# Its Idempotency-Key expires with it (at most `ttl` from now), and its member of the tenant's
+# retained set (the quota, ADMIT_LUA) is rescored to the record's new expiry: the admit script
+# wrote both names into the record.
 ENDED_FUNCTION = _lua(
     """
 local function ended(job, events, ttl, was)
@@ -299,6 +303,13 @@ local function ended(job, events, ttl, was)
   redis.call('HDEL', job, 'input')
   redis.call('EXPIRE', job, ttl)
   redis.call('EXPIRE', events, ttl)
+  local held = redis.call('HMGET', job, 'idempotency_key', 'retained_in', 'retained_as')
+  if held[1] and redis.call('TTL', held[1]) > tonumber(ttl) then redis.call('EXPIRE', held[1], ttl) end
+  if held[2] then
+    local t = redis.call('TIME')
+    local expires = (tonumber(t[1]) + tonumber(ttl)) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('ZADD', held[2], 'XX', expires, held[3])
+  end
 end
 """
 )
@@ -418,22 +429,27 @@ return $RECOVERING
 )
 
 # A new job: its record, its intake entry and (with one) its Idempotency-Key, if the depth limits
-# (admission's gates 3 and 4, app/core/admission.py) and the tenant's share of its class still hold.
+# (admission's gates 3 and 4, app/core/admission.py), the tenant's share of its class and the
+# tenant's retained-bytes quota still hold.
 # KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
 # KEYS[3+c] = the webhook dispatcher's set of jobs with a callback, KEYS[4+c], KEYS[5+c] = the
-# tenants' waiting sets (WAITING_FUNCTION), KEYS[6+c] = the Idempotency-Key's key (absent without one).
+# tenants' waiting sets (WAITING_FUNCTION), KEYS[6+c], KEYS[7+c] = the tenant's retained set and its
+# byte count (Keys.tenant_retained), KEYS[8+c] = the Idempotency-Key's key (absent without one).
 # ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
 # [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
 # [10] = the tenant's share of the class (jobs), [11] = the job's class, [12] = its tenant,
+# [13] = the tenant's retained-bytes quota (0: none), [14] = the bytes this job may weigh,
 # then r record field/value items, then the intake entry's items.
 # Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} |
-# {'tenant_queue_full', the tenant's waiting jobs of the class} | {'ok', depth}.
+# {'tenant_queue_full', the tenant's waiting jobs of the class} |
+# {'tenant_quota', '{retained bytes} {when its oldest job expires, unix ms}'} | {'ok', depth}.
 ADMIT_LUA = (
     WAITING_FUNCTION
     + """
 local c = tonumber(ARGV[1])
 local waiting, expiry = KEYS[4 + c], KEYS[5 + c]
-local idem = KEYS[6 + c]
+local retained, retained_bytes = KEYS[6 + c], KEYS[7 + c]
+local idem = KEYS[8 + c]
 if idem then
   local held = redis.call('GET', idem)
   if held then return {'held', held} end
@@ -452,12 +468,36 @@ end
 local prefix = waiting_name(ARGV[11], ARGV[12], '')
 local mine = redis.call('ZLEXCOUNT', waiting, '[' .. prefix, '(' .. prefix .. '\\255')
 if mine >= tonumber(ARGV[10]) then return {'tenant_queue_full', mine} end
+-- The tenant's jobs whose record has expired leave its retained bytes (a few per submit).
+local now = now_ms()
+local gone = redis.call('ZRANGEBYSCORE', retained, '-inf', '(' .. now, 'LIMIT', 0, 64)
+if #gone > 0 then
+  local freed = 0
+  for _, member in ipairs(gone) do freed = freed + tonumber(string.match(member, '^%d+')) end
+  redis.call('ZREM', retained, unpack(gone))
+  redis.call('DECRBY', retained_bytes, freed)
+end
+local weight = tonumber(ARGV[14])
+local held_bytes = tonumber(redis.call('GET', retained_bytes) or '0')
+if tonumber(ARGV[13]) > 0 and held_bytes + weight > tonumber(ARGV[13]) then
+  local oldest = redis.call('ZRANGE', retained, 0, 0, 'WITHSCORES')
+  return {'tenant_quota', held_bytes .. ' ' .. (oldest[2] or now)}
+end
 local r = tonumber(ARGV[7])
-redis.call('HSET', KEYS[1], unpack(ARGV, 13, 12 + r))
+redis.call('HSET', KEYS[1], unpack(ARGV, 15, 14 + r))
+local member = weight .. ' ' .. ARGV[9]
+redis.call('HSET', KEYS[1], 'retained_in', retained, 'retained_as', member)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 13 + r, #ARGV))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 15 + r, #ARGV))
 waits(KEYS[1], waiting, expiry, true)
-if idem then redis.call('SET', idem, ARGV[5], 'EX', ARGV[6]) end
+redis.call('ZADD', retained, now + 1000 * tonumber(ARGV[4]), member)
+redis.call('INCRBY', retained_bytes, weight)
+redis.call('EXPIRE', retained, ARGV[4])
+redis.call('EXPIRE', retained_bytes, ARGV[4])
+if idem then
+  redis.call('SET', idem, ARGV[5], 'EX', ARGV[6])
+  redis.call('HSET', KEYS[1], 'idempotency_key', idem)
+end
 if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
 return {'ok', depth}
 """
@@ -470,6 +510,28 @@ def _json(value: Any) -> str:
 
 def _items(mapping: Mapping[str, Any]) -> list[Any]:
     return [x for pair in mapping.items() for x in pair]
+
+
+# Fields the admit script adds to a record beside JobRecord's (in its `other`): the keys that end
+# with the job (its tenant's retained set and its member there, its Idempotency-Key).
+ADMIT_FIELDS = ("retained_in", "retained_as", "idempotency_key")
+
+# What a job may weigh in Redis, for its tenant's retained-bytes quota: its record with its texts, an
+# event stream's first node (Redis allocates it whole, ~4.7 KB) and ~80 bytes an event, measured
+# on Redis 7 (docs/operations.md, "Sizing"); while it waits, its prompt's token ids too.
+RECORD_BYTES = 7_000
+BYTES_PER_TOKEN_EVENT = 80
+BYTES_PER_PROMPT_TOKEN = 4
+
+
+def retained_bytes(record: JobRecord) -> int:
+    """An upper estimate of what `record`'s job holds in Redis at its largest: every token it may
+    generate streamed, its prompt (or embeddings input) still held."""
+    tokens = record.request.max_tokens if record.request is not None else 0
+    held = BYTES_PER_PROMPT_TOKEN * len(record.prompt_ids or ()) + sum(
+        len(t.encode()) for t in record.input or ()
+    )
+    return RECORD_BYTES + BYTES_PER_TOKEN_EVENT * tokens + held
 
 
 # A job's event stream holds its tokens and a few other events (recovered, the final one, ...);
@@ -679,6 +741,7 @@ class AsyncJobStore:
         overall: int,
         tenant_depth: int,
         ttl_s: int,
+        tenant_bytes: int = 0,
         idempotency: tuple[str, str, int] | None = None,
         callback_at: float | None = None,
     ) -> tuple[str, str]:
@@ -688,10 +751,13 @@ class AsyncJobStore:
         unless it is already held. With `callback_at` the job is registered with the webhook
         dispatcher, scored by that time. Returns the script's outcome and its detail: ('ok', depth),
         ('held', value), ('overloaded', total), ('queue_full', depth) or ('tenant_queue_full', the
-        tenant's waiting jobs of the class)."""
+        tenant's waiting jobs of the class), or ('tenant_quota', '{bytes} {unix ms}') when the
+        tenant's retained jobs and this one would weigh more than `tenant_bytes` (0: no quota): what
+        they weigh, and when the oldest of them expires."""
         keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
         keys += [self.keys.intake(p) for p in PRIORITIES]
         keys += [self.keys.webhook_jobs(), *_waiting_keys(self.keys)]
+        keys += [self.keys.tenant_retained(record.tenant), self.keys.tenant_retained_bytes(record.tenant)]
         value, key_ttl = "", 0
         if idempotency is not None:
             keys.append(self.keys.idempotency(idempotency[0]))
@@ -699,7 +765,8 @@ class AsyncJobStore:
         items = _items(record.to_hash())
         args: list[Any] = [len(PRIORITIES), class_depth, overall, ttl_s, value, key_ttl, len(items)]
         args += ["" if callback_at is None else repr(callback_at), record.id]
-        args += [tenant_depth, record.priority, record.tenant, *items, *_items(intake)]
+        args += [tenant_depth, record.priority, record.tenant, tenant_bytes, retained_bytes(record)]
+        args += [*items, *_items(intake)]
         outcome, detail = await self._admit(keys=keys, args=args)
         return text_of(outcome), text_of(detail)
 

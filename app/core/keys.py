@@ -191,10 +191,24 @@ class Keys:
         ms), so that a record that expired while its job waited (no move took it out) is dropped too."""
         return f"{self.namespace}:tenant-waiting:expiry"
 
-    @lives(ttl="idempotency_ttl_s")
+    @lives(ttl="idempotency_ttl_s; once its job ends, at most the job's ended_job_ttl_s")
     def idempotency(self, digest: str) -> str:
-        """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256)."""
+        """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256).
+        It expires with its job: the job store shortens it when the job ends (ENDED_FUNCTION)."""
         return f"{self.namespace}:idempotency:{digest}"
+
+    @lives(ttl="job_ttl_s, renewed by each of the tenant's submits")
+    def tenant_retained(self, tenant: str) -> str:
+        """Sorted set: the tenant's jobs that Redis still holds, members `{bytes} {job id}` (what the
+        job may weigh, `jobstore.retained_bytes`), scored by when the job's record expires (unix ms;
+        moved earlier when the job ends). Its quota (admission's retained-bytes gate). Written only
+        by app/core/jobstore.py; a member leaves once its record has expired."""
+        return f"{self.namespace}:tenant-retained:{tenant}"
+
+    @lives(ttl="job_ttl_s, renewed with tenant_retained")
+    def tenant_retained_bytes(self, tenant: str) -> str:
+        """String: the sum of the bytes of `tenant_retained`'s members, kept with it."""
+        return f"{self.namespace}:tenant-retained-bytes:{tenant}"
 
     # Webhooks (app/webhooks/)
 

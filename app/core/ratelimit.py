@@ -7,7 +7,8 @@ Three limits per tenant, checked and charged together at submit (all or nothing)
   its `max_tokens` when it is submitted (what it may generate, not what it will: simple and never
   under-charged); a job that is then not queued (admission refused it) is refunded;
 - embedding bytes: `embedding_bytes_per_min` bytes of embeddings input per minute, a minute's worth
-  at once (the texts wait in Redis for their job: this bounds what one tenant puts there).
+  at once, a request counted padded (`intake.padded_bytes`: every text as long as its longest, the
+  work a batch does for it; its texts wait in Redis for their job, so this bounds that too).
 
 A request is charged on the limits it uses (a request always, tokens for a job, bytes for
 embeddings); the others neither refuse it nor move.
@@ -205,13 +206,14 @@ class RateLimiter:
         return self._admitted(tenant, await self.charge(tenant, requests=1, tokens=tokens, now=now))
 
     async def take_embedding(self, tenant: str, *, nbytes: int, now: float | None = None) -> Quota | None:
-        """Charge one embeddings request of `nbytes` bytes of input; raise RateLimited (429) when the
+        """Charge one embeddings request counted as `nbytes` bytes (padded); raise RateLimited (429) when the
         request or byte limit is spent, InvalidRequest (422) when the request alone is over the byte
         limit (it could never pass)."""
         per_request = policy_for(self.settings, tenant).embedding_bytes
         if per_request is not None and nbytes > per_request.capacity:
             raise InvalidRequest(
-                f"the input is {nbytes} bytes, over this tenant's limit of {per_request.describe()}",
+                f"the input counts {nbytes} bytes (padded: every text as long as the longest), over this "
+                f"tenant's limit of {per_request.describe()}",
                 limit=per_request.capacity,
             )
         outcome = await self.charge(tenant, requests=1, tokens=0, embedding_bytes=nbytes, now=now)

@@ -91,14 +91,14 @@ class Line:
         assert isinstance(message, dict), message  # an embeddings batch, never a generation prefill
         self.queues.setdefault(queue, []).append(message)
 
-    def submit(self, texts: list[str]) -> str:
+    def submit(self, texts: list[str], tenant: str = "t") -> str:
         """Write a job as the API's `embed` does: the admission script, with its intake entry."""
         job_id = uuid.uuid4().hex
         record = JobRecord(
             id=job_id,
             status=JobStatus.QUEUED,
             model=EMBEDDING_MODEL,
-            tenant="t",
+            tenant=tenant,
             kind="embedding",
             priority="normal",
             created_at=time.time(),
@@ -109,7 +109,7 @@ class Line:
             model=EMBEDDING_MODEL,
             prompt_tokens=intake.padded_positions(texts),
             priority="normal",
-            tenant="t",
+            tenant=tenant,
         )
 
         async def admit() -> tuple[str, str]:
@@ -192,6 +192,27 @@ def test_a_stalled_embeddings_job_is_run_again(line: Line) -> None:
     for message in lost:
         line.stages[1].handle(message)
     assert line.status(job_id) == "succeeded"
+
+
+def test_one_tenants_heavy_requests_keep_another_tenants_sentence_waiting_for_few_batches(line: Line) -> None:
+    """Tenant a submits ten heavy requests (each a batch of its own: 8 texts of 600 bytes, over the
+    prefill budget), then tenant b one sentence. The embeddings pipeline holds stages + 1 batches
+    (one per stage, one waiting), not a generation replica's 16, so three of a's batches are sent
+    ahead of b's, and fair share gives b the next turn but one (b enters at a's virtual time; the
+    tie goes to a's older job): four in all, where ten were (every one of a's, at once)."""
+    heavy = [line.submit(["x" * 600] * 8, tenant="a") for _ in range(10)]
+    sent = line.dispatch()
+    assert len(sent) == 3 and all(len(batch["job_ids"]) == 1 for batch in sent)  # stages + 1
+    sentence = line.submit(["one sentence"], tenant="b")
+    sent += line.dispatch()
+    while all(sentence not in batch["job_ids"] for batch in sent):
+        assert len(sent) <= len(heavy), "b's sentence waits for every one of a's batches"
+        line.stages[0].handle(line.queues[line.keys.embed_queue(0)].pop(0))  # the oldest batch ends
+        line.run(1)
+        sent += line.dispatch()
+    ahead = [batch for batch in sent if sentence not in batch["job_ids"]]
+    assert len(ahead) == 4, [batch["job_ids"] for batch in sent]
+    assert line.status(heavy[0]) == "succeeded"
 
 
 def test_embeddings_and_generation_jobs_each_go_to_their_own_pipeline(line: Line) -> None:

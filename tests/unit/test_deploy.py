@@ -438,9 +438,11 @@ def test_every_container_is_read_only_without_a_service_account_token(overlay):
                 assert "/tmp" in mounts, f"{where}: no writable /tmp"
                 assert set(mounts.values()) <= volumes | claims, where
                 for name in mounts.values():
-                    if name in volumes:
+                    if name in volumes:  # scratch space, or configuration mounted read-only
                         (volume,) = [v for v in pod["volumes"] if v["name"] == name]
-                        assert "emptyDir" in volume, f"{where}: {name} is not an emptyDir"
+                        (mount,) = [m for m in container["volumeMounts"] if m["name"] == name]
+                        read_only = "configMap" in volume and mount.get("readOnly") is True
+                        assert "emptyDir" in volume or read_only, f"{where}: {name} is not an emptyDir"
 
 
 def secrets_of(doc: dict[str, Any]) -> set[str]:
@@ -469,6 +471,7 @@ def test_each_pod_mounts_only_the_secrets_it_needs(overlay):
         "stage0": {"conveyor-redis"},
         "stage1": {"conveyor-redis"},
         "webhooks-dispatcher": {"conveyor-redis"},
+        "proxy": set(),
     }
     workloads = {d["metadata"]["name"]: d for d in docs if pod_specs(d)}
     assert set(workloads) == set(needs)
@@ -500,6 +503,26 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return selector.get("matchLabels", {}).items() <= labels.items()
 
 
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def test_the_proxy_fronts_the_api_with_the_composes_configuration(overlay):
+    _, docs = overlay
+    conf = one(docs, "ConfigMap", "proxy-nginx")["data"]["nginx.conf"]
+    assert conf == (K8S.parent / "nginx" / "nginx.conf").read_text()  # one configuration for both
+    assert "server api:8000;" in conf and one(docs, "Service", "api")["spec"]["ports"][0]["port"] == 8000
+    proxy = one(docs, "Deployment", "proxy")["spec"]["template"]["spec"]
+    (container,) = proxy["containers"]
+    assert {
+        "mountPath": "/etc/nginx/nginx.conf",
+        "name": "config",
+        "subPath": "nginx.conf",
+        "readOnly": True,
+    } in (container["volumeMounts"])
+    assert http_probe(container, "readinessProbe") == (8080, "/nginx-healthz")
+    assert one(docs, "Service", "proxy")["spec"]["ports"][0]["port"] == 8080
+
+
 def test_network_policies_deny_by_default_and_open_redis_only_to_conveyor(overlay):
     _, docs = overlay
     policies = {p["metadata"]["name"]: p["spec"] for p in find(docs, "NetworkPolicy")}
@@ -526,8 +549,14 @@ def test_network_policies_deny_by_default_and_open_redis_only_to_conveyor(overla
     assert namespaces == [{"kubernetes.io/metadata.name": "keda"}] and all(
         set(p) == {"namespaceSelector"} or set(p) == {"podSelector"} for p in peers
     )
-    api_open = [r for r in ingress_to("api") if "from" not in r]
-    assert [p["port"] for r in api_open for p in r["ports"]] == [8000]  # open to all, on its port only
+    proxy_open = [r for r in ingress_to("proxy") if "from" not in r]
+    assert [p["port"] for r in proxy_open for p in r["ports"]] == [8080]  # open to all, on its port only
     for workload in pods:
-        if workload != "api":
+        if workload != "proxy":
             assert all("from" in r for r in ingress_to(workload)), f"{workload} is open to everyone"
+    # The api only through the proxy (which holds slow clients off it), and Prometheus for /metrics.
+    api_peers = [peer for r in ingress_to("api") for peer in r["from"]]
+    assert {"app.kubernetes.io/component": "proxy"}.items() <= api_peers[0]["podSelector"][
+        "matchLabels"
+    ].items()
+    assert all("podSelector" in p or p["namespaceSelector"]["matchLabels"] == MONITORING for p in api_peers)

@@ -161,11 +161,66 @@ def published(port: str | dict[str, Any]) -> tuple[str | None, str]:
 
 def test_compose_publishes_every_port_on_loopback_only():
     ports = [(name, p) for name, s in COMPOSE["services"].items() for p in s.get("ports", [])]
-    assert {name for name, _ in ports} >= {"api", "flower", "prometheus", "grafana"}
+    assert {name for name, _ in ports} >= {"proxy", "flower", "prometheus", "grafana"}
+    assert "api" not in {name for name, _ in ports}  # clients come through the proxy
     for name, port in ports:
         host, _ = published(port)
         assert host == "127.0.0.1", f"{name} publishes {port!r} beyond this host"
     assert published("8000:8000")[0] is None and published({"host_ip": "0.0.0.0"})[0] == "0.0.0.0"
+
+
+NGINX = DEPLOY / "nginx" / "nginx.conf"
+
+
+def nginx_directives(text: str) -> dict[str, list[str]]:
+    """Every simple directive of an nginx configuration, by name: its arguments as written (blocks
+    flattened; a `map` block's entries included). Refuses unbalanced braces and a statement
+    without its `;`."""
+    found: dict[str, list[str]] = {}
+    depth = 0
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line == "}":
+            depth -= 1
+            assert depth >= 0, "unbalanced braces"
+            continue
+        if line.endswith("{"):
+            depth += 1
+            continue
+        assert line.endswith(";"), f"no ';' after {line!r}"
+        name, _, args = line[:-1].partition(" ")
+        found.setdefault(name, []).append(args.strip())
+    assert depth == 0, "unbalanced braces"
+    return found
+
+
+def test_the_proxy_is_the_apis_front_with_deadlines_and_per_client_caps():
+    services = COMPOSE["services"]
+    proxy = services["proxy"]
+    assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in proxy["volumes"]
+    assert proxy["ports"] == ["127.0.0.1:8000:8080"] and proxy["read_only"] is True
+    conf = nginx_directives(NGINX.read_text())
+    assert conf["listen"] == ["8080"] and conf["server"] == ["api:8000"]  # the api service, its port
+    seconds = {
+        name: int(conf[name][0].removesuffix("s"))
+        for name in ("client_header_timeout", "client_body_timeout")
+    }
+    assert all(0 < s <= 30 for s in seconds.values()), seconds
+    assert conf["client_max_body_size"] == ["1m"] and Settings().max_body_bytes == 1024 * 1024
+    assert conf["limit_conn"][0].startswith("per_client_conn ") and conf["limit_req"]
+    assert int(conf["proxy_read_timeout"][0].removesuffix("s")) > Settings().sync_timeout_s
+    assert conf["proxy_buffering"] == ["off"]  # SSE streams go out as written
+    assert conf["pid"] == ["/tmp/nginx.pid"]  # a read-only root filesystem: everything under /tmp
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
+def test_nginx_accepts_the_proxys_configuration(tmp_path: Path):
+    conf = tmp_path / "nginx.conf"  # `api` resolves only inside the deployment
+    conf.write_text(NGINX.read_text().replace("server api:8000;", "server 127.0.0.1:8000;"))
+    checked = subprocess.run(["nginx", "-t", "-c", str(conf)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_compose_dashboards_need_passwords_and_prometheus_takes_no_admin_calls():

@@ -299,6 +299,8 @@ async def _answer(
 ) -> BaseModel | Response:
     """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
     (`cancel_on_disconnect`), as on /v1/inference."""
+    if isinstance(body, ChatCompletionCreate):  # before each message is converted (CPU per message)
+        jobs.check_messages(len(body.messages))
     job = body.to_job()
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
