@@ -16,7 +16,7 @@ from what the server offers:
 
 A Redis offering neither (older than 7.2 with `everysec`, or `CONFIG` disabled) stops the API at
 start with a message naming the setting: asking for durability must never silently not get it.
-The cost is measured by `python -m bench.durability` (bench/results/durability.md).
+The cost was measured by `bench/durability.py` at commit 57abc94 (bench/results/durability.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ where the CPU computes bf16 natively (AVX512-BF16 or AMX), else fp32: without na
 PyTorch emulates bf16 through fp32 conversions and it is slower, not faster. The choice is read from
 the CPU's flags, never timed: a timing taken at worker start beside the other processes of a
 starting stack flipped between bf16 and fp32 from one start to the next on the same machine.
-`bench/precision.py` measures both through the whole stack.
+`bench/precision.py` (at commit 57abc94) measured both through the whole stack.
 
 The weights are read straight into the chosen dtype, the KV cache takes the dtype of the keys,
 and hidden states travel between stages in it; the planner's `--dtype` defaults to the same choice,

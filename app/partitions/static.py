@@ -15,10 +15,10 @@ Modes (`CONVEYOR_COMPILE`, `mode_for`):
     graphs    a GPU: the step is captured once per cache layout into a `torch.cuda.CUDAGraph` and
               replayed (the inputs are copied into the graph's own tensors first). On an H200,
               SmolLM2-135M: 3.2-4.0x faster steps in fp32, 4.8-5.5x in bf16, the same greedy tokens
-              (`python -m bench.static_step --device cuda`, docs/benchmarks.md).
+              (`bench/static_step.py --device cuda` at commit 57abc94, docs/benchmarks.md).
     off       the eager step of `StagePartition.forward` (what tests compare against), and a CPU's
               default: there the layout's spare rows and columns cost more than the host work it
-              saves (`python -m bench.static_step --mode eager`), and `torch.compile` did not pay
+              saves (`bench/static_step.py --mode eager` at commit 57abc94), and `torch.compile` did not pay
               either (fp32, batch 4, one thread): the step compiled as one graph took over ten
               minutes to build on two cores; compiled a layer at a time (one graph for every layer,
               shapes dynamic) it ran 227 ms against 57 eager.

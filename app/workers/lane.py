@@ -5,7 +5,8 @@ the stage's shared queue, acknowledged late, visible in Flower. Once a batch is 
 cache lives in one process per stage, so every later message of that batch (decode steps, joins,
 release) can only be served by that process. Those go over the lane: one plain Redis list per
 worker process, LPUSH by the sender, BRPOP by a thread of the owner. This halves a decode hop's
-latency (`bench/hop.py`): no task envelope, no unacked-index bookkeeping, no result machinery.
+latency (`bench/hop.py` at commit 57abc94): no task envelope, no unacked-index bookkeeping, no
+result machinery.
 
 At-most-once is the right guarantee here: a decode step is worthless without the KV cache of the
 process it is addressed to, so redelivering it elsewhere could not help. If that process dies, its

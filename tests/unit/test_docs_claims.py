@@ -5,6 +5,7 @@ repository path the README and docs/ name, and a JSON content type on every curl
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,14 +101,15 @@ def error_codes() -> set[str]:
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls.__module__.startswith("app.core.registry"):
-            continue  # `conveyor model add`'s refusals (source_not_found, model_exists): no route raises them
+        if cls.__module__.startswith(("app.core.registry", "app.core.modelstore")):
+            continue  # `conveyor model add`'s refusals (source_not_found, package_untrusted): no route raises them
         found.add(cls.code)
     return found | set(HTTP_CODES.values()) | {"http_error", "internal_error"}
 
 
 def test_api_md_lists_every_error_code() -> None:
-    import app.core.registry  # noqa: F401  (its errors are excluded by name, so import it for certain)
+    import app.core.modelstore  # noqa: F401  (their errors are excluded by name, so import them for certain)
+    import app.core.registry  # noqa: F401
 
     table = API_MD.read_text().split("| status | code | when |", 1)[1].split("\n\n", 1)[0]
     listed = set(re.findall(r"`([a-z_]+)`", table))
@@ -130,12 +132,29 @@ REPO_PATH = re.compile(r"(?<![\w./-])((?:app|tests|bench|docs|deploy)/[\w./-]*[\
 NOT_PATHS = {"deploy/api"}  # `kubectl logs deploy/api`: a Deployment's name
 
 
+# A path named with the commit that had it, later on its line (`bench/slice.py --quick` at commit
+# 57abc94, `bench/slice.py` (commit 57abc94; ...), `bench/slice.py` measured it at commit 57abc94).
+AT_COMMIT = re.compile(r"[^\n`]*`?[^\n`]*?(?:\bat commit|\(commit) ([0-9a-f]{7,40})\b")
+
+
+def _existed_at(commit: str, path: str) -> bool:
+    """`path` was in `commit`; true where this clone lacks that commit (a shallow clone)."""
+    git = ["git", "-C", str(ROOT)]
+    if subprocess.run([*git, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        return True
+    return not subprocess.run([*git, "cat-file", "-e", f"{commit}:{path}"], capture_output=True).returncode
+
+
 def test_every_repository_path_the_docs_name_exists() -> None:
     missing = []
     for page in PAGES:
-        for m in REPO_PATH.finditer(page.read_text()):
+        text = page.read_text()
+        for m in REPO_PATH.finditer(text):
             path = m.group(1).split("::")[0]
-            if path not in NOT_PATHS and not (ROOT / path).exists():
+            if path in NOT_PATHS or (ROOT / path).exists():
+                continue
+            then = AT_COMMIT.match(text, m.end())
+            if then is None or not _existed_at(then.group(1), path):
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, missing
 
