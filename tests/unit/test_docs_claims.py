@@ -102,7 +102,7 @@ def error_codes() -> set[str]:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if cls.__module__.startswith(("app.core.registry", "app.core.modelstore")):
-            continue  # `conveyor model add`'s refusals (source_not_found, package_untrusted): no route raises them
+            continue  # `conveyor model add`'s refusals (source_not_found, package_untrusted): no route
         found.add(cls.code)
     return found | set(HTTP_CODES.values()) | {"http_error", "internal_error"}
 
