@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from jinja2 import TemplateError
 from redis.exceptions import RedisError
 from transformers import AutoConfig, AutoTokenizer
 
@@ -42,16 +43,35 @@ class ModelInfo:
         """Whether it takes chat messages (its tokenizer has a template): base models have none."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt).input_ids)
+    def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The chat rendered by the model's template (vLLM's defaults: a generation prompt, no special
+        tokens beyond the template's), then tokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 f"model {self.name!r} has no chat template; send 'prompt' instead", model=self.name
             )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
+            )
+        except (ValueError, TypeError, TemplateError) as exc:  # the request's doing (a message, a kwarg)
+            raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 class Catalog:

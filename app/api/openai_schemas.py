@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI-compatible endpoints, in OpenAI's own shapes.
 
 A request translates to a `JobCreate` (`to_job`); responses are built from the job's record. Fields of
-OpenAI's API that would change the answer and that Conveyor does not implement (logprobs, tools,
-penalties, several choices, ...) are refused with 422 rather than silently ignored; the rest of
-OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored.
+OpenAI's API (and vLLM's extensions) that would change the answer and that Conveyor does not implement
+(tools, several choices, structured output, ...) are refused with 422 rather than silently ignored
+(`UNSUPPORTED`); the rest of OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are
+accepted and ignored.
 """
 
 from __future__ import annotations
@@ -59,6 +60,30 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
+    "structural_tag": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "chat_template": (None,),
+    "prompt_logprobs": (None,),
+    "return_token_ids": (None, False),
+    "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "logits_processors": (None, []),
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None, {}),
+    "prompt_embeds": (None,),
+}
+
+
+# Chat completions' fields (vLLM's) that a completion has no messages for: refused there unless neutral.
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -119,6 +144,15 @@ class OpenAIRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
     timeout_s: float | None = Field(default=None, gt=0)
+    skip_special_tokens: bool = Field(default=True, description="False keeps special tokens in the text.")
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add BOS and the like to the prompt; default true for completions, false "
+        "for chat (the template adds its own).",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Keep only the prompt's last this many tokens."
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -165,6 +199,9 @@ class OpenAIRequest(BaseModel):
             "timeout_s": self.timeout_s,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "add_special_tokens": self.add_special_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         try:
             return JobCreate.model_validate({**input, **fields})
@@ -191,6 +228,13 @@ class CompletionCreate(OpenAIRequest):
         if isinstance(prompt, list) and len(prompt) != 1:
             raise ValueError(f"exactly one prompt per request is supported, not {len(prompt)}")
         return prompt
+
+    @model_validator(mode="after")
+    def _no_chat_fields(self) -> CompletionCreate:
+        for name, value in (self.model_extra or {}).items():
+            if name in CHAT_ONLY and value not in CHAT_ONLY[name]:
+                raise ValueError(f"{name!r} applies only to /v1/chat/completions; leave it out")
+        return self
 
     def to_job(self) -> JobCreate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -228,11 +272,25 @@ class ChatCompletionCreate(OpenAIRequest):
 
     messages: list[OpenAIMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, description="Preferred over max_tokens.")
+    add_generation_prompt: bool = Field(
+        default=True, description="End the rendered chat with the template's generation prompt."
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="Leave the final message open so the answer continues it; needs add_generation_prompt "
+        "false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="More variables for the model's chat template."
+    )
 
     def to_job(self) -> JobCreate:
         return self._job(
             messages=[m.to_chat() for m in self.messages],
             max_tokens=self.max_completion_tokens or self.max_tokens,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 

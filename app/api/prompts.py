@@ -9,7 +9,9 @@ the event loop, where every other request (health checks included) would wait be
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
@@ -26,17 +28,29 @@ class PromptEncoder:
         self._pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
 
     async def encode(self, model: ModelInfo, request: JobCreate) -> list[int]:
-        """The prompt's (or the rendered chat's) token ids; 422 for one too long or empty."""
+        """The prompt's (or the rendered chat's) token ids, only the last `truncate_prompt_tokens`
+        when asked; 422 for one too long or empty."""
         texts = (
             [m.content for m in request.messages] if request.messages is not None else [request.prompt or ""]
         )
-        self.check_length(model, sum(len(text) for text in texts))
+        extra = len(json.dumps(request.chat_template_kwargs)) if request.chat_template_kwargs else 0
+        self.check_length(model, sum(len(text) for text in texts) + extra)
         loop = asyncio.get_running_loop()
         if request.messages is not None:
-            messages = [m.model_dump() for m in request.messages]
-            prompt_ids = await loop.run_in_executor(self._pool, model.encode_chat, messages)
+            encode = partial(
+                model.encode_chat,
+                [m.model_dump() for m in request.messages],
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=bool(request.add_special_tokens),
+            )
         else:
-            prompt_ids = await loop.run_in_executor(self._pool, model.encode_prompt, request.prompt or "")
+            add_special_tokens = request.add_special_tokens is not False
+            encode = partial(model.encode_prompt, request.prompt or "", add_special_tokens=add_special_tokens)
+        prompt_ids = await loop.run_in_executor(self._pool, encode)
+        if request.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         return prompt_ids

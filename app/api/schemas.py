@@ -40,6 +40,29 @@ def checked_temperature(value: float) -> float:
     return value
 
 
+# apply_chat_template's own arguments and the template's input: a request's chat_template_kwargs
+# may add variables for the template, never set these.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,6 +117,31 @@ class JobCreate(BaseModel):
         description="End of sequence cannot end the job before this many tokens (a stop string still "
         "can). At most max_tokens.",
     )
+    skip_special_tokens: bool = Field(
+        default=True, description="Leave special tokens out of the text (vLLM's); false keeps them."
+    )
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add the tokenizer's special tokens (BOS, ...) to the prompt (vLLM's); default true "
+        "for a prompt, false for messages (the chat template adds its own).",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Keep only the prompt's last this many tokens (vLLM's)."
+    )
+    add_generation_prompt: bool = Field(
+        default=True,
+        description="With messages: end the rendered chat with the template's generation prompt (vLLM's).",
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="With messages: leave the final message open, so the answer continues it (vLLM's); "
+        "needs add_generation_prompt false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="With messages: more variables for the chat template (vLLM's), such as "
+        "`enable_thinking`.",
+    )
     # Webhooks (app/webhooks/): signed POSTs of the job's events to this URL.
     callback_url: str | None = Field(
         default=None,
@@ -119,6 +167,16 @@ class JobCreate(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.callback_events is not None and self.callback_url is None:  # Webhooks
             raise ValueError("callback_events needs a callback_url")
+        if self.messages is None:
+            chat_only = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            given = [name for name in chat_only if name in self.model_fields_set]
+            if given:
+                raise ValueError(f"{given[0]} applies only to 'messages', not to a 'prompt'")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: it is the server's")
         return self
 
     def stop_list(self) -> list[str]:

@@ -43,6 +43,7 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
+from app.core.sampling import SamplingParams
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
@@ -218,13 +219,13 @@ class JobService:
         job_id = uuid.uuid4().hex
         params = JobRequest(
             max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            seed=request.seed,
+            sampling=SamplingParams(
+                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed
+            ),
             stop=tuple(stop),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens,
         )
         deadline = now + request.timeout_s if request.timeout_s is not None else None
         record = JobRecord(

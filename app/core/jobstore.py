@@ -39,6 +39,7 @@ from app.core.jobs import (
     text_of,
 )
 from app.core.keys import PRIORITIES, Keys
+from app.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from app.core.config import Settings
@@ -50,30 +51,23 @@ S = JobStatus
 
 @dataclass(frozen=True)
 class JobRequest:
-    """What a generation job asked for: its sampling and stopping rules (the record's `request`)."""
+    """What a generation job asked for: its sampling and stopping rules (the record's `request`).
+    Stored flat; a field at its default is left out, so a request that asks for nothing new is
+    the JSON the record has always held."""
 
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # as vLLM's: special tokens are left out of the text
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "max_tokens": self.max_tokens,
-                "temperature": self.temperature,
-                "top_p": self.top_p,
-                "top_k": self.top_k,
-                "seed": self.seed,
-                "stop": list(self.stop),
-                "ignore_eos": self.ignore_eos,
-                "min_tokens": self.min_tokens,
-            }
-        )
+        value: dict[str, Any] = {"max_tokens": self.max_tokens, **self.sampling.to_dict()}
+        value |= {"stop": list(self.stop), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+        if not self.skip_special_tokens:
+            value["skip_special_tokens"] = False
+        return json.dumps(value)
 
     @classmethod
     def from_json(cls, text: str) -> JobRequest:
@@ -81,13 +75,11 @@ class JobRequest:
         value = json.loads(text)
         return cls(
             max_tokens=int(value["max_tokens"]),
-            temperature=value["temperature"],
-            top_p=value["top_p"],
-            top_k=value["top_k"],
-            seed=value.get("seed"),
+            sampling=SamplingParams.from_dict(value),
             stop=tuple(value.get("stop") or ()),
             ignore_eos=bool(value.get("ignore_eos")),
             min_tokens=int(value.get("min_tokens") or 0),
+            skip_special_tokens=bool(value.get("skip_special_tokens", True)),
         )
 
 

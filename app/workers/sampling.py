@@ -9,46 +9,11 @@ takes its greedy token. The stage refuses a job with such values before it gets 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-
 import torch
 
-from app.core.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, sampling_problem
+from app.core.sampling import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def problem(self) -> str | None:
-        """Why these values may not be used (a job stored with them fails), or None."""
-        return sampling_problem(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-
-    def bounded(self, vocab: int) -> SamplingParams:
-        """The same choice inside the bounds: NaN or <= 0 temperature is greedy, a tiny one the
-        smallest, a huge one the largest; top_p in [MIN_TOP_P, 1] (NaN: 1); top_k in [0, vocab]."""
-        temperature = _number(self.temperature, 0.0)
-        temperature = 0.0 if not temperature > 0 else min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
-        top_p = min(max(_number(self.top_p, 1.0), MIN_TOP_P), 1.0)
-        top_k = int(min(max(_number(self.top_k, 0.0), 0.0), float(vocab)))
-        return replace(self, temperature=temperature, top_p=top_p, top_k=top_k)
-
-
-def _number(value: object, default: float) -> float:
-    """`value` as a float; `default` for NaN or anything that is not a number."""
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return default
-    return default if math.isnan(number) else number
+__all__ = ["SamplingParams", "ban_tokens", "filter_logits", "make_generator", "sample", "token_seed"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:

@@ -26,7 +26,7 @@ import torch
 from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobRequest, JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
@@ -38,7 +38,7 @@ from app.partitions.prefix import Prefill, PrefixCache
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.latency import StepLatency
-from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
+from app.workers.sampling import ban_tokens, make_generator, sample
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -227,13 +227,8 @@ class StageRuntime:
         return sequences
 
     def _sequence(self, batch_id: str, job_id: str, record: dict[str, str]) -> Sequence:
-        request = json.loads(record["request"])
-        params = SamplingParams(
-            temperature=request["temperature"],
-            top_p=request["top_p"],
-            top_k=request["top_k"],
-            seed=request.get("seed"),
-        )
+        request = JobRequest.from_json(record["request"])
+        params = request.sampling
         problem = params.problem()
         if problem is not None:
             raise InvalidRequest(problem)
@@ -242,10 +237,12 @@ class StageRuntime:
             batch_id=batch_id,
             params=params,
             generator=make_generator(params),
-            max_tokens=request["max_tokens"],
-            text=TextStream(self.tokenizer, request.get("stop") or []),
-            ignore_eos=bool(request.get("ignore_eos")),
-            min_tokens=int(request.get("min_tokens") or 0),
+            max_tokens=request.max_tokens,
+            text=TextStream(
+                self.tokenizer, list(request.stop), skip_special_tokens=request.skip_special_tokens
+            ),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
             created_at=float(record["created_at"]) if record.get("created_at") else None,
             priority=record.get("priority") or "normal",
         )

@@ -1,0 +1,168 @@
+"""vLLM's extra request fields on the OpenAI endpoints: each one the API accepts changes the prompt or
+the job as vLLM specifies, or is refused with 422 naming it; none is silently ignored. The API runs in
+process over a tiny model whose tokenizer adds a BOS token and whose chat template reads a variable;
+no worker runs, so each job stays queued and its record shows what the request became."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from fastapi.testclient import TestClient
+from tokenizers import processors
+from transformers import AutoTokenizer
+
+from app.api.app import create_app
+from app.core.keys import Keys
+from tests.tiny import CHAT_TEMPLATE, make_tokenizer
+from tests.tinyapi import forget_namespace, tiny_settings
+
+TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def fields_model(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """The tiny model; its tokenizer starts every prompt with `<|im_start|>` (a BOS), and its chat
+    template adds `<think>` when `enable_thinking` is set."""
+    path = tmp_path_factory.mktemp("fields") / "fields"
+    shutil.copytree(tiny_model, path)
+    tokenizer = make_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def api(redis_url: str, fields_model: Path) -> Iterator[tuple[TestClient, Keys, redis_lib.Redis]]:
+    settings = tiny_settings(redis_url, fields_model, auth="none", sync_timeout_s=0.05)
+    keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
+    redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})  # a live stage worker: jobs queue
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client, keys, redis
+    finally:
+        forget_namespace(redis_url, settings.namespace)
+
+
+def queued(api: tuple[TestClient, Keys, redis_lib.Redis], path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The job a request became: its prompt's token ids and its stored request."""
+    client, keys, redis = api
+    answer = client.post(path, json={"max_tokens": 2, **body})
+    assert answer.status_code == 504, answer.text  # no worker: the job waits in the queue
+    record = redis.hgetall(keys.job(answer.json()["error"]["details"]["job_id"]))
+    return {"prompt_ids": json.loads(record[b"prompt_ids"]), "request": json.loads(record[b"request"])}
+
+
+def chat_text(api: tuple[TestClient, Keys, redis_lib.Redis], fields_model: Path, **fields: Any) -> str:
+    ids = queued(api, "/v1/chat/completions", {"messages": MESSAGES, **fields})["prompt_ids"]
+    return str(AutoTokenizer.from_pretrained(fields_model).decode(ids))
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(api, fields_model):  # type: ignore[no-untyped-def]
+    assert chat_text(api, fields_model) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_text(api, fields_model, add_generation_prompt=False) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_continue_final_message_leaves_the_last_message_open(api, fields_model):  # type: ignore[no-untyped-def]
+    messages = [*MESSAGES, {"role": "assistant", "content": "Hello the"}]
+    text = chat_text(
+        api, fields_model, messages=messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello the"
+
+
+def test_chat_template_kwargs_reach_the_template(api, fields_model):  # type: ignore[no-untyped-def]
+    text = chat_text(api, fields_model, chat_template_kwargs={"enable_thinking": True})
+    assert text.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_add_special_tokens_as_vllm_defaults_it(api, fields_model):  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(fields_model)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    plain = tokenizer("abc", add_special_tokens=False).input_ids
+    assert queued(api, "/v1/completions", {"prompt": "abc"})["prompt_ids"] == [bos, *plain]
+    assert (
+        queued(api, "/v1/completions", {"prompt": "abc", "add_special_tokens": False})["prompt_ids"] == plain
+    )
+    assert chat_text(api, fields_model).count("<|im_start|>") == 2  # the template's own, no BOS added
+    assert chat_text(api, fields_model, add_special_tokens=True).count("<|im_start|>") == 3
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(api, fields_model):  # type: ignore[no-untyped-def]
+    whole = queued(api, "/v1/completions", {"prompt": "abcdefghij"})["prompt_ids"]
+    cut = queued(api, "/v1/completions", {"prompt": "abcdefghij", "truncate_prompt_tokens": 4})
+    assert cut["prompt_ids"] == whole[-4:]
+    chat = queued(api, "/v1/chat/completions", {"messages": MESSAGES, "truncate_prompt_tokens": 3})
+    assert len(chat["prompt_ids"]) == 3
+
+
+def test_skip_special_tokens_false_travels_with_the_job(api):  # type: ignore[no-untyped-def]
+    assert "skip_special_tokens" not in queued(api, "/v1/completions", {"prompt": "a"})["request"]
+    job = queued(api, "/v1/completions", {"prompt": "a", "skip_special_tokens": False})
+    assert job["request"]["skip_special_tokens"] is False
+
+
+REFUSED = [
+    ("chat_template", "{{ messages }}"),
+    ("prompt_logprobs", 1),
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["no"]),
+    ("return_token_ids", True),
+    ("return_tokens_as_token_ids", True),
+    ("spaces_between_special_tokens", False),
+    ("documents", [{"title": "t", "text": "x"}]),
+    ("mm_processor_kwargs", {"a": 1}),
+    ("logits_processors", ["my.Processor"]),
+    ("vllm_xargs", {"a": 1}),
+    ("kv_transfer_params", {"a": 1}),
+    ("prompt_embeds", "AAAA"),
+    ("structural_tag", "{}"),
+    ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " "),
+    ("truncate_prompt_tokens", 0),
+    ("skip_special_tokens", "sometimes"),
+    ("chat_template_kwargs", {"tokenize": True}),
+    ("chat_template_kwargs", {"add_generation_prompt": False}),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("field", "value"), REFUSED, ids=[f"{f}={v!r}"[:40] for f, v in REFUSED])
+def test_a_field_not_implemented_is_refused_with_its_name(api, path, field, value):  # type: ignore[no-untyped-def]
+    body = {"prompt": "a"} if path == "/v1/completions" else {"messages": MESSAGES}
+    answer = api[0].post(path, json={"max_tokens": 2, **body, field: value})
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
+    assert field in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template_kwargs", {"x": 1})],
+)
+def test_chat_fields_are_refused_on_completions(api, field, value):  # type: ignore[no-untyped-def]
+    answer = api[0].post("/v1/completions", json={"prompt": "a", "max_tokens": 2, field: value})
+    assert answer.status_code == 422 and field in answer.json()["error"]["message"]
+
+
+def test_continue_final_message_with_a_generation_prompt_is_refused(api):  # type: ignore[no-untyped-def]
+    body = {"messages": MESSAGES, "max_tokens": 2, "continue_final_message": True}
+    answer = api[0].post("/v1/chat/completions", json=body)
+    assert answer.status_code == 422 and "add_generation_prompt" in answer.json()["error"]["message"]
+
+
+def test_neutral_values_of_refused_fields_are_accepted(api):  # type: ignore[no-untyped-def]
+    neutral = {"bad_words": [], "return_token_ids": False, "spaces_between_special_tokens": True}
+    queued(api, "/v1/completions", {"prompt": "a", "chat_template": None, "prompt_logprobs": None, **neutral})
