@@ -37,6 +37,26 @@ class ModelInfo:
     path: Path
     tokenizer: Any
     context_length: int
+    vocab_size: int | None = None  # the model's (config.json): token ids a request may name
+
+    def encode_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's `bad_words` as token sequences: each word alone and after a space (where that
+        tokenizes to another sequence of the same length), without special tokens."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+            spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+            if bare and bare not in sequences:
+                sequences.append(bare)
+            if (
+                bare
+                and spaced
+                and spaced[0] != bare[0]
+                and len(spaced) == len(bare)
+                and spaced not in sequences
+            ):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     @property
     def chat(self) -> bool:
@@ -120,6 +140,7 @@ class Catalog:
                     path=path,
                     tokenizer=AutoTokenizer.from_pretrained(path),
                     context_length=int(getattr(config, "max_position_embeddings", 2048)),
+                    vocab_size=getattr(config, "vocab_size", None),
                 )
         return self._models[name]
 

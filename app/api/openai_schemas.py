@@ -25,7 +25,15 @@ from pydantic import (
 
 from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature, temperature_schema
 from app.core.errors import InvalidRequest
-from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P
+from app.core.sampling import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -34,9 +42,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -49,9 +54,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     # vLLM's sampling extensions, which benchmark tools may pass through.
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
-    "stop_token_ids": (None, []),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
     "include_stop_str_in_output": (None, False),
@@ -63,8 +65,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structural_tag": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "chat_template": (None,),
     "prompt_logprobs": (None,),
     "return_token_ids": (None, False),
@@ -144,6 +144,18 @@ class OpenAIRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
     timeout_s: float | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM's; 0 is off.")
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="vLLM's; 1 is none."
+    )
+    logit_bias: dict[str, float] | None = Field(default=None, description="Token id -> bias, -100 to 100.")
+    allowed_token_ids: list[int] | None = Field(
+        default=None, description="vLLM's: only these may be sampled."
+    )
+    bad_words: list[str] | None = Field(default=None, description="vLLM's: words the output may not hold.")
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's: ids that end the output.")
     skip_special_tokens: bool = Field(default=True, description="False keeps special tokens in the text.")
     add_special_tokens: bool | None = Field(
         default=None,
@@ -199,6 +211,14 @@ class OpenAIRequest(BaseModel):
             "timeout_s": self.timeout_s,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            "min_p": self.min_p or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "add_special_tokens": self.add_special_tokens,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,

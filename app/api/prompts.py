@@ -55,6 +55,12 @@ class PromptEncoder:
             raise InvalidRequest("the prompt is empty")
         return prompt_ids
 
+    async def encode_words(self, model: ModelInfo, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token sequences (ModelInfo.encode_words), on the tokenizing threads."""
+        if not words:
+            return ()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, model.encode_words, words)
+
     def check_length(self, model: ModelInfo, chars: int) -> None:
         most = model.context_length * self.chars_per_token
         if chars > most:

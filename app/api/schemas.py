@@ -7,7 +7,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
-from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P, temperature_problem
+from app.core.sampling import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_LIST,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    temperature_problem,
+)
 
 # The classes of app.core.keys.PRIORITIES, served in this order; an alias is stored as its class.
 Priority = Annotated[
@@ -102,6 +114,49 @@ class JobCreate(BaseModel):
     top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    min_p: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Drop tokens less likely than min_p x the likeliest (vLLM's).",
+    )
+    presence_penalty: float = Field(
+        default=0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from the logit of each token the output already holds (OpenAI's).",
+    )
+    frequency_penalty: float = Field(
+        default=0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from a token's logit per time the output holds it (OpenAI's).",
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="Divides a positive (multiplies a negative) logit of each token in the prompt or "
+        "output (vLLM's, as transformers defines it); 1 is none.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description=f"Token id -> added to its logit, -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g} (OpenAI's).",
+    )
+    allowed_token_ids: list[int] | None = Field(
+        default=None, max_length=MAX_TOKEN_LIST, description="Only these tokens may be sampled (vLLM's)."
+    )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None,
+        max_length=MAX_BAD_WORDS,
+        description="Words the output may not contain, as token sequences with and without a leading "
+        "space (vLLM's).",
+    )
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        max_length=MAX_TOKEN_LIST,
+        description="Token ids that end the output as end-of-sequence does, left out of the text (vLLM's).",
+    )
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     priority: Priority = "normal"
     timeout_s: float | None = Field(
@@ -160,6 +215,34 @@ class JobCreate(BaseModel):
     @classmethod
     def _temperature(cls, value: float) -> float:
         return checked_temperature(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_TOKEN_LIST:
+            raise ValueError(f"logit_bias has {len(value)} entries, more than {MAX_TOKEN_LIST}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (digits), not {key[:32]!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+                )
+        return value
+
+    def controls(self) -> dict[str, Any]:
+        """vLLM's sampling controls as `SamplingParams` takes them, but `bad_words` (words: the
+        API tokenizes them) and the model's defaults (`repetition_penalty` None)."""
+        return {
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),
+            "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+        }
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

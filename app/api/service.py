@@ -151,6 +151,18 @@ class JobService:
         if model is None:
             model = await run_in_threadpool(self.catalog.get, name)
         prompt_ids = await self.prompts.encode(model, request)
+        sampling = SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            bad_words=await self.prompts.encode_words(model, request.bad_words or []),
+            **request.controls(),
+        )
+        problem = sampling.problem(model.vocab_size)
+        if problem is not None:
+            raise InvalidRequest(problem)
         if len(prompt_ids) + max_tokens > model.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the context of "
@@ -166,6 +178,7 @@ class JobService:
             tenant=tenant,
             model_name=model.name,
             prompt_ids=prompt_ids,
+            sampling=sampling,
             max_tokens=max_tokens,
             stop=stop,
             callback=callback,
@@ -204,6 +217,7 @@ class JobService:
         tenant: str,
         model_name: str,
         prompt_ids: list[int],
+        sampling: SamplingParams,
         max_tokens: int,
         stop: list[str],
         callback: Any,
@@ -219,9 +233,7 @@ class JobService:
         job_id = uuid.uuid4().hex
         params = JobRequest(
             max_tokens=max_tokens,
-            sampling=SamplingParams(
-                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed
-            ),
+            sampling=sampling,
             stop=tuple(stop),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
@@ -272,6 +284,7 @@ class JobService:
                     tenant=tenant,
                     model_name=model_name,
                     prompt_ids=prompt_ids,
+                    sampling=sampling,
                     max_tokens=max_tokens,
                     stop=stop,
                     callback=callback,

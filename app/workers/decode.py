@@ -36,6 +36,7 @@ class Sequence:
     created_at: float | None = None  # unix time of the submit: time to first token, end-to-end latency
     priority: str = "normal"
     last_token_at: float | None = None  # unix time of its previous token: inter-token latency
+    prompt_ids: tuple[int, ...] = ()  # read only where repetition_penalty needs the prompt
 
     def reseed(self) -> None:
         """A seeded job's generator, set for its next token from its seed and that token's index
@@ -45,14 +46,19 @@ class Sequence:
 
 
 def held_tokens(rows: list[Sequence], eos_ids: frozenset[int]) -> list[frozenset[int]]:
-    """Per row, the tokens it may not sample now: end of sequence, until `min_tokens` are generated."""
-    return [eos_ids if s.generated < s.min_tokens else frozenset() for s in rows]
+    """Per row, the tokens it may not sample now: end of sequence and its `stop_token_ids`, until
+    `min_tokens` are generated."""
+    return [
+        eos_ids | frozenset(s.params.stop_token_ids) if s.generated < s.min_tokens else frozenset()
+        for s in rows
+    ]
 
 
 def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
-    """Account one sampled token to its sequence and decide whether the sequence ends."""
+    """Account one sampled token to its sequence and decide whether the sequence ends: end of
+    sequence (unless `ignore_eos`) and `stop_token_ids` end it without entering the text."""
     index = seq.generated
-    if token in eos_ids and not seq.ignore_eos:
+    if (token in eos_ids and not seq.ignore_eos) or token in seq.params.stop_token_ids:
         seq.finish_reason = "stop"
         tail = seq.text.finish()
         return TokenOut(

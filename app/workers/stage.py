@@ -38,7 +38,7 @@ from app.partitions.prefix import Prefill, PrefixCache
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.latency import StepLatency
-from app.workers.sampling import ban_tokens, make_generator, sample
+from app.workers.sampling import ban_tokens, constrain, make_generator, sample
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,9 @@ class StageRuntime:
                 sequences[job_id] = self._sequence(batch_id, job_id, record)
             except Exception as exc:  # this job's error boundary: the rest of the batch goes on
                 self._fail_row(job_id, exc)
+        repeating = [j for j, s in sequences.items() if s.params.repetition_penalty != 1.0]
+        for job_id, prompt in zip(repeating, self.jobs.get_many(repeating, "prompt_ids"), strict=True):
+            sequences[job_id].prompt_ids = tuple(json.loads(prompt.get("prompt_ids") or "[]"))
         return sequences
 
     def _sequence(self, batch_id: str, job_id: str, record: dict[str, str]) -> Sequence:
@@ -278,6 +281,12 @@ class StageRuntime:
         for seq in candidates:
             seq.reseed()
         logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
+        logits = constrain(
+            logits,
+            [s.params for s in candidates],
+            prompts=[s.prompt_ids for s in candidates],
+            outputs=[s.text.ids for s in candidates],
+        )
         sampled = self._sample_rows(logits, candidates)
         for seq, token in sampled:
             if token is None:

@@ -116,8 +116,6 @@ def test_skip_special_tokens_false_travels_with_the_job(api):  # type: ignore[no
 REFUSED = [
     ("chat_template", "{{ messages }}"),
     ("prompt_logprobs", 1),
-    ("allowed_token_ids", [1, 2]),
-    ("bad_words", ["no"]),
     ("return_token_ids", True),
     ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False),
@@ -166,3 +164,63 @@ def test_continue_final_message_with_a_generation_prompt_is_refused(api):  # typ
 def test_neutral_values_of_refused_fields_are_accepted(api):  # type: ignore[no-untyped-def]
     neutral = {"bad_words": [], "return_token_ids": False, "spaces_between_special_tokens": True}
     queued(api, "/v1/completions", {"prompt": "a", "chat_template": None, "prompt_logprobs": None, **neutral})
+
+
+BAD_CONTROLS = [
+    ("logit_bias", {"100000": 1.0}),
+    ("logit_bias", {"5": 101.0}),
+    ("logit_bias", {"five": 1.0}),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [3, 100000]),
+    ("stop_token_ids", [-1]),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", 11.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0),
+    ("min_p", 1.5),
+    ("bad_words", [""]),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/jobs"])
+@pytest.mark.parametrize(("field", "value"), BAD_CONTROLS, ids=[f"{f}={v!r}" for f, v in BAD_CONTROLS])
+def test_a_sampling_control_out_of_range_is_refused_with_its_name(api, path, field, value):  # type: ignore[no-untyped-def]
+    body = {"messages": MESSAGES} if path == "/v1/chat/completions" else {"prompt": "a"}
+    answer = api[0].post(path, json={"max_tokens": 2, **body, field: value})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "invalid_request" and field in answer.json()["error"]["message"]
+
+
+def test_sampling_controls_travel_with_the_job_as_vllm_reads_them(api, fields_model):  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(fields_model)
+    body = {
+        "prompt": "a",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "logit_bias": {"7": -100, "3": 2.5},
+        "allowed_token_ids": [3, 7, 9],
+        "stop_token_ids": [5],
+        "bad_words": ["ab"],
+    }
+    request = queued(api, "/v1/completions", body)["request"]
+    assert request["presence_penalty"] == 0.5 and request["frequency_penalty"] == -0.25
+    assert request["repetition_penalty"] == 1.2 and request["min_p"] == 0.1
+    assert request["logit_bias"] == [[3, 2.5], [7, -100.0]]
+    assert request["allowed_token_ids"] == [3, 7, 9] and request["stop_token_ids"] == [5]
+    bare = tokenizer("ab", add_special_tokens=False).input_ids
+    spaced = tokenizer(" ab", add_special_tokens=False).input_ids
+    assert request["bad_words"] == [bare]  # " ab" is three tokens here: not the same word (vLLM's rule)
+    assert len(spaced) != len(bare)
+    plain = queued(api, "/v1/completions", {"prompt": "a"})["request"]
+    assert set(plain) == {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "min_tokens",
+    }
