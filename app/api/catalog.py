@@ -10,10 +10,12 @@ nor queue jobs for a pipeline no worker reads.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,6 +27,9 @@ from app.core import routing
 from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
 from app.core.errors import InvalidRequest, ModelNotFound
 from app.core.keys import Keys
+from app.core.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 GENERATION: Final = "generation"
 EMBEDDING: Final = "embedding"
@@ -38,6 +43,9 @@ class ModelInfo:
     tokenizer: Any
     context_length: int
     vocab_size: int | None = None  # the model's (config.json): token ids a request may name
+    # generation_config.json's sampling values, for a request that leaves them out (vLLM's
+    # `--generation-config auto`): those of SAMPLING_DEFAULTS that are there and usable.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def encode_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's `bad_words` as token sequences: each word alone and after a space (where that
@@ -141,11 +149,44 @@ class Catalog:
                     tokenizer=AutoTokenizer.from_pretrained(path),
                     context_length=int(getattr(config, "max_position_embeddings", 2048)),
                     vocab_size=getattr(config, "vocab_size", None),
+                    sampling_defaults=sampling_defaults(path),
                 )
         return self._models[name]
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+# The generation_config.json fields a request's sampling values default to (vLLM reads these too).
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, Any]:
+    """The model's default sampling values (generation_config.json), each kept only where a request
+    could send it (app/core/sampling.py's bounds): a value no request may carry is not one to give
+    a request that sent nothing (it is logged and left out)."""
+    file = path / "generation_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.exists() else {}
+    except (OSError, ValueError):
+        log.warning("%s: not readable as JSON; no sampling defaults taken from it", file)
+        return {}
+    usable = {}
+    for name in SAMPLING_DEFAULTS:
+        value = config.get(name)
+        if value is None:
+            continue
+        try:
+            fine = SamplingParams(**{name: value}).problem() is None
+        except TypeError:
+            fine = False
+        if fine:
+            usable[name] = value
+        else:
+            log.warning(
+                "%s: %s=%r is not a value a request may send; not used as a default", file, name, value
+            )
+    return usable
 
 
 def parameter_count(path: Path | None) -> int:

@@ -23,12 +23,25 @@ from pydantic import (
     model_validator,
 )
 
-from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature, temperature_schema
+from app.api.schemas import (
+    BadWord,
+    Bias,
+    ChatMessage,
+    JobCreate,
+    Priority,
+    TokenId,
+    TokenKey,
+    checked_temperature,
+    only_token_keys,
+    temperature_schema,
+)
 from app.core.errors import InvalidRequest
 from app.core.sampling import (
+    MAX_BAD_WORDS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
+    MAX_TOKEN_LIST,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
@@ -124,7 +137,8 @@ class OpenAIRequest(BaseModel):
         default=None,
         ge=0.0,
         le=MAX_TEMPERATURE,
-        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; default 1.",
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; left out, the "
+        "model's generation_config.json value, else 1.",
         json_schema_extra=temperature_schema,
     )
     top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
@@ -139,7 +153,7 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted and ignored.")
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K, description="vLLM's; 0 is off.")
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
@@ -150,12 +164,24 @@ class OpenAIRequest(BaseModel):
     repetition_penalty: float | None = Field(
         default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="vLLM's; 1 is none."
     )
-    logit_bias: dict[str, float] | None = Field(default=None, description="Token id -> bias, -100 to 100.")
-    allowed_token_ids: list[int] | None = Field(
-        default=None, description="vLLM's: only these may be sampled."
+    logit_bias: dict[TokenKey, Bias] | None = Field(
+        default=None,
+        max_length=MAX_TOKEN_LIST,
+        description="Token id -> bias, -100 to 100.",
+        json_schema_extra=only_token_keys,
     )
-    bad_words: list[str] | None = Field(default=None, description="vLLM's: words the output may not hold.")
-    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's: ids that end the output.")
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOKEN_LIST,
+        description="vLLM's: only these may be sampled.",
+    )
+    bad_words: list[BadWord] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS, description="vLLM's: words the output may not hold."
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, max_length=MAX_TOKEN_LIST, description="vLLM's: ids that end the output."
+    )
     skip_special_tokens: bool = Field(default=True, description="False keeps special tokens in the text.")
     add_special_tokens: bool | None = Field(
         default=None,
@@ -202,8 +228,8 @@ class OpenAIRequest(BaseModel):
         fields: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop,
@@ -211,7 +237,7 @@ class OpenAIRequest(BaseModel):
             "timeout_s": self.timeout_s,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
-            "min_p": self.min_p or 0.0,
+            "min_p": self.min_p,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": self.repetition_penalty,

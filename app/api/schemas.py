@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 from app.core.sampling import (
@@ -50,6 +59,21 @@ def checked_temperature(value: float) -> float:
     if 0 < value < MIN_TEMPERATURE:
         raise ValueError(temperature_problem(value))
     return value
+
+
+# A token id, and OpenAI's logit_bias: a token id as a JSON key (digits) to a bias.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
+TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+BadWord = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def only_token_keys(schema: dict[str, Any]) -> None:
+    """logit_bias as the schema states it: keys other than token ids are refused, not merely
+    unconstrained (JSON Schema's patternProperties alone lets any other key through)."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "object":
+            branch["additionalProperties"] = False
 
 
 # apply_chat_template's own arguments and the template's input: a request's chat_template_kwargs
@@ -104,21 +128,35 @@ class JobCreate(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Tokens to generate at most; the server's default when omitted."
     )
-    temperature: float = Field(
-        default=1.0,
+    # Left out (None), temperature, top_p, top_k, min_p and repetition_penalty take the model's
+    # generation_config.json values, else 1, 1, 0, 0 and 1 (as vLLM's `--generation-config auto`).
+    temperature: float | None = Field(
+        default=None,
         ge=0.0,
         le=MAX_TEMPERATURE,
-        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}.",
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}. Left out: "
+        "the model's generation_config.json value, else 1.",
         json_schema_extra=temperature_schema,
     )
-    top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
+    top_p: float | None = Field(
+        default=None,
+        ge=MIN_TOP_P,
+        le=1.0,
+        description="Left out: the model's generation_config.json value, else 1.",
+    )
+    top_k: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_K,
+        description="0 disables the top-k cut. Left out: the model's generation_config.json value, else 0.",
+    )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    min_p: float = Field(
-        default=0.0,
+    min_p: float | None = Field(
+        default=None,
         ge=0.0,
         le=1.0,
-        description="Drop tokens less likely than min_p x the likeliest (vLLM's).",
+        description="Drop tokens less likely than min_p x the likeliest (vLLM's). Left out: the model's "
+        "generation_config.json value, else 0.",
     )
     presence_penalty: float = Field(
         default=0.0,
@@ -137,22 +175,28 @@ class JobCreate(BaseModel):
         ge=MIN_REPETITION_PENALTY,
         le=MAX_REPETITION_PENALTY,
         description="Divides a positive (multiplies a negative) logit of each token in the prompt or "
-        "output (vLLM's, as transformers defines it); 1 is none.",
+        "output (vLLM's, as transformers defines it); 1 is none. Left out: the model's "
+        "generation_config.json value, else 1.",
     )
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[TokenKey, Bias] | None = Field(
         default=None,
+        max_length=MAX_TOKEN_LIST,
         description=f"Token id -> added to its logit, -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g} (OpenAI's).",
+        json_schema_extra=only_token_keys,
     )
-    allowed_token_ids: list[int] | None = Field(
-        default=None, max_length=MAX_TOKEN_LIST, description="Only these tokens may be sampled (vLLM's)."
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOKEN_LIST,
+        description="Only these tokens may be sampled (vLLM's).",
     )
-    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+    bad_words: list[BadWord] | None = Field(
         default=None,
         max_length=MAX_BAD_WORDS,
         description="Words the output may not contain, as token sequences with and without a leading "
         "space (vLLM's).",
     )
-    stop_token_ids: list[int] | None = Field(
+    stop_token_ids: list[TokenId] | None = Field(
         default=None,
         max_length=MAX_TOKEN_LIST,
         description="Token ids that end the output as end-of-sequence does, left out of the text (vLLM's).",
@@ -213,30 +257,23 @@ class JobCreate(BaseModel):
 
     @field_validator("temperature")
     @classmethod
-    def _temperature(cls, value: float) -> float:
-        return checked_temperature(value)
+    def _temperature(cls, value: float | None) -> float | None:
+        return None if value is None else checked_temperature(value)
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is None:
-            return None
-        if len(value) > MAX_TOKEN_LIST:
-            raise ValueError(f"logit_bias has {len(value)} entries, more than {MAX_TOKEN_LIST}")
-        for key, bias in value.items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids (digits), not {key[:32]!r}")
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
-                )
-        return value
-
-    def controls(self) -> dict[str, Any]:
-        """vLLM's sampling controls as `SamplingParams` takes them, but `bad_words` (words: the
-        API tokenizes them) and the model's defaults (`repetition_penalty` None)."""
-        return {
+    def sampling(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The sampling values as `SamplingParams` takes them, each one left out taken from
+        `defaults` (the model's generation_config.json), but `bad_words` (words: the API tokenizes
+        them)."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
             "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        chosen = {name: defaults.get(name) if value is None else value for name, value in given.items()}
+        return {name: value for name, value in chosen.items() if value is not None} | {
+            "seed": self.seed,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),

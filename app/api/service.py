@@ -152,13 +152,8 @@ class JobService:
             model = await run_in_threadpool(self.catalog.get, name)
         prompt_ids = await self.prompts.encode(model, request)
         sampling = SamplingParams(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            seed=request.seed,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             bad_words=await self.prompts.encode_words(model, request.bad_words or []),
-            **request.controls(),
+            **request.sampling(model.sampling_defaults),
         )
         problem = sampling.problem(model.vocab_size)
         if problem is not None:

@@ -224,3 +224,48 @@ def test_sampling_controls_travel_with_the_job_as_vllm_reads_them(api, fields_mo
         "ignore_eos",
         "min_tokens",
     }
+
+
+GENERATION_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 7, "repetition_penalty": 1.1, "min_p": 0.05}
+
+
+@pytest.fixture()
+def defaults_api(redis_url, fields_model, tmp_path):  # type: ignore[no-untyped-def]
+    """The API over a copy of the model whose generation_config.json sets sampling defaults (and one
+    value no request may send, which is not used)."""
+    path = tmp_path / "defaults"
+    shutil.copytree(fields_model, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config |= GENERATION_DEFAULTS | {"top_p": 1e-9}  # below MIN_TOP_P: left out
+    (path / "generation_config.json").write_text(json.dumps(config))
+    settings = tiny_settings(redis_url, path, auth="none", sync_timeout_s=0.05)
+    keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
+    redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client, keys, redis
+    finally:
+        forget_namespace(redis_url, settings.namespace)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/jobs"])
+def test_left_out_sampling_values_are_the_models_generation_config(defaults_api, path):  # type: ignore[no-untyped-def]
+    body = {"messages": MESSAGES} if path == "/v1/chat/completions" else {"prompt": "a"}
+    if path == "/v1/jobs":
+        client, keys, redis = defaults_api
+        answer = client.post(path, json={"max_tokens": 2, **body})
+        assert answer.status_code == 202, answer.text
+        request = json.loads(redis.hget(keys.job(answer.json()["id"]), "request"))
+    else:
+        request = queued(defaults_api, path, body)["request"]
+    assert {k: request[k] for k in GENERATION_DEFAULTS} == GENERATION_DEFAULTS | {"top_p": 1.0}
+    explicit = {"temperature": 0, "top_p": 0.5, "top_k": 0, "repetition_penalty": 1.0, "min_p": 0.0}
+    if path != "/v1/jobs":
+        request = queued(defaults_api, path, {**body, **explicit})["request"]
+        assert {k: request.get(k, 1.0 if k == "repetition_penalty" else 0.0) for k in explicit} == explicit
+
+
+def test_a_model_without_sampling_defaults_samples_as_vllm_does(api):  # type: ignore[no-untyped-def]
+    request = queued(api, "/v1/completions", {"prompt": "a"})["request"]
+    assert (request["temperature"], request["top_p"], request["top_k"]) == (1.0, 1.0, 0)
+    assert "repetition_penalty" not in request and "min_p" not in request
