@@ -38,6 +38,7 @@ from app.api.schemas import (
 from app.core.errors import InvalidRequest
 from app.core.sampling import (
     MAX_BAD_WORDS,
+    MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
@@ -50,8 +51,6 @@ from app.core.sampling import (
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -81,7 +80,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "prompt_logprobs": (None,),
     "return_token_ids": (None, False),
-    "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "documents": (None, []),
     "mm_processor_kwargs": (None, {}),
@@ -182,6 +180,9 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(
         default=None, max_length=MAX_TOKEN_LIST, description="vLLM's: ids that end the output."
     )
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description="vLLM's: logprobs name each token `token_id:<id>` instead of its text."
+    )
     skip_special_tokens: bool = Field(default=True, description="False keeps special tokens in the text.")
     add_special_tokens: bool | None = Field(
         default=None,
@@ -224,6 +225,11 @@ class OpenAIRequest(BaseModel):
         """The job this request asks for (raises InvalidRequest for what a job cannot take)."""
         raise NotImplementedError
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's logprobs list; None: no logprobs asked."""
+        return None
+
     def _job(self, *, max_tokens: int | None, **input: Any) -> JobCreate:
         fields: dict[str, Any] = {
             "model": self.model,
@@ -245,6 +251,7 @@ class OpenAIRequest(BaseModel):
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
             "stop_token_ids": self.stop_token_ids,
+            "logprobs": self.top_logprobs_asked,
             "skip_special_tokens": self.skip_special_tokens,
             "add_special_tokens": self.add_special_tokens,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
@@ -274,6 +281,25 @@ class CompletionCreate(OpenAIRequest):
         if isinstance(prompt, list) and len(prompt) != 1:
             raise ValueError(f"exactly one prompt per request is supported, not {len(prompt)}")
         return prompt
+
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token's log probability and its this many likeliest alternatives'.",
+    )
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, value: Any) -> Any:
+        """`false` (what clients send for "none") is none; `true` is not a count."""
+        if value is True:
+            raise ValueError(f"logprobs is a count of alternatives here, 0 to {MAX_LOGPROBS}, not true")
+        return None if value is False else value
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _no_chat_fields(self) -> CompletionCreate:
@@ -329,6 +355,20 @@ class ChatCompletionCreate(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="More variables for the model's chat template."
     )
+    logprobs: bool | None = Field(default=False, description="Each token's log probability.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest alternatives."
+    )
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionCreate:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_job(self) -> JobCreate:
         return self._job(
@@ -346,10 +386,20 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion's (or chunk's) tokens with their log probabilities, as OpenAI's legacy
+    completions give them: `top_logprobs` maps the likeliest tokens and the chosen one to theirs."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -371,10 +421,24 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="The token's text as UTF-8 bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -401,7 +465,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

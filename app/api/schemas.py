@@ -19,6 +19,7 @@ from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 from app.core.sampling import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
@@ -201,6 +202,13 @@ class JobCreate(BaseModel):
         max_length=MAX_TOKEN_LIST,
         description="Token ids that end the output as end-of-sequence does, left out of the text (vLLM's).",
     )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token event carries the token's log probability and its this many likeliest "
+        "alternatives', from the model's logits before any sampling control (vLLM's raw logprobs).",
+    )
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     priority: Priority = "normal"
     timeout_s: float | None = Field(
@@ -274,6 +282,7 @@ class JobCreate(BaseModel):
         chosen = {name: defaults.get(name) if value is None else value for name, value in given.items()}
         return {name: value for name, value in chosen.items() if value is not None} | {
             "seed": self.seed,
+            "logprobs": self.logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),

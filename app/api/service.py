@@ -199,6 +199,13 @@ class JobService:
             state[name] = seen
         return routing.choose(route, wanted, state)
 
+    async def token_events(self, job_id: str) -> list[dict[str, Any]]:
+        """The data of a job's token events, in order (its stream holds every one: its length is
+        max_tokens_limit and a few), for what the job's record does not keep (logprobs)."""
+        entries = await self.redis.xrange(self.keys.events(job_id), "-", "+")
+        tokens = [json.loads(fields[b"data"]) for _, fields in entries if fields[b"event"] == b"token"]
+        return sorted(tokens, key=lambda t: int(t["index"]))
+
     async def _refund(self, tenant: str, tokens: int) -> None:
         try:
             await self.ratelimit.refund(tenant, tokens=tokens)

@@ -518,6 +518,10 @@ class TokenOut:
     completion_text: str  # everything released so far, for pollers
     finish_reason: str | None = None  # set on the last token of a sequence
     emit: bool = True  # False for an end-of-sequence token that only finishes the job
+    # The token's log probability and the likeliest (token id, log probability) pairs, when its
+    # job asked for them (SamplingParams.logprobs).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class JobStore:
@@ -578,7 +582,9 @@ class JobStore:
         args += [self.keys.announce(""), life.ended_ttl_s]
         for out in outs:
             keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
-            data = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            data: dict[str, Any] = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            if out.logprob is not None:
+                data |= {"logprob": out.logprob, "top_logprobs": [list(pair) for pair in out.top_logprobs]}
             count = out.index + int(out.emit) if out.finish_reason else out.index + 1
             args += [out.job_id, out.batch_id, int(out.emit), out.index, _json(data)]
             args += [out.completion_text, count, out.finish_reason or ""]

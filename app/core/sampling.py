@@ -35,6 +35,8 @@ MAX_REPETITION_PENALTY = 10.0
 # job's record and are applied at every step.
 MAX_TOKEN_LIST = 4096
 MAX_BAD_WORDS = 256
+# Alternatives a token's log probabilities may list (vLLM's default max_logprobs, OpenAI's chat cap).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # None: every token
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output may not complete
     stop_token_ids: tuple[int, ...] = ()  # end the output as end-of-sequence does (not in the text)
+    # Each token's log probability and its `logprobs` likeliest alternatives, from the model's own
+    # logits (before any control or temperature, vLLM's "raw" logprobs); None: not computed.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +126,7 @@ class SamplingParams:
             allowed_token_ids=None if allowed is None else tuple(int(t) for t in allowed),
             bad_words=tuple(tuple(int(t) for t in word) for word in value.get("bad_words") or ()),
             stop_token_ids=tuple(int(t) for t in value.get("stop_token_ids") or ()),
+            logprobs=value.get("logprobs"),
         )
 
 
@@ -133,6 +139,7 @@ _CONTROLS: dict[str, Any] = {
     "allowed_token_ids": None,
     "bad_words": (),
     "stop_token_ids": (),
+    "logprobs": None,
 }
 
 
@@ -154,6 +161,12 @@ def _controls_problem(params: SamplingParams, vocab: int | None) -> str | None:
         return f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
     if params.allowed_token_ids is not None and not params.allowed_token_ids:
         return "allowed_token_ids may not be empty (leave it out to allow every token)"
+    if params.logprobs is not None and (
+        isinstance(params.logprobs, bool)
+        or not isinstance(params.logprobs, int)
+        or not 0 <= params.logprobs <= MAX_LOGPROBS
+    ):
+        return f"logprobs must be an integer between 0 and {MAX_LOGPROBS}, not {params.logprobs!r}"
     if len(params.bad_words) > MAX_BAD_WORDS:
         return f"bad_words has {len(params.bad_words)} words, more than {MAX_BAD_WORDS}"
     lists = {

@@ -7,13 +7,13 @@ a stop string, `max_tokens`); `settle` says which rows go on to the next step. `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
 from app.core.publisher import TokenOut
-from app.workers.sampling import SamplingParams, token_seed
+from app.workers.sampling import Logprobs, SamplingParams, token_seed
 from app.workers.textstream import TextStream
 
 T = TypeVar("T")
@@ -54,9 +54,17 @@ def held_tokens(rows: list[Sequence], eos_ids: frozenset[int]) -> list[frozenset
     ]
 
 
-def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
+def advance(seq: Sequence, token: int, eos_ids: frozenset[int], logprobs: Logprobs | None = None) -> TokenOut:
     """Account one sampled token to its sequence and decide whether the sequence ends: end of
-    sequence (unless `ignore_eos`) and `stop_token_ids` end it without entering the text."""
+    sequence (unless `ignore_eos`) and `stop_token_ids` end it without entering the text. Its
+    `logprobs` (`token_logprobs`), when the job asked for them, go with it."""
+    out = _advance(seq, token, eos_ids)
+    if logprobs is None:
+        return out
+    return replace(out, logprob=logprobs[0], top_logprobs=logprobs[1])
+
+
+def _advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
     index = seq.generated
     if (token in eos_ids and not seq.ignore_eos) or token in seq.params.stop_token_ids:
         seq.finish_reason = "stop"

@@ -24,6 +24,7 @@ __all__ = [
     "filter_logits",
     "make_generator",
     "sample",
+    "token_logprobs",
     "token_seed",
 ]
 
@@ -203,4 +204,26 @@ def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tens
     rows, cols = zip(*cells, strict=True)
     out = logits.clone()
     out[list(rows), list(cols)] = float("-inf")
+    return out
+
+
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # the token's, and the top (id, logprob) pairs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int | None]) -> list[Logprobs | None]:
+    """Per row asking (`top[i]` not None): the log-softmax of the logits at its token, and its
+    `top[i]` likeliest tokens with theirs. logits: [B, V], as the model gave them (vLLM's raw
+    logprobs: before any control, penalty or temperature)."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    out: list[Logprobs | None] = [None] * len(tokens)
+    if not rows:
+        return out
+    logprobs = logits[rows].float().log_softmax(dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    k = max(top[i] or 0 for i in rows)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for j, i in enumerate(rows):
+        n = top[i] or 0
+        pairs = tuple(zip(ids[j, :n].tolist(), values[j, :n].tolist(), strict=True))
+        out[i] = (chosen[j], pairs)
     return out

@@ -38,7 +38,7 @@ from app.partitions.prefix import Prefill, PrefixCache
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.latency import StepLatency
-from app.workers.sampling import ban_tokens, constrain, make_generator, sample
+from app.workers.sampling import ban_tokens, constrain, make_generator, sample, token_logprobs
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,7 @@ class StageRuntime:
         # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
         index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
         logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
+        raw = logits  # what the model gave: the logprobs a job asks for are of these
         candidates = [sequences[msg.seq_ids[i]] for i in index]
         held = held_tokens(candidates, self.eos_ids)
         for seq in candidates:
@@ -288,12 +289,16 @@ class StageRuntime:
             outputs=[s.text.ids for s in candidates],
         )
         sampled = self._sample_rows(logits, candidates)
+        logprobs = token_logprobs(raw, [t or 0 for _, t in sampled], [s.params.logprobs for s in candidates])
         for seq, token in sampled:
             if token is None:
                 del sequences[seq.job_id]
-        rows = [seq for seq, token in sampled if token is not None]
-        tokens = [token for _, token in sampled if token is not None]
-        outs = [advance(seq, token, self.eos_ids) for seq, token in zip(rows, tokens, strict=True)]
+        kept = [
+            (seq, token, lp) for (seq, token), lp in zip(sampled, logprobs, strict=True) if token is not None
+        ]
+        rows = [seq for seq, _, _ in kept]
+        tokens = [token for _, token, _ in kept]
+        outs = [advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
         alive = settle(sequences, rows, tokens, gone)

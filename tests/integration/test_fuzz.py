@@ -78,6 +78,7 @@ CROSS_FIELD_RULES = (
     "may not set",  # chat_template_kwargs naming one of the template's own arguments
     "the chat template could not render",
     "outside the vocabulary",  # a token id past the model's vocabulary
+    "top_logprobs needs logprobs",
 )
 
 

@@ -134,3 +134,30 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(pipeline, tiny_model):
     assert pipeline.tokens(kept) == [special] * STEPS
     assert pipeline.record(skipped)["text"] == ""
     assert pipeline.record(kept)["text"] == "<|im_start|>" * STEPS
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_token(pipeline, model):  # type: ignore[no-untyped-def]
+    """Greedy and sampled (with a penalty and a temperature, which the logprobs do not see: vLLM's raw
+    logprobs), each token's log probability and its top 5 as the model's own log-softmax gives them,
+    and a job that asked for none carries none."""
+    requests = [
+        {"logprobs": 5},
+        {"logprobs": 0, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.5},
+        {},
+    ]
+    greedy_job, sampled_job, plain_job = run(pipeline, requests)
+    for job, k in ((greedy_job, 5), (sampled_job, 0)):
+        tokens = pipeline.tokens(job)
+        ids = torch.tensor([PROMPT + tokens])
+        with torch.no_grad():
+            reference = model(ids).logits[0, len(PROMPT) - 1 : -1].float().log_softmax(dim=-1)  # [T, V]
+        events = [data for kind, data in pipeline.events(job) if kind == "token"]
+        assert [e["token_id"] for e in events] == tokens
+        for event, row, token in zip(events, reference, tokens, strict=True):
+            assert abs(event["logprob"] - float(row[token])) < 1e-3
+            values, top_ids = row.topk(k)
+            assert [t for t, _ in event["top_logprobs"]] == top_ids.tolist()
+            assert all(
+                abs(lp - float(v)) < 1e-3 for (_, lp), v in zip(event["top_logprobs"], values, strict=True)
+            )
+    assert all("logprob" not in data for kind, data in pipeline.events(plain_job) if kind == "token")

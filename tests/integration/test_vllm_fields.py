@@ -117,7 +117,6 @@ REFUSED = [
     ("chat_template", "{{ messages }}"),
     ("prompt_logprobs", 1),
     ("return_token_ids", True),
-    ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False),
     ("documents", [{"title": "t", "text": "x"}]),
     ("mm_processor_kwargs", {"a": 1}),

@@ -8,7 +8,7 @@ the answer waits for the job's end, or streams its token events as OpenAI's chun
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
 from app.api.deps import get_jobs, get_settings
+from app.api.logprobs import TokenLogprobs
 from app.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -30,9 +31,11 @@ from app.api.openai_schemas import (
     ChatCompletionChunk,
     ChatCompletionCreate,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
     CompletionCreate,
+    CompletionLogprobs,
     CompletionUsage,
     ModelCard,
     ModelList,
@@ -49,6 +52,7 @@ from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, Sy
 from app.core.jobs import JobStatus
 
 DONE = "[DONE]"  # the last data line of an OpenAI stream
+Tokens = Sequence[Mapping[str, Any]]  # token events' data
 
 
 class JobCancelled(ConveyorError):
@@ -196,11 +200,14 @@ async def chat_completions(
 
 
 class Reply:
-    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job."""
+    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job.
+    `tokens`: the token events (their data) the answer or chunk covers, read for their logprobs
+    when the request asked for them (`logprobs`)."""
 
     prefix = ""
 
-    def __init__(self, record: dict[str, str]) -> None:
+    def __init__(self, record: dict[str, str], logprobs: TokenLogprobs | None = None) -> None:
+        self.logprobs = logprobs
         self.id = f"{self.prefix}{record['id']}"
         self.created = int(float(record["created_at"]))
         self.model = record["model"]
@@ -214,16 +221,18 @@ class Reply:
             total_tokens=self.prompt_tokens + completion_tokens,
         )
 
-    def whole(self, record: dict[str, str]) -> BaseModel:
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
         raise NotImplementedError
 
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
         return None
 
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
         raise NotImplementedError
 
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
         raise NotImplementedError
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
@@ -236,15 +245,25 @@ class CompletionReply(Reply):
     def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def whole(self, record: dict[str, str]) -> BaseModel:
-        choice = CompletionChoice(text=record.get("text", ""), finish_reason=record.get("finish_reason"))
+    def _logprobs(self, tokens: Tokens) -> CompletionLogprobs | None:
+        return self.logprobs.completion(list(tokens)) if self.logprobs is not None else None
+
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+        choice = CompletionChoice(
+            text=record.get("text", ""),
+            finish_reason=record.get("finish_reason"),
+            logprobs=self._logprobs(tokens),
+        )
         return self._make([choice], usage_of(record))
 
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._make([CompletionChoice(text=text)], usage)
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+        return self._make([CompletionChoice(text=text, logprobs=self._logprobs(tokens))], usage)
 
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._make([CompletionChoice(text="", finish_reason=finish_reason)], usage)
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
+        choice = CompletionChoice(text="", finish_reason=finish_reason, logprobs=self._logprobs(tokens))
+        return self._make([choice], usage)
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
         return self._make([], usage)
@@ -258,10 +277,14 @@ class ChatReply(Reply):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def whole(self, record: dict[str, str]) -> BaseModel:
+    def _logprobs(self, tokens: Tokens) -> ChatLogprobs | None:
+        return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
+
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=record.get("text", "")),
             finish_reason=record.get("finish_reason"),
+            logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
         )
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage_of(record)
@@ -270,11 +293,17 @@ class ChatReply(Reply):
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], usage)
 
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))], usage)
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+        choice = ChatChunkChoice(delta=ChatDelta(content=text), logprobs=self._logprobs(tokens))
+        return self._chunk([choice], usage)
 
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)], usage)
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
+        choice = ChatChunkChoice(
+            delta=ChatDelta(), finish_reason=finish_reason, logprobs=self._logprobs(tokens)
+        )
+        return self._chunk([choice], usage)
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
         return self._chunk([], usage)
@@ -302,7 +331,13 @@ async def _answer(
     job = body.to_job()
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
-    job_id, reply = submitted.record["id"], reply_type(submitted.record)
+    job_id = submitted.record["id"]
+    logprobs = None
+    if job.logprobs is not None:  # the model's tokenizer names the tokens (loaded by the submit)
+        model = jobs.catalog.cached(submitted.record["model"])
+        tokenizer = model.tokenizer if model is not None else None
+        logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
+    reply = reply_type(submitted.record, logprobs)
     if slot is not None:
         notes = audit.fields(request)
         stream = _stream(
@@ -323,7 +358,7 @@ async def _answer(
         return Response(status_code=CLIENT_CLOSED)
     audit.note_job(request, record)
     _check_succeeded(record, settings)
-    return reply.whole(record)
+    return reply.whole(record, await jobs.token_events(job_id) if logprobs is not None else ())
 
 
 def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
@@ -371,16 +406,20 @@ def _stream(
         if (first := reply.first(so_far(0))) is not None:
             yield data(first)
         record = None
+        held: list[dict[str, Any]] = []  # tokens whose text is not out yet: their logprobs wait with it
         async for event in jobs.events(job_id, slot=slot):
-            if event.event == "token" and event.data.get("text"):
-                yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1)))
+            if event.event == "token":
+                held.append(event.data)
+                if event.data.get("text"):
+                    yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1), held))
+                    held = []
             record = event.record  # the final event's: the job as it ended
         if record is None:  # the stream ended without its final event (its stream was gone): read the job
             record = await jobs.get(job_id, tenant=None)
         audit.note_job(notes, record)
         if record["status"] == JobStatus.SUCCEEDED:
             usage = usage_of(record)
-            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None))
+            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None, held))
             if include_usage:
                 yield data(reply.usage(usage))
         else:
