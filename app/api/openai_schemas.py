@@ -79,7 +79,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
     "chat_template": (None,),
     "prompt_logprobs": (None,),
-    "return_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "documents": (None, []),
     "mm_processor_kwargs": (None, {}),
@@ -179,6 +178,9 @@ class OpenAIRequest(BaseModel):
     )
     stop_token_ids: list[TokenId] | None = Field(
         default=None, max_length=MAX_TOKEN_LIST, description="vLLM's: ids that end the output."
+    )
+    return_token_ids: bool | None = Field(
+        default=False, description="vLLM's: the answer carries the prompt's and the output's token ids."
     )
     return_tokens_as_token_ids: bool = Field(
         default=False, description="vLLM's: logprobs name each token `token_id:<id>` instead of its text."
@@ -396,11 +398,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
-class CompletionChoice(BaseModel):
+class TokenIds(BaseModel):
+    """vLLM's `return_token_ids` fields: sent only when asked for (absent, not null, otherwise)."""
+
+    @model_serializer(mode="wrap")
+    def _ids_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        return {k: v for k, v in dumped.items() if v is not None or k not in TOKEN_ID_FIELDS}
+
+
+TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+class CompletionChoice(TokenIds):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, description="return_token_ids: the prompt's.")
+    token_ids: list[int] | None = Field(default=None, description="return_token_ids: this text's tokens.")
 
 
 class Completion(BaseModel):
@@ -435,14 +451,15 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(TokenIds):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = Field(default=None, description="return_token_ids: the answer's tokens.")
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(TokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -450,6 +467,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: CompletionUsage
+    prompt_token_ids: list[int] | None = Field(default=None, description="return_token_ids: the prompt's.")
 
 
 class ChatDelta(BaseModel):
@@ -462,14 +480,15 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(TokenIds):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = Field(default=None, description="return_token_ids: this chunk's tokens.")
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(TokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -477,6 +496,9 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = None
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="return_token_ids: the prompt's, in the first chunk."
+    )
 
 
 class RoutePolicyCard(BaseModel):

@@ -150,3 +150,20 @@ def test_logprobs_past_20_or_without_asking_are_refused(served, path, fields, na
     response = served[0].post(path, json={"max_tokens": 2, **body, **fields})
     assert response.status_code == 422, response.text
     assert named in response.json()["error"]["message"]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(served, tiny_model):  # type: ignore[no-untyped-def]
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT).input_ids
+    body, job = answer(served, "/v1/completions", {"prompt": PROMPT, "return_token_ids": True})
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == served[1].tokens(job)
+    chunks, job = answer(
+        served, "/v1/chat/completions", {"messages": MESSAGES, "return_token_ids": True, "stream": True}
+    )
+    assert chunks[0]["prompt_token_ids"] and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == served[1].tokens(job)
+    whole, job = answer(served, "/v1/chat/completions", {"messages": MESSAGES, "return_token_ids": True})
+    assert whole["prompt_token_ids"] == chunks[0]["prompt_token_ids"]
+    assert whole["choices"][0]["token_ids"] == served[1].tokens(job)
+    plain, _ = answer(served, "/v1/chat/completions", {"messages": MESSAGES})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

@@ -116,7 +116,6 @@ def test_skip_special_tokens_false_travels_with_the_job(api):  # type: ignore[no
 REFUSED = [
     ("chat_template", "{{ messages }}"),
     ("prompt_logprobs", 1),
-    ("return_token_ids", True),
     ("spaces_between_special_tokens", False),
     ("documents", [{"title": "t", "text": "x"}]),
     ("mm_processor_kwargs", {"a": 1}),

@@ -206,8 +206,15 @@ class Reply:
 
     prefix = ""
 
-    def __init__(self, record: dict[str, str], logprobs: TokenLogprobs | None = None) -> None:
+    def __init__(
+        self, record: dict[str, str], logprobs: TokenLogprobs | None = None, *, token_ids: bool = False
+    ) -> None:
         self.logprobs = logprobs
+        # return_token_ids: the prompt's ids (sent once), and each answer's or chunk's token ids
+        self.token_ids = token_ids
+        self.prompt_ids: list[int] | None = (
+            json.loads(record.get("prompt_ids") or "null") if token_ids else None
+        )
         self.id = f"{self.prefix}{record['id']}"
         self.created = int(float(record["created_at"]))
         self.model = record["model"]
@@ -238,6 +245,15 @@ class Reply:
     def usage(self, usage: CompletionUsage) -> BaseModel:
         raise NotImplementedError
 
+    def ids(self, tokens: Tokens) -> list[int] | None:
+        """The token ids of these events, when return_token_ids asked for them."""
+        return [int(t["token_id"]) for t in tokens] if self.token_ids else None
+
+    def prompt_once(self) -> list[int] | None:
+        """The prompt's ids, the first time only (a stream sends them in its first chunk)."""
+        prompt, self.prompt_ids = self.prompt_ids, None
+        return prompt
+
 
 class CompletionReply(Reply):
     prefix = "cmpl-"
@@ -253,16 +269,30 @@ class CompletionReply(Reply):
             text=record.get("text", ""),
             finish_reason=record.get("finish_reason"),
             logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
         )
         return self._make([choice], usage_of(record))
 
     def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        return self._make([CompletionChoice(text=text, logprobs=self._logprobs(tokens))], usage)
+        choice = CompletionChoice(
+            text=text,
+            logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
+        )
+        return self._make([choice], usage)
 
     def last(
         self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
     ) -> BaseModel:
-        choice = CompletionChoice(text="", finish_reason=finish_reason, logprobs=self._logprobs(tokens))
+        choice = CompletionChoice(
+            text="",
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
+        )
         return self._make([choice], usage)
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
@@ -285,23 +315,42 @@ class ChatReply(Reply):
             message=AssistantMessage(content=record.get("text", "")),
             finish_reason=record.get("finish_reason"),
             logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
+            token_ids=self.ids(tokens),
         )
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage_of(record)
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage_of(record),
+            prompt_token_ids=self.prompt_once(),
         )
 
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], usage)
+        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), token_ids=self.ids(()))
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage,
+            prompt_token_ids=self.prompt_once(),
+        )
 
     def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        choice = ChatChunkChoice(delta=ChatDelta(content=text), logprobs=self._logprobs(tokens))
+        choice = ChatChunkChoice(
+            delta=ChatDelta(content=text), logprobs=self._logprobs(tokens), token_ids=self.ids(tokens)
+        )
         return self._chunk([choice], usage)
 
     def last(
         self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
     ) -> BaseModel:
         choice = ChatChunkChoice(
-            delta=ChatDelta(), finish_reason=finish_reason, logprobs=self._logprobs(tokens)
+            delta=ChatDelta(),
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(tokens),
+            token_ids=self.ids(tokens),
         )
         return self._chunk([choice], usage)
 
@@ -337,7 +386,8 @@ async def _answer(
         model = jobs.catalog.cached(submitted.record["model"])
         tokenizer = model.tokenizer if model is not None else None
         logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
-    reply = reply_type(submitted.record, logprobs)
+    reply = reply_type(submitted.record, logprobs, token_ids=bool(body.return_token_ids))
+    read_tokens = logprobs is not None or reply.token_ids
     if slot is not None:
         notes = audit.fields(request)
         stream = _stream(
@@ -358,7 +408,7 @@ async def _answer(
         return Response(status_code=CLIENT_CLOSED)
     audit.note_job(request, record)
     _check_succeeded(record, settings)
-    return reply.whole(record, await jobs.token_events(job_id) if logprobs is not None else ())
+    return reply.whole(record, await jobs.token_events(job_id) if read_tokens else ())
 
 
 def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
