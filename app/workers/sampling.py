@@ -185,12 +185,15 @@ def _completing(words: tuple[tuple[int, ...], ...], output: Sequence[int]) -> li
 
 def _cells(rows: Iterable[tuple[int, Iterable[int]]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, column index) tensors of each row's token ids inside the vocabulary."""
-    pairs = [(row, t) for row, ids in rows for t in ids if 0 <= t < vocab]
-    if not pairs:
+    listed = [(row, torch.tensor(list(ids), dtype=torch.long)) for row, ids in rows]
+    if not listed:
         empty = torch.zeros(0, dtype=torch.long)
         return empty, empty
-    r, c = zip(*pairs, strict=True)
-    return torch.tensor(r, dtype=torch.long), torch.tensor(c, dtype=torch.long)
+    cols = torch.cat([ids for _, ids in listed])  # [N]
+    counts = torch.tensor([len(ids) for _, ids in listed])
+    index = torch.repeat_interleave(torch.tensor([row for row, _ in listed], dtype=torch.long), counts)
+    inside = (cols >= 0) & (cols < vocab)
+    return index[inside], cols[inside]
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:

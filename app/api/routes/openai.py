@@ -8,7 +8,7 @@ the answer waits for the job's end, or streams its token events as OpenAI's chun
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +22,16 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
 from app.api.deps import get_jobs, get_settings
-from app.api.logprobs import TokenLogprobs
-from app.api.openai_schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
+from app.api.openai_answers import (
     ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionCreate,
-    ChatDelta,
-    ChatLogprobs,
     Completion,
-    CompletionChoice,
-    CompletionCreate,
-    CompletionLogprobs,
     CompletionUsage,
     ModelCard,
     ModelList,
-    OpenAIRequest,
     RoutePolicyCard,
 )
+from app.api.openai_replies import ChatReply, CompletionReply, Reply, TokenLogprobs, usage_of
+from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted, sse_data
 from app.api.service import JobService
@@ -52,7 +42,6 @@ from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, Sy
 from app.core.jobs import JobStatus
 
 DONE = "[DONE]"  # the last data line of an OpenAI stream
-Tokens = Sequence[Mapping[str, Any]]  # token events' data
 
 
 class JobCancelled(ConveyorError):
@@ -197,172 +186,6 @@ async def chat_completions(
 ) -> BaseModel | Response:
     """OpenAI's chat completions, rendered with the model's chat template; one choice."""
     return await _answer(body, ChatReply, request, response, jobs, settings, tenant, idempotency_key)
-
-
-class Reply:
-    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job.
-    `tokens`: the token events (their data) the answer or chunk covers, read for their logprobs
-    when the request asked for them (`logprobs`)."""
-
-    prefix = ""
-
-    def __init__(
-        self, record: dict[str, str], logprobs: TokenLogprobs | None = None, *, token_ids: bool = False
-    ) -> None:
-        self.logprobs = logprobs
-        # return_token_ids: the prompt's ids (sent once), and each answer's or chunk's token ids
-        self.token_ids = token_ids
-        self.prompt_ids: list[int] | None = (
-            json.loads(record.get("prompt_ids") or "null") if token_ids else None
-        )
-        self.id = f"{self.prefix}{record['id']}"
-        self.created = int(float(record["created_at"]))
-        self.model = record["model"]
-        self.prompt_tokens = int(record.get("prompt_tokens", 0))
-
-    def so_far(self, completion_tokens: int) -> CompletionUsage:
-        """The usage after `completion_tokens` tokens (`continuous_usage_stats`: on every chunk)."""
-        return CompletionUsage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=self.prompt_tokens + completion_tokens,
-        )
-
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
-        raise NotImplementedError
-
-    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        return None
-
-    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        raise NotImplementedError
-
-    def last(
-        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
-    ) -> BaseModel:
-        raise NotImplementedError
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        raise NotImplementedError
-
-    def ids(self, tokens: Tokens) -> list[int] | None:
-        """The token ids of these events, when return_token_ids asked for them."""
-        return [int(t["token_id"]) for t in tokens] if self.token_ids else None
-
-    def prompt_once(self) -> list[int] | None:
-        """The prompt's ids, the first time only (a stream sends them in its first chunk)."""
-        prompt, self.prompt_ids = self.prompt_ids, None
-        return prompt
-
-
-class CompletionReply(Reply):
-    prefix = "cmpl-"
-
-    def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def _logprobs(self, tokens: Tokens) -> CompletionLogprobs | None:
-        return self.logprobs.completion(list(tokens)) if self.logprobs is not None else None
-
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
-        choice = CompletionChoice(
-            text=record.get("text", ""),
-            finish_reason=record.get("finish_reason"),
-            logprobs=self._logprobs(tokens),
-            prompt_token_ids=self.prompt_once(),
-            token_ids=self.ids(tokens),
-        )
-        return self._make([choice], usage_of(record))
-
-    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        choice = CompletionChoice(
-            text=text,
-            logprobs=self._logprobs(tokens),
-            prompt_token_ids=self.prompt_once(),
-            token_ids=self.ids(tokens),
-        )
-        return self._make([choice], usage)
-
-    def last(
-        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
-    ) -> BaseModel:
-        choice = CompletionChoice(
-            text="",
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(tokens),
-            prompt_token_ids=self.prompt_once(),
-            token_ids=self.ids(tokens),
-        )
-        return self._make([choice], usage)
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        return self._make([], usage)
-
-
-class ChatReply(Reply):
-    prefix = "chatcmpl-"
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-
-    def _logprobs(self, tokens: Tokens) -> ChatLogprobs | None:
-        return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
-
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
-        choice = ChatChoice(
-            message=AssistantMessage(content=record.get("text", "")),
-            finish_reason=record.get("finish_reason"),
-            logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
-            token_ids=self.ids(tokens),
-        )
-        return ChatCompletion(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            usage=usage_of(record),
-            prompt_token_ids=self.prompt_once(),
-        )
-
-    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), token_ids=self.ids(()))
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            usage=usage,
-            prompt_token_ids=self.prompt_once(),
-        )
-
-    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        choice = ChatChunkChoice(
-            delta=ChatDelta(content=text), logprobs=self._logprobs(tokens), token_ids=self.ids(tokens)
-        )
-        return self._chunk([choice], usage)
-
-    def last(
-        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
-    ) -> BaseModel:
-        choice = ChatChunkChoice(
-            delta=ChatDelta(),
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(tokens),
-            token_ids=self.ids(tokens),
-        )
-        return self._chunk([choice], usage)
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        return self._chunk([], usage)
-
-
-def usage_of(record: dict[str, str]) -> CompletionUsage:
-    prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
-    return CompletionUsage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 async def _answer(
