@@ -81,6 +81,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "documents": (None, []),
     "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
     "kv_transfer_params": (None, {}),
