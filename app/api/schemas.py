@@ -296,9 +296,13 @@ class JobCreate(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.callback_events is not None and self.callback_url is None:  # Webhooks
             raise ValueError("callback_events needs a callback_url")
-        if self.messages is None:
-            chat_only = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-            given = [name for name in chat_only if name in self.model_fields_set]
+        if self.messages is None:  # the chat fields, at anything but their defaults
+            chat_only = {
+                "add_generation_prompt": not self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": bool(self.chat_template_kwargs),
+            }
+            given = [name for name, set_ in chat_only.items() if set_]
             if given:
                 raise ValueError(f"{given[0]} applies only to 'messages', not to a 'prompt'")
         if self.add_generation_prompt and self.continue_final_message:

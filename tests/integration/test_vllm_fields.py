@@ -267,3 +267,10 @@ def test_a_model_without_sampling_defaults_samples_as_vllm_does(api):  # type: i
     request = queued(api, "/v1/completions", {"prompt": "a"})["request"]
     assert (request["temperature"], request["top_p"], request["top_k"]) == (1.0, 1.0, 0)
     assert "repetition_penalty" not in request and "min_p" not in request
+
+
+def test_a_prompt_job_takes_the_chat_fields_defaults_on_every_route(api):  # type: ignore[no-untyped-def]
+    client = api[0]
+    assert client.post("/v1/inference", json={"prompt": "a", "max_tokens": 2}).status_code == 504  # queued
+    refused = client.post("/v1/jobs", json={"prompt": "a", "add_generation_prompt": False})
+    assert refused.status_code == 422 and "add_generation_prompt" in refused.json()["error"]["message"]
