@@ -9,13 +9,17 @@ nor queue jobs for a pipeline no worker reads.
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Final
 
+from jinja2 import TemplateError
 from redis.exceptions import RedisError
 from transformers import AutoTokenizer
 
@@ -23,7 +27,10 @@ from app.core import modelstore, routing
 from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
 from app.core.errors import InvalidRequest, ModelNotFound, UnsupportedModel
 from app.core.keys import Keys
+from app.core.sampling import SamplingParams
 from app.partitions.loading import check_servable
+
+log = logging.getLogger(__name__)
 
 GENERATION: Final = "generation"
 EMBEDDING: Final = "embedding"
@@ -36,14 +43,37 @@ class ModelInfo:
     path: Path
     tokenizer: Any
     context_length: int
+    vocab_size: int | None = None  # the model's (config.json): token ids a request may name
+    # generation_config.json's sampling values, for a request that leaves them out (vLLM's
+    # `--generation-config auto`): those of SAMPLING_DEFAULTS that are there and usable.
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def encode_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's `bad_words` as token sequences: each word alone and after a space (where that
+        tokenizes to another sequence of the same length), without special tokens."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+            spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+            if bare and bare not in sequences:
+                sequences.append(bare)
+            if (
+                bare
+                and spaced
+                and spaced[0] != bare[0]
+                and len(spaced) == len(bare)
+                and spaced not in sequences
+            ):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     @property
     def chat(self) -> bool:
         """Whether it takes chat messages (its tokenizer has a template): base models have none."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt).input_ids)
+    def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     @cached_property
     def message_tokens(self) -> int:
@@ -65,13 +95,32 @@ class ModelInfo:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The chat rendered by the model's template (vLLM's defaults: a generation prompt, no special
+        tokens beyond the template's), then tokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 f"model {self.name!r} has no chat template; send 'prompt' instead", model=self.name
             )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
+            )
+        except (ValueError, TypeError, TemplateError) as exc:  # the request's doing (a message, a kwarg)
+            raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 class Catalog:
@@ -122,6 +171,8 @@ class Catalog:
                     path=path,
                     tokenizer=AutoTokenizer.from_pretrained(path),
                     context_length=modelstore.context_length(config),
+                    vocab_size=getattr(config, "vocab_size", None),
+                    sampling_defaults=sampling_defaults(path),
                 )
         return self._models[name]
 
@@ -140,6 +191,38 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+# The generation_config.json fields a request's sampling values default to (vLLM reads these too).
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, Any]:
+    """The model's default sampling values (generation_config.json), each kept only where a request
+    could send it (app/core/sampling.py's bounds): a value no request may carry is not one to give
+    a request that sent nothing (it is logged and left out)."""
+    file = path / "generation_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.exists() else {}
+    except (OSError, ValueError):
+        log.warning("%s: not readable as JSON; no sampling defaults taken from it", file)
+        return {}
+    usable = {}
+    for name in SAMPLING_DEFAULTS:
+        value = config.get(name)
+        if value is None:
+            continue
+        try:
+            fine = SamplingParams(**{name: value}).problem() is None
+        except TypeError:
+            fine = False
+        if fine:
+            usable[name] = value
+        else:
+            log.warning(
+                "%s: %s=%r is not a value a request may send; not used as a default", file, name, value
+            )
+    return usable
 
 
 def parameter_count(path: Path | None) -> int:

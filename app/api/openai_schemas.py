@@ -1,9 +1,11 @@
-"""Request and response bodies of the OpenAI-compatible endpoints, in OpenAI's own shapes.
+"""Request bodies of the OpenAI-compatible endpoints, in OpenAI's own shapes (the responses' are
+`app.api.openai_answers`).
 
-A request translates to a `JobCreate` (`to_job`); responses are built from the job's record. Fields of
-OpenAI's API that would change the answer and that Conveyor does not implement (logprobs, tools,
-penalties, several choices, ...) are refused with 422 rather than silently ignored; the rest of
-OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are accepted and ignored.
+A request translates to a `JobCreate` (`to_job`). Fields of
+OpenAI's API (and vLLM's extensions) that would change the answer and that Conveyor does not implement
+(tools, several choices, structured output, ...) are refused with 422 rather than silently ignored
+(`UNSUPPORTED`); the rest of OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are
+accepted and ignored.
 """
 
 from __future__ import annotations
@@ -16,28 +18,43 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
-    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
-from app.api.schemas import ChatMessage, JobCreate, Priority, checked_temperature, temperature_schema
+from app.api.schemas import (
+    BadWord,
+    Bias,
+    ChatMessage,
+    JobCreate,
+    Priority,
+    TokenId,
+    TokenKey,
+    checked_temperature,
+    only_token_keys,
+    temperature_schema,
+)
 from app.core.errors import InvalidRequest
 from app.core.grammar import Grammar, grammar_problem, json_schema
-from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P
+from app.core.sampling import (
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_LIST,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -49,12 +66,30 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     # vLLM's sampling extensions, which benchmark tools may pass through.
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
-    "stop_token_ids": (None, []),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
     "include_stop_str_in_output": (None, False),
+    "structural_tag": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "chat_template": (None,),
+    "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "logits_processors": (None, []),
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None, {}),
+    "prompt_embeds": (None,),
+}
+
+
+# Chat completions' fields (vLLM's) that a completion has no messages for: refused there unless neutral.
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -125,7 +160,8 @@ class OpenAIRequest(BaseModel):
         default=None,
         ge=0.0,
         le=MAX_TEMPERATURE,
-        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; default 1.",
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; left out, the "
+        "model's generation_config.json value, else 1.",
         json_schema_extra=temperature_schema,
     )
     top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
@@ -140,7 +176,7 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted and ignored.")
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K, description="vLLM's; 0 is off.")
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, description="End of sequence cannot end it sooner (vLLM's).")
     priority: Priority = "normal"
@@ -152,6 +188,45 @@ class OpenAIRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM's; 0 is off.")
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="vLLM's; 1 is none."
+    )
+    logit_bias: dict[TokenKey, Bias] | None = Field(
+        default=None,
+        max_length=MAX_TOKEN_LIST,
+        description="Token id -> bias, -100 to 100.",
+        json_schema_extra=only_token_keys,
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOKEN_LIST,
+        description="vLLM's: only these may be sampled.",
+    )
+    bad_words: list[BadWord] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS, description="vLLM's: words the output may not hold."
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, max_length=MAX_TOKEN_LIST, description="vLLM's: ids that end the output."
+    )
+    return_token_ids: bool | None = Field(
+        default=False, description="vLLM's: the answer carries the prompt's and the output's token ids."
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description="vLLM's: logprobs name each token `token_id:<id>` instead of its text."
+    )
+    skip_special_tokens: bool = Field(default=True, description="False keeps special tokens in the text.")
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add BOS and the like to the prompt; default true for completions, false "
+        "for chat (the template adds its own).",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Keep only the prompt's last this many tokens."
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -213,12 +288,17 @@ class OpenAIRequest(BaseModel):
             raise InvalidRequest(f"{name}: the engine cannot compile it: {problem}")
         return grammar
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's logprobs list; None: no logprobs asked."""
+        return None
+
     def _job(self, *, max_tokens: int | None, **input: Any) -> JobCreate:
         fields: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop,
@@ -226,6 +306,18 @@ class OpenAIRequest(BaseModel):
             "timeout_s": self.timeout_s,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "stop_token_ids": self.stop_token_ids,
+            "logprobs": self.top_logprobs_asked,
+            "skip_special_tokens": self.skip_special_tokens,
+            "add_special_tokens": self.add_special_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         try:
             return JobCreate.model_validate({**input, **fields})
@@ -305,6 +397,32 @@ class CompletionCreate(OpenAIRequest):
             raise ValueError(f"exactly one prompt per request is supported, not {len(prompt)}")
         return prompt
 
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token's log probability and its this many likeliest alternatives'.",
+    )
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, value: Any) -> Any:
+        """`false` (what clients send for "none") is none; `true` is not a count."""
+        if value is True:
+            raise ValueError(f"logprobs is a count of alternatives here, 0 to {MAX_LOGPROBS}, not true")
+        return None if value is False else value
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _no_chat_fields(self) -> CompletionCreate:
+        for name, value in (self.model_extra or {}).items():
+            if name in CHAT_ONLY and value not in CHAT_ONLY[name]:
+                raise ValueError(f"{name!r} applies only to /v1/chat/completions; leave it out")
+        return self
+
     def to_job(self) -> JobCreate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return self._job(prompt=prompt, max_tokens=self.max_tokens, grammar=self.output_grammar())
@@ -341,111 +459,38 @@ class ChatCompletionCreate(OpenAIRequest):
 
     messages: list[OpenAIMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, description="Preferred over max_tokens.")
+    add_generation_prompt: bool = Field(
+        default=True, description="End the rendered chat with the template's generation prompt."
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="Leave the final message open so the answer continues it; needs add_generation_prompt "
+        "false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="More variables for the model's chat template."
+    )
+    logprobs: bool | None = Field(default=False, description="Each token's log probability.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest alternatives."
+    )
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionCreate:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_job(self) -> JobCreate:
         return self._job(
             messages=[m.to_chat() for m in self.messages],
             max_tokens=self.max_completion_tokens or self.max_tokens,
             grammar=self.output_grammar(),
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
-
-
-class CompletionUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class Completion(BaseModel):
-    """A completion, and each chunk of a streamed one (the same shape, as OpenAI sends them)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: CompletionUsage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    refusal: None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: CompletionUsage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # As OpenAI sends them: the role in the first delta, then only content; the last one empty.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChunkChoice]
-    usage: CompletionUsage | None = None
-
-
-class RoutePolicyCard(BaseModel):
-    """A route's policy as /v1/models shows it (docs/models.md#routes): its two models and thresholds."""
-
-    small: str
-    large: str
-    max_prompt_chars: int = Field(description="A longer prompt (characters) goes to the large model.")
-    max_tokens: int = Field(description="A request for more tokens goes to the large model.")
-    max_complexity: float = Field(description="A higher complexity score (0..1) goes to the large model.")
-    deadline_s: float = Field(description="Without timeout_s, a predicted queue wait past this falls back.")
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "conveyor"
-    # Conveyor's: which endpoints take it; a route is a name for two generation models (`auto`).
-    kind: Literal["generation", "embedding", "route"] = "generation"
-    route: RoutePolicyCard | None = Field(default=None, description="A route's policy (kind `route`).")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

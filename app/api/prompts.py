@@ -12,7 +12,10 @@ limit: `JobService.check_messages`.)
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
@@ -29,24 +32,44 @@ class PromptEncoder:
         self._pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
 
     async def encode(self, model: ModelInfo, request: JobCreate) -> list[int]:
-        """The prompt's (or the rendered chat's) token ids; 422 for one too long or empty."""
+        """The prompt's (or the rendered chat's) token ids, only the last `truncate_prompt_tokens`
+        when asked; 422 for one too long or empty."""
         texts = (
             [m.content for m in request.messages] if request.messages is not None else [request.prompt or ""]
         )
-        self.check_length(model, sum(len(text) for text in texts))
+        extra = len(json.dumps(request.chat_template_kwargs)) if request.chat_template_kwargs else 0
+        self.check_length(model, sum(len(text) for text in texts) + extra)
         loop = asyncio.get_running_loop()
         if request.messages is not None:
             per_message = await loop.run_in_executor(self._pool, lambda: model.message_tokens)  # once a model
             self.check_messages(model, len(request.messages), per_message)
             chat = request.messages
-            prompt_ids = await loop.run_in_executor(
-                self._pool, lambda: model.encode_chat([m.model_dump() for m in chat])
-            )
+
+            def encode_chat() -> list[int]:  # the messages' conversion too runs off the event loop
+                return model.encode_chat(
+                    [m.model_dump() for m in chat],
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    template_kwargs=request.chat_template_kwargs,
+                    add_special_tokens=bool(request.add_special_tokens),
+                )
+
+            encode: Callable[[], list[int]] = encode_chat
         else:
-            prompt_ids = await loop.run_in_executor(self._pool, model.encode_prompt, request.prompt or "")
+            add_special_tokens = request.add_special_tokens is not False
+            encode = partial(model.encode_prompt, request.prompt or "", add_special_tokens=add_special_tokens)
+        prompt_ids = await loop.run_in_executor(self._pool, encode)
+        if request.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         return prompt_ids
+
+    async def encode_words(self, model: ModelInfo, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token sequences (ModelInfo.encode_words), on the tokenizing threads."""
+        if not words:
+            return ()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, model.encode_words, words)
 
     def check_length(self, model: ModelInfo, chars: int) -> None:
         most = model.context_length * self.chars_per_token

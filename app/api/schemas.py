@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from app.core.grammar import Grammar, grammar_problem
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
-from app.core.sampling import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P, temperature_problem
+from app.core.sampling import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_LIST,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    temperature_problem,
+)
 
 # The classes of app.core.keys.PRIORITIES, served in this order; an alias is stored as its class.
 Priority = Annotated[
@@ -41,6 +63,44 @@ def checked_temperature(value: float) -> float:
     return value
 
 
+# A token id, and OpenAI's logit_bias: a token id as a JSON key (digits) to a bias.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
+TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+BadWord = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def only_token_keys(schema: dict[str, Any]) -> None:
+    """logit_bias as the schema states it: keys other than token ids are refused, not merely
+    unconstrained (JSON Schema's patternProperties alone lets any other key through)."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "object":
+            branch["additionalProperties"] = False
+
+
+# apply_chat_template's own arguments and the template's input: a request's chat_template_kwargs
+# may add variables for the template, never set these.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -70,16 +130,86 @@ class JobCreate(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Tokens to generate at most; the server's default when omitted."
     )
-    temperature: float = Field(
-        default=1.0,
+    # Left out (None), temperature, top_p, top_k, min_p and repetition_penalty take the model's
+    # generation_config.json values, else 1, 1, 0, 0 and 1 (as vLLM's `--generation-config auto`).
+    temperature: float | None = Field(
+        default=None,
         ge=0.0,
         le=MAX_TEMPERATURE,
-        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}.",
+        description=f"0 means greedy; otherwise {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}. Left out: "
+        "the model's generation_config.json value, else 1.",
         json_schema_extra=temperature_schema,
     )
-    top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 disables the top-k cut.")
+    top_p: float | None = Field(
+        default=None,
+        ge=MIN_TOP_P,
+        le=1.0,
+        description="Left out: the model's generation_config.json value, else 1.",
+    )
+    top_k: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_K,
+        description="0 disables the top-k cut. Left out: the model's generation_config.json value, else 0.",
+    )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    min_p: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Drop tokens less likely than min_p x the likeliest (vLLM's). Left out: the model's "
+        "generation_config.json value, else 0.",
+    )
+    presence_penalty: float = Field(
+        default=0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from the logit of each token the output already holds (OpenAI's).",
+    )
+    frequency_penalty: float = Field(
+        default=0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted from a token's logit per time the output holds it (OpenAI's).",
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="Divides a positive (multiplies a negative) logit of each token in the prompt or "
+        "output (vLLM's, as transformers defines it); 1 is none. Left out: the model's "
+        "generation_config.json value, else 1.",
+    )
+    logit_bias: dict[TokenKey, Bias] | None = Field(
+        default=None,
+        max_length=MAX_TOKEN_LIST,
+        description=f"Token id -> added to its logit, -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g} (OpenAI's).",
+        json_schema_extra=only_token_keys,
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOKEN_LIST,
+        description="Only these tokens may be sampled (vLLM's).",
+    )
+    bad_words: list[BadWord] | None = Field(
+        default=None,
+        max_length=MAX_BAD_WORDS,
+        description="Words the output may not contain, as token sequences with and without a leading "
+        "space (vLLM's).",
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None,
+        max_length=MAX_TOKEN_LIST,
+        description="Token ids that end the output as end-of-sequence does, left out of the text (vLLM's).",
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each token event carries the token's log probability and its this many likeliest "
+        "alternatives', from the model's logits before any sampling control (vLLM's raw logprobs).",
+    )
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     grammar: Grammar | None = Field(
         default=None,
@@ -101,6 +231,31 @@ class JobCreate(BaseModel):
         description="End of sequence cannot end the job before this many tokens (a stop string still "
         "can). At most max_tokens.",
     )
+    skip_special_tokens: bool = Field(
+        default=True, description="Leave special tokens out of the text (vLLM's); false keeps them."
+    )
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add the tokenizer's special tokens (BOS, ...) to the prompt (vLLM's); default true "
+        "for a prompt, false for messages (the chat template adds its own).",
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Keep only the prompt's last this many tokens (vLLM's)."
+    )
+    add_generation_prompt: bool = Field(
+        default=True,
+        description="With messages: end the rendered chat with the template's generation prompt (vLLM's).",
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="With messages: leave the final message open, so the answer continues it (vLLM's); "
+        "needs add_generation_prompt false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="With messages: more variables for the chat template (vLLM's), such as "
+        "`enable_thinking`.",
+    )
     # Webhooks (app/webhooks/): signed POSTs of the job's events to this URL.
     callback_url: str | None = Field(
         default=None,
@@ -117,8 +272,30 @@ class JobCreate(BaseModel):
 
     @field_validator("temperature")
     @classmethod
-    def _temperature(cls, value: float) -> float:
-        return checked_temperature(value)
+    def _temperature(cls, value: float | None) -> float | None:
+        return None if value is None else checked_temperature(value)
+
+    def sampling(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The sampling values as `SamplingParams` takes them, each one left out taken from
+        `defaults` (the model's generation_config.json), but `bad_words` (words: the API tokenizes
+        them)."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        chosen = {name: defaults.get(name) if value is None else value for name, value in given.items()}
+        return {name: value for name, value in chosen.items() if value is not None} | {
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),
+            "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+        }
 
     @field_validator("grammar")
     @classmethod
@@ -141,6 +318,20 @@ class JobCreate(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.callback_events is not None and self.callback_url is None:  # Webhooks
             raise ValueError("callback_events needs a callback_url")
+        if self.messages is None:  # the chat fields, at anything but their defaults
+            chat_only = {
+                "add_generation_prompt": not self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": bool(self.chat_template_kwargs),
+            }
+            given = [name for name, set_ in chat_only.items() if set_]
+            if given:
+                raise ValueError(f"{given[0]} applies only to 'messages', not to a 'prompt'")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: it is the server's")
         return self
 
     def stop_list(self) -> list[str]:

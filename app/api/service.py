@@ -43,6 +43,7 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
 from app.core.ratelimit import Quota, RateLimiter
+from app.core.sampling import SamplingParams
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,13 @@ class JobService:
         if model is None:
             model = await run_in_threadpool(self.catalog.get, name)
         prompt_ids = await self.prompts.encode(model, request)
+        sampling = SamplingParams(
+            bad_words=await self.prompts.encode_words(model, request.bad_words or []),
+            **request.sampling(model.sampling_defaults),
+        )
+        problem = sampling.problem(model.vocab_size)
+        if problem is not None:
+            raise InvalidRequest(problem)
         if len(prompt_ids) + max_tokens > model.context_length:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but the context of "
@@ -168,6 +176,7 @@ class JobService:
             tenant=tenant,
             model_name=model.name,
             prompt_ids=prompt_ids,
+            sampling=sampling,
             max_tokens=max_tokens,
             stop=stop,
             callback=callback,
@@ -193,6 +202,13 @@ class JobService:
             state[name] = seen
         return routing.choose(route, wanted, state)
 
+    async def token_events(self, job_id: str) -> list[dict[str, Any]]:
+        """The data of a job's token events, in order (its stream holds every one: its length is
+        max_tokens_limit and a few), for what the job's record does not keep (logprobs)."""
+        entries = await self.redis.xrange(self.keys.events(job_id), "-", "+")
+        tokens = [json.loads(fields[b"data"]) for _, fields in entries if fields[b"event"] == b"token"]
+        return sorted(tokens, key=lambda t: int(t["index"]))
+
     async def _refund(self, tenant: str, tokens: int) -> None:
         try:
             await self.ratelimit.refund(tenant, tokens=tokens)
@@ -206,6 +222,7 @@ class JobService:
         tenant: str,
         model_name: str,
         prompt_ids: list[int],
+        sampling: SamplingParams,
         max_tokens: int,
         stop: list[str],
         callback: Any,
@@ -221,14 +238,12 @@ class JobService:
         job_id = uuid.uuid4().hex
         params = JobRequest(
             max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            seed=request.seed,
+            sampling=sampling,
             grammar=request.grammar,
             stop=tuple(stop),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens,
         )
         deadline = now + request.timeout_s if request.timeout_s is not None else None
         record = JobRecord(
@@ -275,6 +290,7 @@ class JobService:
                     tenant=tenant,
                     model_name=model_name,
                     prompt_ids=prompt_ids,
+                    sampling=sampling,
                     max_tokens=max_tokens,
                     stop=stop,
                     callback=callback,

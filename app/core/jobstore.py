@@ -40,6 +40,7 @@ from app.core.jobs import (
     text_of,
 )
 from app.core.keys import PRIORITIES, Keys
+from app.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from app.core.config import Settings
@@ -51,33 +52,27 @@ S = JobStatus
 
 @dataclass(frozen=True)
 class JobRequest:
-    """What a generation job asked for: its sampling and stopping rules (the record's `request`)."""
+    """What a generation job asked for: its sampling and stopping rules (the record's `request`).
+    Stored flat; a field at its default is left out, so a request that asks for nothing new is
+    the JSON the record has always held."""
 
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     # Structured outputs: the text is constrained to this grammar (app.workers.grammar).
     grammar: Grammar | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # as vLLM's: special tokens are left out of the text
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "max_tokens": self.max_tokens,
-                "temperature": self.temperature,
-                "top_p": self.top_p,
-                "top_k": self.top_k,
-                "seed": self.seed,
-                **({"grammar": self.grammar.to_dict()} if self.grammar is not None else {}),
-                "stop": list(self.stop),
-                "ignore_eos": self.ignore_eos,
-                "min_tokens": self.min_tokens,
-            }
-        )
+        value: dict[str, Any] = {"max_tokens": self.max_tokens, **self.sampling.to_dict()}
+        if self.grammar is not None:
+            value["grammar"] = self.grammar.to_dict()
+        value |= {"stop": list(self.stop), "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+        if not self.skip_special_tokens:
+            value["skip_special_tokens"] = False
+        return json.dumps(value)
 
     @classmethod
     def from_json(cls, text: str) -> JobRequest:
@@ -85,14 +80,12 @@ class JobRequest:
         value = json.loads(text)
         return cls(
             max_tokens=int(value["max_tokens"]),
-            temperature=value["temperature"],
-            top_p=value["top_p"],
-            top_k=value["top_k"],
-            seed=value.get("seed"),
+            sampling=SamplingParams.from_dict(value),
             grammar=Grammar.from_dict(value["grammar"]) if value.get("grammar") else None,
             stop=tuple(value.get("stop") or ()),
             ignore_eos=bool(value.get("ignore_eos")),
             min_tokens=int(value.get("min_tokens") or 0),
+            skip_special_tokens=bool(value.get("skip_special_tokens", True)),
         )
 
 
@@ -593,6 +586,10 @@ class TokenOut:
     completion_text: str  # everything released so far, for pollers
     finish_reason: str | None = None  # set on the last token of a sequence
     emit: bool = True  # False for an end-of-sequence token that only finishes the job
+    # The token's log probability and the likeliest (token id, log probability) pairs, when its
+    # job asked for them (SamplingParams.logprobs).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class JobStore:
@@ -653,7 +650,9 @@ class JobStore:
         args += [self.keys.announce(""), life.ended_ttl_s]
         for out in outs:
             keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
-            data = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            data: dict[str, Any] = {"index": out.index, "text": out.text, "token_id": out.token_id}
+            if out.logprob is not None:
+                data |= {"logprob": out.logprob, "top_logprobs": [list(pair) for pair in out.top_logprobs]}
             count = out.index + int(out.emit) if out.finish_reason else out.index + 1
             args += [out.job_id, out.batch_id, int(out.emit), out.index, _json(data)]
             args += [out.completion_text, count, out.finish_reason or ""]

@@ -7,14 +7,14 @@ a stop string, `max_tokens`); `settle` says which rows go on to the next step. `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
 from app.core.publisher import TokenOut
 from app.workers.grammar import Matcher
-from app.workers.sampling import SamplingParams, token_seed
+from app.workers.sampling import Logprobs, SamplingParams, token_seed
 from app.workers.textstream import TextStream
 
 T = TypeVar("T")
@@ -38,6 +38,7 @@ class Sequence:
     priority: str = "normal"
     last_token_at: float | None = None  # unix time of its previous token: inter-token latency
     grammar: Matcher | None = None  # structured outputs: where its text stands in its grammar
+    prompt_ids: tuple[int, ...] = ()  # read only where repetition_penalty needs the prompt
 
     def reseed(self) -> None:
         """A seeded job's generator, set for its next token from its seed and that token's index
@@ -47,15 +48,28 @@ class Sequence:
 
 
 def held_tokens(rows: list[Sequence], eos_ids: frozenset[int]) -> list[frozenset[int]]:
-    """Per row, the tokens it may not sample now: end of sequence, until `min_tokens` are generated."""
-    return [eos_ids if s.generated < s.min_tokens else frozenset() for s in rows]
+    """Per row, the tokens it may not sample now: end of sequence and its `stop_token_ids`, until
+    `min_tokens` are generated."""
+    return [
+        eos_ids | frozenset(s.params.stop_token_ids) if s.generated < s.min_tokens else frozenset()
+        for s in rows
+    ]
 
 
-def advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
-    """Account one sampled token to its sequence and decide whether the sequence ends. A sequence
-    with a grammar has consumed the token in its matcher already (`StageRuntime._follow_grammars`)."""
+def advance(seq: Sequence, token: int, eos_ids: frozenset[int], logprobs: Logprobs | None = None) -> TokenOut:
+    """Account one sampled token to its sequence and decide whether the sequence ends: end of
+    sequence (unless `ignore_eos`) and `stop_token_ids` end it without entering the text. Its
+    `logprobs` (`token_logprobs`), when the job asked for them, go with it. A sequence with a
+    grammar has consumed the token in its matcher already (`StageRuntime._follow_grammars`)."""
+    out = _advance(seq, token, eos_ids)
+    if logprobs is None:
+        return out
+    return replace(out, logprob=logprobs[0], top_logprobs=logprobs[1])
+
+
+def _advance(seq: Sequence, token: int, eos_ids: frozenset[int]) -> TokenOut:
     index = seq.generated
-    if token in eos_ids and not seq.ignore_eos:
+    if (token in eos_ids and not seq.ignore_eos) or token in seq.params.stop_token_ids:
         seq.finish_reason = "stop"
         tail = seq.text.finish()
         return TokenOut(

@@ -1,4 +1,6 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible per sequence with a seed.
+"""Token sampling: the controls that change the logits (`constrain`: allowed ids, bad words, logit
+bias, penalties), then greedy or temperature, min-p, top-k, top-p, reproducible per sequence with a
+seed. The order is vLLM's.
 
 Pure functions of logits, parameters and per-sequence generators; unit-tested without services.
 `sample` never raises for a row's values: out-of-range parameters are brought inside the bounds of
@@ -9,46 +11,22 @@ takes its greedy token. The stage refuses a job with such values before it gets 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from app.core.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, sampling_problem
+from app.core.sampling import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def problem(self) -> str | None:
-        """Why these values may not be used (a job stored with them fails), or None."""
-        return sampling_problem(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-
-    def bounded(self, vocab: int) -> SamplingParams:
-        """The same choice inside the bounds: NaN or <= 0 temperature is greedy, a tiny one the
-        smallest, a huge one the largest; top_p in [MIN_TOP_P, 1] (NaN: 1); top_k in [0, vocab]."""
-        temperature = _number(self.temperature, 0.0)
-        temperature = 0.0 if not temperature > 0 else min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
-        top_p = min(max(_number(self.top_p, 1.0), MIN_TOP_P), 1.0)
-        top_k = int(min(max(_number(self.top_k, 0.0), 0.0), float(vocab)))
-        return replace(self, temperature=temperature, top_p=top_p, top_k=top_k)
-
-
-def _number(value: object, default: float) -> float:
-    """`value` as a float; `default` for NaN or anything that is not a number."""
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return default
-    return default if math.isnan(number) else number
+__all__ = [
+    "SamplingParams",
+    "ban_tokens",
+    "constrain",
+    "filter_logits",
+    "make_generator",
+    "sample",
+    "token_logprobs",
+    "token_seed",
+]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
@@ -76,16 +54,23 @@ def token_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are taken as signed 64-bit
 
 
-def filter_logits(logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask out tokens outside each row's top-k and nucleus (top-p) set.
+def filter_logits(
+    logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mask out tokens below each row's min-p floor, and outside its top-k and nucleus (top-p) set.
 
-    logits: [B, V]; top_k: [B] (0 = off); top_p: [B] in (0, 1]. Returns logits with -inf holes.
+    logits: [B, V]; top_k: [B] (0 = off); top_p: [B] in (0, 1]; min_p: [B] in [0, 1] (0 = off).
+    Returns logits with -inf holes. min_p keeps a token at least min_p times as likely as the most
+    likely one (the same set before or after the other cuts, which never drop the top token).
     """
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     drop = rank >= k[:, None]
+    if min_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        drop |= probs < min_p[:, None] * probs[:, :1]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Drop a token when the tokens ranked above it already cover top_p; the first always stays.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
@@ -105,10 +90,12 @@ def sample(
     index = torch.tensor(rows)
     temperature = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
     scaled = logits[index].float() / temperature[:, None]  # [R, V]
+    min_p = [params[i].min_p for i in rows]
     filtered = filter_logits(
         scaled,
         top_k=torch.tensor([params[i].top_k for i in rows]),
         top_p=torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
+        min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
     )
     probs = filtered.softmax(dim=-1)  # [R, V]
     # NaN or infinite logits make no distribution (multinomial would raise): such a row stays greedy.
@@ -117,6 +104,96 @@ def sample(
         if usable[j]:
             tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
     return tokens
+
+
+def constrain(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    *,
+    prompts: list[Sequence[int]],
+    outputs: list[Sequence[int]],
+) -> torch.Tensor:
+    """The logits each row's controls leave, in vLLM's order: outside `allowed_token_ids` and the
+    last token of a `bad_words` sequence the output would complete at -inf, `logit_bias` added,
+    then `repetition_penalty` over the tokens of the prompt and output, `frequency_penalty` and
+    `presence_penalty` over the output's. Rows without a control are left as they are.
+
+    logits: [B, V] float32; prompts / outputs: each row's token ids (a prompt is read only for
+    repetition_penalty). Ids outside the vocabulary are skipped.
+    """
+    if not any(p.constrained for p in params):
+        return logits
+    vocab = logits.shape[-1]
+    out = logits.clone()
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)
+        rows, cols = _cells([(j, params[i].allowed_token_ids or ()) for j, i in enumerate(allowed)], vocab)
+        keep[rows, cols] = True
+        out[allowed] = out[allowed].masked_fill(~keep, float("-inf"))
+    banned = [(i, _completing(params[i].bad_words, outputs[i])) for i, p in enumerate(params) if p.bad_words]
+    rows, cols = _cells(banned, vocab)
+    out[rows, cols] = float("-inf")
+    biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if 0 <= t < vocab]
+    if biased:
+        at = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.long)  # [N, 2]
+        bias = torch.tensor([b for _, _, b in biased], dtype=out.dtype)
+        out.index_put_((at[:, 0], at[:, 1]), bias, accumulate=True)
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        out[penalized] = _penalized(
+            out[penalized], [params[i] for i in penalized], prompts, outputs, penalized
+        )
+    return out
+
+
+def _penalized(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[Sequence[int]],
+    outputs: list[Sequence[int]],
+    rows: list[int],
+) -> torch.Tensor:
+    """logits: [R, V] of the penalized rows -> the same with their penalties applied."""
+    vocab = logits.shape[-1]
+    counts = torch.zeros_like(logits)  # [R, V]: occurrences in the output
+    r, c = _cells([(j, outputs[i]) for j, i in enumerate(rows)], vocab)
+    counts.index_put_((r, c), torch.ones(len(c)), accumulate=True)
+    seen = counts > 0
+    repeating = [j for j, p in enumerate(params) if p.repetition_penalty != 1.0]
+    r, c = _cells([(j, prompts[rows[j]]) for j in repeating], vocab)
+    in_prompt = torch.zeros_like(seen)
+    in_prompt[r, c] = True
+    penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen | in_prompt, penalized, logits)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
+    return logits - frequency * counts - presence * seen.to(logits.dtype)
+
+
+def _completing(words: tuple[tuple[int, ...], ...], output: Sequence[int]) -> list[int]:
+    """The last token of each banned sequence whose other tokens end the output (vLLM's rule: a
+    one-token word is always banned; the output alone is matched, not the prompt)."""
+    last = []
+    for word in words:
+        head = len(word) - 1
+        if head <= len(output) and (head == 0 or list(output[len(output) - head :]) == list(word[:-1])):
+            last.append(word[-1])
+    return last
+
+
+def _cells(rows: Iterable[tuple[int, Iterable[int]]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, column index) tensors of each row's token ids inside the vocabulary."""
+    listed = [(row, torch.tensor(list(ids), dtype=torch.long)) for row, ids in rows]
+    if not listed:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    cols = torch.cat([ids for _, ids in listed])  # [N]
+    counts = torch.tensor([len(ids) for _, ids in listed])
+    index = torch.repeat_interleave(torch.tensor([row for row, _ in listed], dtype=torch.long), counts)
+    inside = (cols >= 0) & (cols < vocab)
+    return index[inside], cols[inside]
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:
@@ -130,4 +207,26 @@ def ban_tokens(logits: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tens
     rows, cols = zip(*cells, strict=True)
     out = logits.clone()
     out[list(rows), list(cols)] = float("-inf")
+    return out
+
+
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # the token's, and the top (id, logprob) pairs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int | None]) -> list[Logprobs | None]:
+    """Per row asking (`top[i]` not None): the log-softmax of the logits at its token, and its
+    `top[i]` likeliest tokens with theirs. logits: [B, V], as the model gave them (vLLM's raw
+    logprobs: before any control, penalty or temperature)."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    out: list[Logprobs | None] = [None] * len(tokens)
+    if not rows:
+        return out
+    logprobs = logits[rows].float().log_softmax(dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    k = max(top[i] or 0 for i in rows)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for j, i in enumerate(rows):
+        n = top[i] or 0
+        pairs = tuple(zip(ids[j, :n].tolist(), values[j, :n].tolist(), strict=True))
+        out[i] = (chosen[j], pairs)
     return out

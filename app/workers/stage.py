@@ -27,7 +27,7 @@ from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.grammar import Grammar
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import JobStore
+from app.core.jobstore import JobRequest, JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut
@@ -40,7 +40,7 @@ from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.grammar import GrammarError, Grammars, Matcher
 from app.workers.latency import StepLatency
-from app.workers.sampling import SamplingParams, ban_tokens, make_generator, sample
+from app.workers.sampling import ban_tokens, constrain, make_generator, sample, token_logprobs
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -228,16 +228,14 @@ class StageRuntime:
                 sequences[job_id] = self._sequence(batch_id, job_id, record)
             except Exception as exc:  # this job's error boundary: the rest of the batch goes on
                 self._fail_row(job_id, exc)
+        repeating = [j for j, s in sequences.items() if s.params.repetition_penalty != 1.0]
+        for job_id, prompt in zip(repeating, self.jobs.get_many(repeating, "prompt_ids"), strict=True):
+            sequences[job_id].prompt_ids = tuple(json.loads(prompt.get("prompt_ids") or "[]"))
         return sequences
 
     def _sequence(self, batch_id: str, job_id: str, record: dict[str, str]) -> Sequence:
-        request = json.loads(record["request"])
-        params = SamplingParams(
-            temperature=request["temperature"],
-            top_p=request["top_p"],
-            top_k=request["top_k"],
-            seed=request.get("seed"),
-        )
+        request = JobRequest.from_json(record["request"])
+        params = request.sampling
         problem = params.problem()
         if problem is not None:
             raise InvalidRequest(problem)
@@ -246,13 +244,15 @@ class StageRuntime:
             batch_id=batch_id,
             params=params,
             generator=make_generator(params),
-            max_tokens=request["max_tokens"],
-            text=TextStream(self.tokenizer, request.get("stop") or []),
-            ignore_eos=bool(request.get("ignore_eos")),
-            min_tokens=int(request.get("min_tokens") or 0),
+            max_tokens=request.max_tokens,
+            text=TextStream(
+                self.tokenizer, list(request.stop), skip_special_tokens=request.skip_special_tokens
+            ),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
             created_at=float(record["created_at"]) if record.get("created_at") else None,
             priority=record.get("priority") or "normal",
-            grammar=self._grammar(request.get("grammar")),
+            grammar=self._grammar(request.grammar),
         )
         if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
             for token in self.publisher.emitted(job_id):
@@ -283,19 +283,30 @@ class StageRuntime:
         # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
         index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
         logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
+        raw = logits  # what the model gave: the logprobs a job asks for are of these
         candidates = [sequences[msg.seq_ids[i]] for i in index]
         held = held_tokens(candidates, self.eos_ids)
         for seq in candidates:
             seq.reseed()
         logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
-        logits, stuck = self._constrain(logits, candidates)  # structured outputs
+        logits = constrain(  # penalties, logit_bias, allowed and banned tokens
+            logits,
+            [s.params for s in candidates],
+            prompts=[s.prompt_ids for s in candidates],
+            outputs=[s.text.ids for s in candidates],
+        )
+        logits, stuck = self._mask_grammars(logits, candidates)  # structured outputs
         sampled = self._follow_grammars(self._sample_rows(logits, candidates), stuck)
+        logprobs = token_logprobs(raw, [t or 0 for _, t in sampled], [s.params.logprobs for s in candidates])
         for seq, token in sampled:
             if token is None:
                 del sequences[seq.job_id]
-        rows = [seq for seq, token in sampled if token is not None]
-        tokens = [token for _, token in sampled if token is not None]
-        outs = [advance(seq, token, self.eos_ids) for seq, token in zip(rows, tokens, strict=True)]
+        kept = [
+            (seq, token, lp) for (seq, token), lp in zip(sampled, logprobs, strict=True) if token is not None
+        ]
+        rows = [seq for seq, _, _ in kept]
+        tokens = [token for _, token, _ in kept]
+        outs = [advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept]
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
         alive = settle(sequences, rows, tokens, gone)
@@ -323,7 +334,7 @@ class StageRuntime:
                 sampled.append((seq, None))
         return sampled
 
-    def _constrain(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
+    def _mask_grammars(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
         """The rows' logits with what each row's grammar forbids masked; the rows that can go on in
         no token of their grammar. logits: [B, V]."""
         if self.grammars is None or all(s.grammar is None for s in rows):
@@ -349,14 +360,14 @@ class StageRuntime:
             followed.append((seq, token))
         return followed
 
-    def _grammar(self, value: dict[str, str] | None) -> Matcher | None:
+    def _grammar(self, grammar: Grammar | None) -> Matcher | None:
         """A new sequence's matcher for the grammar its request names (None: unconstrained)."""
-        if not value:
+        if grammar is None:
             return None
         if self.grammars is None:
             vocab = int(self.partition.config.vocab_size)
             self.grammars = Grammars(self.tokenizer, eos_ids=self.eos_ids, vocab_size=vocab)
-        return self.grammars.matcher(Grammar.from_dict(value))
+        return self.grammars.matcher(grammar)
 
     def _fail_row(self, job_id: str, exc: Exception) -> None:
         """Fail one job of a batch; the batch goes on without it (its row leaves at the next step)."""

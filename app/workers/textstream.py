@@ -13,8 +13,11 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: list[str] | None = None, *, skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
         self.released = ""
@@ -39,7 +42,9 @@ class TextStream:
         return self._release(self._decode())
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            self.ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def _release(self, text: str) -> str:
         if len(text) <= len(self.released):

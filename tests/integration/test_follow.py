@@ -16,6 +16,7 @@ from app.core.follow import Event, follow
 from app.core.jobs import JobStatus
 from app.core.jobstore import ADMIT_FIELDS, AsyncJobStore, JobRecord, JobRequest, Lifetimes
 from app.core.keys import Keys
+from app.core.sampling import SamplingParams
 
 LIFE = Lifetimes(ttl_s=60, ended_ttl_s=30, stream_maxlen=100)
 
@@ -26,7 +27,7 @@ async def never(_job_id: str) -> AsyncIterator[asyncio.Event]:
 
 
 def record(job_id: str) -> JobRecord:
-    request = JobRequest(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0)
+    request = JobRequest(max_tokens=4, sampling=SamplingParams(temperature=0.0))
     return JobRecord(
         id=job_id,
         status=JobStatus.QUEUED,

@@ -64,13 +64,21 @@ def test_the_stack_serves_this_schema(stack):  # type: ignore[no-untyped-def]
 
 # Refusals of schema-valid input that no static schema can state: limits the operator configures
 # (max_tokens, timeout_s, stop strings: each error carries its `details.limit`), what depends on the
-# model's tokenizer (an empty or too long prompt), the SSRF guard on callback URLs, and the rules that
+# model's tokenizer (an empty or too long prompt, a token id past its vocabulary, what its chat
+# template renders), the SSRF guard on callback URLs, and the rules that
 # tie two fields together.
 SEMANTIC_CODES = {"max_tokens_exceeded", "context_length_exceeded", "callback_url_refused"}
 CROSS_FIELD_RULES = (
     "give exactly one of 'prompt' or 'messages'",
     "callback_events needs a callback_url",
     "the prompt is empty",
+    "continue_final_message needs add_generation_prompt",
+    "applies only to 'messages'",
+    "applies only to /v1/chat/completions",
+    "may not set",  # chat_template_kwargs naming one of the template's own arguments
+    "the chat template could not render",
+    "outside the vocabulary",  # a token id past the model's vocabulary
+    "top_logprobs needs logprobs",
 )
 
 

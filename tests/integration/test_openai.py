@@ -127,7 +127,11 @@ def test_max_completion_tokens_and_conveyor_extras(oai):  # type: ignore[no-unty
 
 @pytest.mark.parametrize(
     ("extra", "where"),
-    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools")],
+    [
+        ({"n": 2}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
 )
 def test_what_is_not_implemented_is_refused_clearly(oai, extra, where):  # type: ignore[no-untyped-def]
     with pytest.raises(openai.UnprocessableEntityError) as caught:

@@ -8,14 +8,16 @@ import torch
 
 from app.core.grammar import Grammar, grammar_problem, json_schema
 from app.core.jobstore import JobRequest
+from app.core.sampling import SamplingParams
 from app.workers.grammar import apply_token_masks
 
 
 def test_a_requests_grammar_survives_the_record_and_a_request_without_one_is_written_as_before() -> None:
     grammar = json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
-    request = JobRequest(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, grammar=grammar)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    request = JobRequest(max_tokens=8, sampling=sampling, grammar=grammar)
     assert JobRequest.from_json(request.to_json()) == request
-    plain = JobRequest(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0)
+    plain = JobRequest(max_tokens=8, sampling=sampling)
     assert "grammar" not in json.loads(plain.to_json())
 
 

@@ -10,10 +10,15 @@ import re
 from app.core import jobstore
 from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, TERMINAL, TRANSITIONS, WAITING, JobStatus
 from app.core.jobstore import JobRecord, JobRequest
+from app.core.sampling import SamplingParams
 from app.webhooks.events import FAILED_EVENTS
 
 REQUEST = JobRequest(
-    max_tokens=16, temperature=0.7, top_p=0.9, top_k=0, seed=7, stop=("\n\n",), ignore_eos=False, min_tokens=2
+    max_tokens=16,
+    sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=7),
+    stop=("\n\n",),
+    ignore_eos=False,
+    min_tokens=2,
 )
 
 
@@ -106,7 +111,7 @@ def test_a_hash_as_the_scripts_leave_it_reads_back_and_round_trips() -> None:
 
 def test_a_request_written_before_min_tokens_existed_reads_with_defaults() -> None:
     old = json.dumps({"max_tokens": 8, "temperature": 0, "top_p": 1.0, "top_k": 0})
-    assert JobRequest.from_json(old) == JobRequest(max_tokens=8, temperature=0, top_p=1.0, top_k=0)
+    assert JobRequest.from_json(old) == JobRequest(max_tokens=8, sampling=SamplingParams(temperature=0))
 
 
 def lua_set(script: str, name: str) -> set[str]:

@@ -43,3 +43,15 @@ def test_finish_releases_a_held_tail():
     out = [stream.push(t) for t in TOKENIZER("abcE").input_ids]
     out.append(stream.finish())
     assert "".join(out) == "abcE"
+
+
+def test_special_tokens_are_left_out_unless_skip_special_tokens_is_false():
+    ids = [
+        *TOKENIZER("a").input_ids,
+        TOKENIZER.convert_tokens_to_ids("<|im_start|>"),
+        *TOKENIZER("b").input_ids,
+    ]
+    for skip, text in ((True, "ab"), (False, "a<|im_start|>b")):
+        stream = TextStream(TOKENIZER, skip_special_tokens=skip)
+        pieces = [stream.push(token) for token in ids] + [stream.finish()]
+        assert "".join(pieces) == text

@@ -39,7 +39,20 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The JSON body; with `stream: true`, server-sent events.",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # One server-sent event, as OpenAPI 3.2 describes an event stream's items.
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "event": {"type": "string"},
+                        "data": {"type": "string"},
+                        "id": {"type": "string"},
+                        "retry": {"type": "integer"},
+                    },
+                }
+            }
+        },
     }
 }
 IDEMPOTENCY_KEY = Header(

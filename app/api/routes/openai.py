@@ -22,23 +22,16 @@ from app.api import audit
 from app.api.auth import current_tenant
 from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
 from app.api.deps import get_jobs, get_settings
-from app.api.openai_schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
+from app.api.openai_answers import (
     ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionCreate,
-    ChatDelta,
     Completion,
-    CompletionChoice,
-    CompletionCreate,
     CompletionUsage,
     ModelCard,
     ModelList,
-    OpenAIRequest,
     RoutePolicyCard,
 )
+from app.api.openai_replies import ChatReply, CompletionReply, Reply, TokenLogprobs, usage_of
+from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted, sse_data
 from app.api.service import JobService
@@ -195,98 +188,6 @@ async def chat_completions(
     return await _answer(body, ChatReply, request, response, jobs, settings, tenant, idempotency_key)
 
 
-class Reply:
-    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job."""
-
-    prefix = ""
-
-    def __init__(self, record: dict[str, str]) -> None:
-        self.id = f"{self.prefix}{record['id']}"
-        self.created = int(float(record["created_at"]))
-        self.model = record["model"]
-        self.prompt_tokens = int(record.get("prompt_tokens", 0))
-
-    def so_far(self, completion_tokens: int) -> CompletionUsage:
-        """The usage after `completion_tokens` tokens (`continuous_usage_stats`: on every chunk)."""
-        return CompletionUsage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=self.prompt_tokens + completion_tokens,
-        )
-
-    def whole(self, record: dict[str, str]) -> BaseModel:
-        raise NotImplementedError
-
-    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        return None
-
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
-        raise NotImplementedError
-
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
-        raise NotImplementedError
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        raise NotImplementedError
-
-
-class CompletionReply(Reply):
-    prefix = "cmpl-"
-
-    def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def whole(self, record: dict[str, str]) -> BaseModel:
-        choice = CompletionChoice(text=record.get("text", ""), finish_reason=record.get("finish_reason"))
-        return self._make([choice], usage_of(record))
-
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._make([CompletionChoice(text=text)], usage)
-
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._make([CompletionChoice(text="", finish_reason=finish_reason)], usage)
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        return self._make([], usage)
-
-
-class ChatReply(Reply):
-    prefix = "chatcmpl-"
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-
-    def whole(self, record: dict[str, str]) -> BaseModel:
-        choice = ChatChoice(
-            message=AssistantMessage(content=record.get("text", "")),
-            finish_reason=record.get("finish_reason"),
-        )
-        return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage_of(record)
-        )
-
-    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], usage)
-
-    def delta(self, text: str, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))], usage)
-
-    def last(self, finish_reason: str | None, usage: CompletionUsage | None = None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)], usage)
-
-    def usage(self, usage: CompletionUsage) -> BaseModel:
-        return self._chunk([], usage)
-
-
-def usage_of(record: dict[str, str]) -> CompletionUsage:
-    prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
-    return CompletionUsage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
-
-
 async def _answer(
     body: OpenAIRequest,
     reply_type: type[Reply],
@@ -304,7 +205,14 @@ async def _answer(
     job = body.to_job()
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
-    job_id, reply = submitted.record["id"], reply_type(submitted.record)
+    job_id = submitted.record["id"]
+    logprobs = None
+    if job.logprobs is not None:  # the model's tokenizer names the tokens (loaded by the submit)
+        model = jobs.catalog.cached(submitted.record["model"])
+        tokenizer = model.tokenizer if model is not None else None
+        logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
+    reply = reply_type(submitted.record, logprobs, token_ids=bool(body.return_token_ids))
+    read_tokens = logprobs is not None or reply.token_ids
     if slot is not None:
         notes = audit.fields(request)
         stream = _stream(
@@ -325,7 +233,7 @@ async def _answer(
         return Response(status_code=CLIENT_CLOSED)
     audit.note_job(request, record)
     _check_succeeded(record, settings)
-    return reply.whole(record)
+    return reply.whole(record, await jobs.token_events(job_id) if read_tokens else ())
 
 
 def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
@@ -373,16 +281,20 @@ def _stream(
         if (first := reply.first(so_far(0))) is not None:
             yield data(first)
         record = None
+        held: list[dict[str, Any]] = []  # tokens whose text is not out yet: their logprobs wait with it
         async for event in jobs.events(job_id, slot=slot):
-            if event.event == "token" and event.data.get("text"):
-                yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1)))
+            if event.event == "token":
+                held.append(event.data)
+                if event.data.get("text"):
+                    yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1), held))
+                    held = []
             record = event.record  # the final event's: the job as it ended
         if record is None:  # the stream ended without its final event (its stream was gone): read the job
             record = await jobs.get(job_id, tenant=None)
         audit.note_job(notes, record)
         if record["status"] == JobStatus.SUCCEEDED:
             usage = usage_of(record)
-            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None))
+            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None, held))
             if include_usage:
                 yield data(reply.usage(usage))
         else:

@@ -1,0 +1,261 @@
+"""How the OpenAI endpoints answer from a job: the whole completion from its record, or its stream's
+chunks from its token events (`Reply`), with the token events' log probabilities (`logprob`,
+`top_logprobs`: token ids) in OpenAI's two shapes (`TokenLogprobs`) and vLLM's token ids when asked.
+
+Token ids become text with the model's tokenizer, one token at a time (as vLLM names them), or
+`token_id:<id>` with vLLM's `return_tokens_as_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from app.api.openai_answers import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionUsage,
+    TokenLogprob,
+    TopLogprob,
+)
+
+Tokens = Sequence[Mapping[str, Any]]  # token events' data
+
+# JSON has no -inf: as vLLM, a log probability below this is sent as this.
+FLOOR = -9999.0
+
+
+class TokenLogprobs:
+    """One per answer; `completion` keeps the text offset across a stream's chunks."""
+
+    def __init__(self, tokenizer: Any, *, as_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+        self.offset = 0  # characters of the completion before the next token
+
+    def name(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def completion(self, events: list[Mapping[str, Any]]) -> CompletionLogprobs | None:
+        """Legacy completions' lists for these token events (None when they carry none)."""
+        events = [e for e in events if "logprob" in e]
+        if not events:
+            return None
+        tokens: list[str] = []
+        offsets: list[int] = []
+        tops: list[dict[str, float] | None] = []
+        for event in events:
+            token = self.name(int(event["token_id"]))
+            tokens.append(token)
+            offsets.append(self.offset)
+            self.offset += len(token)
+            top = {self.name(int(t)): _floor(lp) for t, lp in event["top_logprobs"]}
+            top.setdefault(token, _floor(event["logprob"]))  # the chosen token is always listed
+            tops.append(top)
+        return CompletionLogprobs(
+            text_offset=offsets,
+            token_logprobs=[_floor(e["logprob"]) for e in events],
+            tokens=tokens,
+            top_logprobs=tops,
+        )
+
+    def chat(self, events: list[Mapping[str, Any]]) -> ChatLogprobs | None:
+        """Chat completions' `content` entries for these token events (None when they carry none)."""
+        events = [e for e in events if "logprob" in e]
+        if not events:
+            return None
+        content = [
+            TokenLogprob(
+                **self._top(int(e["token_id"]), e["logprob"]).model_dump(),
+                top_logprobs=[self._top(int(t), lp) for t, lp in e["top_logprobs"]],
+            )
+            for e in events
+        ]
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.name(token_id)
+        return TopLogprob(token=token, logprob=_floor(logprob), bytes=list(token.encode("utf-8")))
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), FLOOR)
+
+
+class Reply:
+    """How one endpoint answers: the whole completion, or its stream's chunks. Named after its job.
+    `tokens`: the token events (their data) the answer or chunk covers, read for their logprobs
+    when the request asked for them (`logprobs`)."""
+
+    prefix = ""
+
+    def __init__(
+        self, record: dict[str, str], logprobs: TokenLogprobs | None = None, *, token_ids: bool = False
+    ) -> None:
+        self.logprobs = logprobs
+        # return_token_ids: the prompt's ids (sent once), and each answer's or chunk's token ids
+        self.token_ids = token_ids
+        self.prompt_ids: list[int] | None = (
+            json.loads(record.get("prompt_ids") or "null") if token_ids else None
+        )
+        self.id = f"{self.prefix}{record['id']}"
+        self.created = int(float(record["created_at"]))
+        self.model = record["model"]
+        self.prompt_tokens = int(record.get("prompt_tokens", 0))
+
+    def so_far(self, completion_tokens: int) -> CompletionUsage:
+        """The usage after `completion_tokens` tokens (`continuous_usage_stats`: on every chunk)."""
+        return CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=self.prompt_tokens + completion_tokens,
+        )
+
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+        raise NotImplementedError
+
+    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
+        return None
+
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+        raise NotImplementedError
+
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
+        raise NotImplementedError
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        raise NotImplementedError
+
+    def ids(self, tokens: Tokens) -> list[int] | None:
+        """The token ids of these events, when return_token_ids asked for them."""
+        return [int(t["token_id"]) for t in tokens] if self.token_ids else None
+
+    def prompt_once(self) -> list[int] | None:
+        """The prompt's ids, the first time only (a stream sends them in its first chunk)."""
+        prompt, self.prompt_ids = self.prompt_ids, None
+        return prompt
+
+
+class CompletionReply(Reply):
+    prefix = "cmpl-"
+
+    def _make(self, choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def _logprobs(self, tokens: Tokens) -> CompletionLogprobs | None:
+        return self.logprobs.completion(list(tokens)) if self.logprobs is not None else None
+
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+        choice = CompletionChoice(
+            text=record.get("text", ""),
+            finish_reason=record.get("finish_reason"),
+            logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
+        )
+        return self._make([choice], usage_of(record))
+
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+        choice = CompletionChoice(
+            text=text,
+            logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
+        )
+        return self._make([choice], usage)
+
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
+        choice = CompletionChoice(
+            text="",
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(tokens),
+            prompt_token_ids=self.prompt_once(),
+            token_ids=self.ids(tokens),
+        )
+        return self._make([choice], usage)
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        return self._make([], usage)
+
+
+class ChatReply(Reply):
+    prefix = "chatcmpl-"
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _logprobs(self, tokens: Tokens) -> ChatLogprobs | None:
+        return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
+
+    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+        choice = ChatChoice(
+            message=AssistantMessage(content=record.get("text", "")),
+            finish_reason=record.get("finish_reason"),
+            logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
+            token_ids=self.ids(tokens),
+        )
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage_of(record),
+            prompt_token_ids=self.prompt_once(),
+        )
+
+    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
+        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), token_ids=self.ids(()))
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage,
+            prompt_token_ids=self.prompt_once(),
+        )
+
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+        choice = ChatChunkChoice(
+            delta=ChatDelta(content=text), logprobs=self._logprobs(tokens), token_ids=self.ids(tokens)
+        )
+        return self._chunk([choice], usage)
+
+    def last(
+        self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
+    ) -> BaseModel:
+        choice = ChatChunkChoice(
+            delta=ChatDelta(),
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(tokens),
+            token_ids=self.ids(tokens),
+        )
+        return self._chunk([choice], usage)
+
+    def usage(self, usage: CompletionUsage) -> BaseModel:
+        return self._chunk([], usage)
+
+
+def usage_of(record: dict[str, str]) -> CompletionUsage:
+    prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
