@@ -22,7 +22,7 @@ from app.api.events import EventHub
 from app.api.limits import BodyLimitMiddleware
 from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
-from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, ws
+from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, tokenize, ws
 from app.api.service import JobService
 from app.core.config import Settings
 from app.core.durability import fsync_mode
@@ -106,6 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(inference.router, dependencies=protected)
     app.include_router(embeddings.router, dependencies=protected)
     app.include_router(openai.router, dependencies=protected)
+    app.include_router(tokenize.router, dependencies=protected)
     app.include_router(health.router)
     app.include_router(metrics_router)
     app.include_router(playground.router)  # a static page; its requests carry the key typed into it

@@ -9,12 +9,16 @@ the event loop, where every other request (health checks included) would wait be
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
 from app.core.config import PromptEncoderSettings
 from app.core.errors import ContextLengthExceeded, InvalidRequest
+
+T = TypeVar("T")
 
 
 class PromptEncoder:
@@ -40,6 +44,10 @@ class PromptEncoder:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         return prompt_ids
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizing threads (/tokenize, /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def check_length(self, model: ModelInfo, chars: int) -> None:
         most = model.context_length * self.chars_per_token

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 
 from app.api.auth import ANONYMOUS
-from app.api.catalog import Catalog
+from app.api.catalog import Catalog, ModelInfo
 from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
@@ -171,6 +171,13 @@ class JobService:
             idempotency=idempotency,
             routed=routed,
         )
+
+    async def model(self, name: str | None) -> ModelInfo:
+        """A model by its exact name (the default when None), its tokenizer loaded off the event loop;
+        404 model_not_found for any other name (a route's included)."""
+        name = name or self.settings.default_model
+        model = self.catalog.cached(name)
+        return model if model is not None else await run_in_threadpool(self.catalog.get, name)
 
     async def _route(self, route: routing.Route, request: JobCreate, max_tokens: int) -> routing.Choice:
         """Resolve a route to one of its models at admission (app/core/routing.py): the request's
