@@ -95,6 +95,26 @@ class JobService:
                 replayed = await self._replay(held, idempotency, tenant)
                 if replayed is not None:
                     return replayed
+        max_tokens, stop = self._checked(request)
+        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
+        try:
+            written = await self._prepare_and_write(
+                request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=idempotency
+            )
+        except Exception:
+            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
+            raise
+        if isinstance(written, Submitted):  # another submit with the same key won the race
+            await self._refund(tenant, max_tokens)
+            return written
+        assert written is not None  # a fresh job id: never one that exists
+        if written.get("route"):  # counted once queued: a refused job was served by no model
+            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
+        return Submitted(written, quota=quota)
+
+    def _checked(self, request: JobCreate) -> tuple[int, list[str]]:
+        """What costs nothing to check: timeout_s, max_tokens, min_tokens, the stop strings; the job's
+        max_tokens (the default filled in) and stop strings."""
         if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest(
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
@@ -112,21 +132,19 @@ class JobService:
             )
         stop = request.stop_list()
         self._check_stop(stop)
+        return max_tokens, stop
 
-        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
-        try:
-            written = await self._prepare_and_write(
-                request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=idempotency
-            )
-        except Exception:
-            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
-            raise
-        if isinstance(written, Submitted):  # another submit with the same key won the race
-            await self._refund(tenant, max_tokens)
-            return written
-        if written.get("route"):  # counted once queued: a refused job was served by no model
-            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
-        return Submitted(written, quota=quota)
+    async def submit_line(self, request: JobCreate, *, tenant: str, job_id: str, deadline: float) -> bool:
+        """A batch's line as a job (app/api/batchfeed.py): the submit path, gates and write included,
+        without the tenant's rate limits (a batch is bounded by its file, and fed as the batch class
+        has room), with the id the line's place gives it and the batch's window as its deadline.
+        False when a job with that id exists already (the line was fed before): nothing is written."""
+        self._check_entitled(tenant, request.priority)
+        max_tokens, stop = self._checked(request)
+        written = await self._prepare_and_write(
+            request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=None, job=(job_id, deadline)
+        )
+        return written is not None
 
     async def _prepare_and_write(
         self,
@@ -136,9 +154,10 @@ class JobService:
         max_tokens: int,
         stop: list[str],
         idempotency: tuple[str, str] | None,
-    ) -> dict[str, str] | Submitted:
+        job: tuple[str, float] | None = None,
+    ) -> dict[str, str] | Submitted | None:
         """The work a charged submit pays for: its model (a route's choice), its prompt's tokens, its
-        callback, the write."""
+        callback, the write. `job`: a batch line's job id and deadline (None: the job already exists)."""
         name = request.model or self.settings.default_model
         routed: dict[str, str] = {}  # the record's route fields: a route's name resolves to a model here
         route = self.catalog.route(name)
@@ -170,6 +189,7 @@ class JobService:
             callback=callback,
             idempotency=idempotency,
             routed=routed,
+            job=job,
         )
 
     async def model(self, name: str | None) -> ModelInfo:
@@ -215,14 +235,16 @@ class JobService:
         callback: Any,
         idempotency: tuple[str, str] | None,
         routed: dict[str, str],
-    ) -> dict[str, str] | Submitted:
+        job: tuple[str, float] | None = None,
+    ) -> dict[str, str] | Submitted | None:
         """The admission gates, then the job written with its intake entry: its record, or the job an
-        Idempotency-Key already names. `routed`: the route and reason that chose `model_name`."""
+        Idempotency-Key already names. `routed`: the route and reason that chose `model_name`. `job`:
+        the id and deadline a batch's line gives its job; None when that job exists already."""
         now = time.time()
         ticket = await self.admission.check(
             model=model_name, priority=request.priority, timeout_s=request.timeout_s, now=now
         )
-        job_id = uuid.uuid4().hex
+        job_id = job[0] if job is not None else uuid.uuid4().hex
         params = JobRequest(
             max_tokens=max_tokens,
             temperature=request.temperature,
@@ -234,6 +256,8 @@ class JobService:
             min_tokens=request.min_tokens,
         )
         deadline = now + request.timeout_s if request.timeout_s is not None else None
+        if job is not None:
+            deadline = job[1]
         record = JobRecord(
             id=job_id,
             status=JobStatus.QUEUED,
@@ -269,6 +293,8 @@ class JobService:
             idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
             callback_at=now if callback is not None else None,
         )
+        if written.existed:
+            return None
         if written.held is not None:
             assert idempotency is not None
             replayed = await self._replay(written.held, idempotency, tenant)

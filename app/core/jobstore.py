@@ -428,6 +428,8 @@ ADMIT_LUA = (
     + """
 local c = tonumber(ARGV[1])
 local waiting, expiry = KEYS[4 + c], KEYS[5 + c]
+-- A job id is written once: a batch's line fed again after a feeder died finds its job here.
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
 local idem = KEYS[6 + c]
 if idem then
   local held = redis.call('GET', idem)
@@ -682,8 +684,8 @@ class AsyncJobStore:
         tenant's in its class; with `idempotency` (the key's digest, its value, its ttl) the key too,
         unless it is already held. With `callback_at` the job is registered with the webhook
         dispatcher, scored by that time. Returns the script's outcome and its detail: ('ok', depth),
-        ('held', value), ('overloaded', total), ('queue_full', depth) or ('tenant_queue_full', the
-        tenant's waiting jobs of the class)."""
+        ('held', value), ('exists', '') (a job with its id exists), ('overloaded', total), ('queue_full',
+        depth) or ('tenant_queue_full', the tenant's waiting jobs of the class)."""
         keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
         keys += [self.keys.intake(p) for p in PRIORITIES]
         keys += [self.keys.webhook_jobs(), *_waiting_keys(self.keys)]
