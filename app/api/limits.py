@@ -3,6 +3,8 @@ Content-Length (before anything is read) and on the bytes actually streamed (chu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,19 +26,21 @@ def message(limit: int) -> str:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, limit: int) -> None:
+    """`limit` for every path but those of `paths`, which have their own (a file upload's)."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, paths: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.limit)
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await problem(413, "payload_too_large", message(self.limit), limit=self.limit)(
-                scope, receive, send
-            )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await problem(413, "payload_too_large", message(limit), limit=limit)(scope, receive, send)
             return
         seen = 0
 
@@ -45,8 +49,8 @@ class BodyLimitMiddleware:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge(self.limit)
+                if seen > limit:
+                    raise BodyTooLarge(limit)
             return msg
 
         await self.app(scope, counted, send)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from app.api.schemas import ChatMessage
 
@@ -17,10 +17,10 @@ class TokenizeCreate(BaseModel):
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     prompt: str | None = Field(default=None, description="Text to tokenize.")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = Field(
+    add_generation_prompt: StrictBool = Field(
         default=True, description="With `messages`: end with the assistant's turn, as a chat request does."
     )
-    add_special_tokens: bool | None = Field(
+    add_special_tokens: StrictBool | None = Field(
         default=None,
         description="Add the tokenizer's special tokens (BOS...). Unset: true for a prompt, false for "
         "messages (the chat template writes its own), as vLLM does.",
@@ -43,7 +43,7 @@ class DetokenizeCreate(BaseModel):
     model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": [{"tokens": [19556, 905]}]})
 
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
-    tokens: list[int] = Field(max_length=1_000_000, description="Token ids of the model's vocabulary.")
+    tokens: list[StrictInt] = Field(max_length=1_000_000, description="Token ids of the model's vocabulary.")
 
 
 class DetokenizeResult(BaseModel):
