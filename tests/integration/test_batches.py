@@ -135,7 +135,13 @@ def test_files_and_batches_are_the_tenants_own(start: Callable[..., Api]) -> Non
         with pytest.raises(openai.NotFoundError):
             call()
     assert other.batches.list().data == []
-    assert [b.id for b in acme.batches.list().data] == [batch.id]
+    second = acme.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    page = acme.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second.id] and page.has_more, "newest first"
+    assert [b.id for b in acme.batches.list(limit=1, after=second.id).data] == [batch.id]
+    assert [b.id for b in acme.batches.list(limit=1)] == [second.id, batch.id], "the client pages on"
     assert acme.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         acme.files.retrieve(uploaded.id)
