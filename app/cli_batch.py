@@ -50,7 +50,7 @@ def _summary(batch: dict[str, Any]) -> str:
 def submit(
     file: Annotated[Path, typer.Argument(help="JSONL: one request a line (custom_id, method, url, body).")],
     endpoint: Annotated[
-        str, typer.Option(help="/v1/chat/completions or /v1/completions.")
+        str, typer.Option(help="/v1/chat/completions, /v1/completions or /v1/embeddings.")
     ] = "/v1/chat/completions",
     url: Url = None,
     api_key: ApiKey = None,

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.core.batchstore import StoredFile
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]

@@ -34,11 +34,18 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
+from app.api.routes.embeddings import (
+    Embedding,
+    EmbeddingsCreate,
+    EmbeddingsPublic,
+    EmbeddingsUsage,
+    as_base64,
+)
 from app.api.routes.openai import ChatReply, CompletionReply, Reply
 from app.api.service import JobService
 from app.core import batchstore as bs
 from app.core.batchstore import BatchStore, line_job_id, output_file_id
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.errors import ConveyorError, JobFinished, JobNotFound, Refused
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
@@ -56,14 +63,16 @@ return 0
 # Give the lease up only if this process holds it.
 RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
-SCHEMAS: dict[str, type[OpenAIRequest]] = {
+EMBEDDINGS = "/v1/embeddings"
+SCHEMAS: dict[str, type[OpenAIRequest] | type[EmbeddingsCreate]] = {
     "/v1/chat/completions": ChatCompletionCreate,
     "/v1/completions": CompletionCreate,
+    EMBEDDINGS: EmbeddingsCreate,
 }
 REPLIES: dict[str, type[Reply]] = {"/v1/chat/completions": ChatReply, "/v1/completions": CompletionReply}
 JOB_FIELDS = (
     *("id", "status", "model", "created_at", "text", "finish_reason"),
-    *("prompt_tokens", "completion_tokens", "error"),
+    *("prompt_tokens", "completion_tokens", "error", "embedding"),
 )
 
 
@@ -116,7 +125,7 @@ def parse_line(text: str, *, number: int, endpoint: str, seen: set[str]) -> dict
         raise LineError(
             "invalid_request", f"body.{where}: {first['msg']}", line=number, param=f"body.{where}"
         ) from None
-    if request.stream:
+    if getattr(request, "stream", False):
         raise LineError(
             "invalid_request", "stream is not supported in a batch", line=number, param="body.stream"
         )
@@ -265,7 +274,10 @@ class BatchFeeder:
             try:
                 parsed = parse_line(line, number=number, endpoint=endpoint, seen=seen)
                 model = parsed["body"].get("model") or self.settings.default_model
-                if model not in models:
+                if endpoint == EMBEDDINGS:
+                    model = parsed["body"].get("model") or EMBEDDING_MODEL
+                    models[model] = model == EMBEDDING_MODEL
+                elif model not in models:
                     models[model] = await self._known(model)
                 if not models[model]:
                     raise LineError(
@@ -310,10 +322,15 @@ class BatchFeeder:
         job_id = line_job_id(batch["id"], index)
         try:
             request = SCHEMAS[batch["endpoint"]].model_validate(line["body"])
-            job = request.to_job().model_copy(update={"priority": "batch", "timeout_s": None})
-            await self.jobs.submit_line(
-                job, tenant=batch["tenant"], job_id=job_id, deadline=float(batch["expires_at"])
-            )
+            deadline = float(batch["expires_at"])
+            if isinstance(request, EmbeddingsCreate):
+                await self.jobs.submit_embedding_line(
+                    request.texts(), request.model, tenant=batch["tenant"], job_id=job_id, deadline=deadline
+                )
+            else:
+                assert isinstance(request, OpenAIRequest)
+                job = request.to_job().model_copy(update={"priority": "batch", "timeout_s": None})
+                await self.jobs.submit_line(job, tenant=batch["tenant"], job_id=job_id, deadline=deadline)
         except Refused:
             return False
         except ConveyorError as exc:  # this line can never run: its answer is the refusal
@@ -336,37 +353,41 @@ class BatchFeeder:
         records = [
             dict(zip(JOB_FIELDS, (_text(v) for v in values), strict=True)) for values in await pipe.execute()
         ]
-        custom_ids = None
+        lines = None
         left = len(waiting)
         for index, record in zip(waiting, records, strict=True):
             status = record["status"]
             if status is not None and not JobStatus(status).is_finished:
-                if cancel:
+                if cancel is not None:
                     with suppress(JobFinished, JobNotFound):
-                        await self.jobs.cancel(
-                            record["id"] or "", tenant=None, reason="its batch was cancelled"
-                        )
+                        await self.jobs.cancel(record["id"] or "", tenant=None, reason=cancel)
                 continue
-            if custom_ids is None:
-                custom_ids = await self._custom_ids(batch_id, waiting)
-            await self._collect_one(batch, index, custom_ids[index], record)
+            if lines is None:
+                lines = await self._lines(batch_id, waiting)
+            await self._collect_one(batch, index, lines[index], record)
             left -= 1
         return left == 0 and len(waiting) == len(uncollected)
 
-    async def _custom_ids(self, batch_id: str, indexes: list[int]) -> dict[int, str]:
+    async def _lines(self, batch_id: str, indexes: list[int]) -> dict[int, dict[str, Any]]:
         lines = await self.store.lines(batch_id, min(indexes), max(indexes) + 1)
         first = min(indexes)
-        return {i: json.loads(lines[i - first])["custom_id"] for i in indexes}
+        return {i: json.loads(lines[i - first]) for i in indexes}
 
     async def _collect_one(
-        self, batch: dict[str, str], index: int, custom_id: str, record: dict[str, Any]
+        self, batch: dict[str, str], index: int, line: dict[str, Any], record: dict[str, Any]
     ) -> None:
-        job_id = line_job_id(batch["id"], index)
+        job_id, custom_id = line_job_id(batch["id"], index), line["custom_id"]
         status = record["status"]
         if status == JobStatus.SUCCEEDED:
-            body = REPLIES[batch["endpoint"]](record).whole(record)
+            body: BaseModel
+            if batch["endpoint"] == EMBEDDINGS:
+                body = _embeddings(record, EmbeddingsCreate.model_validate(line["body"]))
+            else:
+                body = REPLIES[batch["endpoint"]](record).whole(record)
             answer = output_line(job_id, custom_id, status_code=200, body=_dump(body))
             await self.store.collect(batch["id"], index, answer, ok=True)
+            if batch["endpoint"] == EMBEDDINGS:
+                await self.jobs.store.forget_embedding(job_id)  # its vectors are in the line now
             return
         if status is None:
             code, message = "job_lost", f"job {job_id} expired before its result was collected"
@@ -418,6 +439,18 @@ class BatchFeeder:
 
 def _text(value: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _embeddings(record: dict[str, Any], request: EmbeddingsCreate) -> EmbeddingsPublic:
+    """What POST /v1/embeddings answers for the line's request (its `encoding_format` included)."""
+    vectors = json.loads(record.get("embedding") or "[]")
+    tokens = int(record.get("prompt_tokens") or 0)
+    encode = as_base64 if request.encoding_format == "base64" else list
+    return EmbeddingsPublic(
+        model=record["model"],
+        data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
+        usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
 
 
 def _dump(body: BaseModel) -> dict[str, Any]:

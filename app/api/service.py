@@ -426,37 +426,10 @@ class JobService:
         generated tokens). The job goes the way every job goes: admission, the intake, the batcher
         (which batches it with other embeddings jobs for the embeddings stage workers) and the
         monitor's stall recovery."""
-        if self.settings.embedding_stages <= 0:
-            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
-        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
-            raise ModelNotFound(
-                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
-            )
-        limit = self.settings.max_embedding_inputs
-        if not 1 <= len(texts) <= limit or not all(texts):
-            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+        self._check_embeddings(texts, model)
         await self.ratelimit.take_embedding(tenant, nbytes=sum(len(t.encode()) for t in texts))
-        now = time.time()
-        ticket = await self.admission.check(model=EMBEDDING_MODEL, priority="normal", timeout_s=None, now=now)
         job_id = uuid.uuid4().hex
-        record = JobRecord(
-            id=job_id,
-            status=JobStatus.QUEUED,
-            model=EMBEDDING_MODEL,
-            tenant=tenant,
-            kind="embedding",
-            priority="normal",
-            created_at=now,
-            input=tuple(texts),
-        )
-        intake = intake_fields(
-            job_id=job_id,
-            model=EMBEDDING_MODEL,
-            prompt_tokens=padded_positions(texts),
-            priority="normal",
-            tenant=tenant,
-        )
-        await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
+        await self._write_embedding(texts, tenant=tenant, job_id=job_id, priority="normal", deadline=None)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
         if not JobStatus(done["status"]).is_finished:
             done = await self._end_unanswered_embedding(job_id)
@@ -471,6 +444,56 @@ class JobService:
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
         await self.store.forget_embedding(job_id)
         return json.loads(done["embedding"]), done
+
+    async def submit_embedding_line(
+        self, texts: list[str], model: str | None, *, tenant: str, job_id: str, deadline: float
+    ) -> bool:
+        """A batch's /v1/embeddings line as a `batch`-class embeddings job (as `submit_line`): False
+        when a job with that id exists already. Its vectors stay on the record until the feeder has
+        them (`AsyncJobStore.forget_embedding`)."""
+        self._check_embeddings(texts, model)
+        return await self._write_embedding(
+            texts, tenant=tenant, job_id=job_id, priority="batch", deadline=deadline
+        )
+
+    def _check_embeddings(self, texts: list[str], model: str | None) -> None:
+        if self.settings.embedding_stages <= 0:
+            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
+        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
+            raise ModelNotFound(
+                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
+            )
+        limit = self.settings.max_embedding_inputs
+        if not 1 <= len(texts) <= limit or not all(texts):
+            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+
+    async def _write_embedding(
+        self, texts: list[str], *, tenant: str, job_id: str, priority: str, deadline: float | None
+    ) -> bool:
+        """Admit and queue an embeddings job; False when a job with its id exists already."""
+        now = time.time()
+        ticket = await self.admission.check(model=EMBEDDING_MODEL, priority=priority, timeout_s=None, now=now)
+        record = JobRecord(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            model=EMBEDDING_MODEL,
+            tenant=tenant,
+            kind="embedding",
+            priority=priority,
+            created_at=now,
+            deadline=deadline,
+            input=tuple(texts),
+        )
+        intake = intake_fields(
+            job_id=job_id,
+            model=EMBEDDING_MODEL,
+            prompt_tokens=padded_positions(texts),
+            priority=priority,
+            deadline=deadline,
+            tenant=tenant,
+        )
+        written = await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
+        return not written.existed
 
     async def _end_unanswered_embedding(self, job_id: str) -> dict[str, str]:
         """An embeddings job's vectors go to its one request, so once that request stops waiting nobody

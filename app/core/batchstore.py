@@ -30,7 +30,6 @@ from app.core.keys import Keys
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 WINDOWS = {"24h": 86_400}
 
 VALIDATING, IN_PROGRESS, FINALIZING = "validating", "in_progress", "finalizing"
@@ -217,7 +216,8 @@ class BatchStore:
         metadata: Mapping[str, str] | None,
     ) -> dict[str, str]:
         """A new batch, `validating`, in the open set (the feeder validates its file next)."""
-        now = int(time.time())
+        exact = time.time()  # the indexes' order: two batches of one second are still in order
+        now = int(exact)
         batch_id = f"batch_{uuid.uuid4().hex}"
         record = {
             "id": batch_id,
@@ -237,9 +237,9 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping=record)
         pipe.expire(self.keys.batch(batch_id), self.ttl_s)
-        pipe.zadd(self.keys.tenant_batches(tenant), {batch_id: now})
+        pipe.zadd(self.keys.tenant_batches(tenant), {batch_id: exact})
         pipe.expire(self.keys.tenant_batches(tenant), self.ttl_s)
-        pipe.zadd(self.keys.open_batches(), {batch_id: now})
+        pipe.zadd(self.keys.open_batches(), {batch_id: exact})
         pipe.expire(self.keys.open_batches(), self.ttl_s)
         await pipe.execute()
         return record

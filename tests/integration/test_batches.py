@@ -265,3 +265,13 @@ def test_a_window_that_passes_expires_the_batch(start: Callable[..., Api]) -> No
         ("req-3", "batch_expired"),
     ]
     assert redis.xlen(api.keys.intake("batch")) <= 2, "no line fed after the window"
+
+
+def test_an_embeddings_batch_where_none_are_served_is_503(start: Callable[..., Api]) -> None:
+    api = start()  # embedding_stages=0
+    acme = api.clients["acme"]
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}}
+    uploaded = acme.files.create(file=("e.jsonl", jsonl([line])), purpose="batch")
+    with pytest.raises(openai.InternalServerError) as refused:
+        acme.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert refused.value.status_code == 503 and refused.value.code == "not_served"

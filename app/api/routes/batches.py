@@ -24,7 +24,7 @@ from app.api.routes.openai import OpenAIRoute
 from app.core import batchstore as bs
 from app.core.batchstore import BatchStore
 from app.core.config import Settings
-from app.core.errors import BatchFinished, InvalidRequest
+from app.core.errors import BatchFinished, InvalidRequest, NotServed
 
 
 class BatchRoute(OpenAIRoute):
@@ -104,12 +104,17 @@ async def delete_file(
     return FileDeleted(id=file_id)
 
 
-@router.post("/batches", response_model=BatchPublic, responses=BODY_ERRORS)
+@router.post("/batches", response_model=BatchPublic, responses={**BODY_ERRORS, 503: {"model": ErrorBody}})
 async def create_batch(
-    body: BatchCreate, store: BatchStore = Depends(get_batches), tenant: str = Depends(current_tenant)
+    body: BatchCreate,
+    settings: Settings = Depends(get_settings),
+    store: BatchStore = Depends(get_batches),
+    tenant: str = Depends(current_tenant),
 ) -> BatchPublic:
     """A batch of the input file's requests, `validating` first: its lines are checked, then run as
     `batch`-class jobs of the tenant as the queue has room, within the completion window."""
+    if body.endpoint == "/v1/embeddings" and settings.embedding_stages <= 0:
+        raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
     stored = await store.file(body.input_file_id, tenant=tenant)
     if stored.purpose != "batch":
         raise InvalidRequest(f"file {stored.id} is not a batch input file (purpose {stored.purpose!r})")
