@@ -113,9 +113,9 @@ async def create_batch(
 ) -> BatchPublic:
     """A batch of the input file's requests, `validating` first: its lines are checked, then run as
     `batch`-class jobs of the tenant as the queue has room, within the completion window."""
+    stored = await store.file(body.input_file_id, tenant=tenant)
     if body.endpoint == "/v1/embeddings" and settings.embedding_stages <= 0:
         raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
-    stored = await store.file(body.input_file_id, tenant=tenant)
     if stored.purpose != "batch":
         raise InvalidRequest(f"file {stored.id} is not a batch input file (purpose {stored.purpose!r})")
     record = await store.create(
