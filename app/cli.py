@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from app.cli_batch import batch_cli
 from app.cli_docs import docs_cli
 from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
 from app.core.errors import UnsupportedModel
@@ -42,6 +43,7 @@ cli.add_typer(webhooks_cli, name="webhooks")
 keys_cli = typer.Typer(help="API keys (stored hashed in Redis, each naming a tenant).", no_args_is_help=True)
 cli.add_typer(keys_cli, name="keys")
 cli.add_typer(docs_cli, name="docs")
+cli.add_typer(batch_cli, name="batch")
 
 SslCertfile = Annotated[
     Path | None, typer.Option("--ssl-certfile", help="Serve the API over HTTPS with this PEM certificate.")

@@ -19,13 +19,26 @@ from app.api import errors
 from app.api.audit import AuditMiddleware
 from app.api.auth import Authenticator, authenticate
 from app.api.authmode import start_recording, stop_recording
+from app.api.batchfeed import BatchFeeder
 from app.api.catalog import Catalog
 from app.api.events import EventHub
 from app.api.limits import BodyLimitMiddleware
 from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
-from app.api.routes import deliveries, embeddings, health, inference, jobs, openai, playground, ws
+from app.api.routes import (
+    batches,
+    deliveries,
+    embeddings,
+    health,
+    inference,
+    jobs,
+    openai,
+    playground,
+    tokenize,
+    ws,
+)
 from app.api.service import JobService
+from app.core.batchstore import BatchStore
 from app.core.config import Settings
 from app.core.durability import fsync_mode
 from app.core.errors import ConveyorError
@@ -75,6 +88,8 @@ def create_app(settings: Settings) -> FastAPI:
         await hub.start()
         jobs: JobService | None = None
         recorder: asyncio.Task[None] | None = None
+        feeder: BatchFeeder | None = None
+        feeding: asyncio.Task[None] | None = None
         try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
             app.state.settings = settings
             app.state.redis = redis
@@ -84,8 +99,13 @@ def create_app(settings: Settings) -> FastAPI:
                 log.info("submits are answered once on disk (%s)", jobs.admission.fsync)
             # How this API serves, for `conveyor keys create` to read (app/api/authmode.py).
             recorder = await start_recording(redis, keys, settings.auth)
+            app.state.batches = BatchStore(redis, keys, ttl_s=settings.batch_file_ttl_s)  # Batch API
+            feeder = BatchFeeder(settings, jobs, app.state.batches)
+            feeding = asyncio.create_task(feeder.run())
             yield
         finally:
+            if feeder is not None and feeding is not None:
+                await feeder.stop(feeding)
             if recorder is not None:
                 await stop_recording(recorder, redis, keys, settings.auth)
             if jobs is not None:
@@ -101,7 +121,9 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     errors.install(app)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # A batch input file has its own limit (and multipart's few hundred bytes around it).
+    uploads = {"/v1/files": settings.batch_file_max_bytes + 64 * 1024}
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, paths=uploads)
     app.add_middleware(AuditMiddleware)  # outside the body limit, so it sees 401 and 413 too
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, whoever gave it
     # Every route but health, metrics, the docs and the playground page needs credentials
@@ -113,6 +135,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(inference.router, dependencies=protected)
     app.include_router(embeddings.router, dependencies=protected)
     app.include_router(openai.router, dependencies=protected)
+    app.include_router(tokenize.router, dependencies=protected)
+    app.include_router(batches.router, dependencies=protected)  # Batch API: /v1/files, /v1/batches
     app.include_router(health.router)
     app.include_router(metrics_router)
     app.include_router(playground.router)  # a static page; its requests carry the key typed into it

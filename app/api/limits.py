@@ -9,6 +9,7 @@ half-written. Such text is no Unicode, so it is refused where the body comes in,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -74,19 +75,21 @@ def is_json(headers: Headers) -> bool:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, limit: int) -> None:
+    """`limit` for every path but those of `paths`, which have their own (a file upload's)."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, paths: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope.get("path", ""), self.limit)
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await problem(413, "payload_too_large", message(self.limit), limit=self.limit)(
-                scope, receive, send
-            )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await problem(413, "payload_too_large", message(limit), limit=limit)(scope, receive, send)
             return
         seen = 0
         chunks: list[bytes] | None = [] if is_json(Headers(scope=scope)) else None
@@ -97,8 +100,8 @@ class BodyLimitMiddleware:
             if msg["type"] == "http.request":
                 body = msg.get("body", b"")
                 seen += len(body)
-                if seen > self.limit:
-                    raise BodyTooLarge(self.limit)
+                if seen > limit:
+                    raise BodyTooLarge(limit)
                 if chunks is not None:
                     chunks.append(body)
                     if not msg.get("more_body", False) and has_lone_surrogate(b"".join(chunks)):

@@ -16,11 +16,14 @@ import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any, TypeVar
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
 from app.core.config import PromptEncoderSettings
 from app.core.errors import ContextLengthExceeded, InvalidRequest
+
+T = TypeVar("T")
 
 
 class PromptEncoder:
@@ -69,7 +72,11 @@ class PromptEncoder:
         """`bad_words` as token sequences (ModelInfo.encode_words), on the tokenizing threads."""
         if not words:
             return ()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, model.encode_words, words)
+        return await self.run(model.encode_words, words)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizing threads (/tokenize, /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def check_length(self, model: ModelInfo, chars: int) -> None:
         most = model.context_length * self.chars_per_token

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 
 from app.api.auth import ANONYMOUS
-from app.api.catalog import Catalog
+from app.api.catalog import Catalog, ModelInfo
 from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
@@ -96,6 +96,26 @@ class JobService:
                 replayed = await self._replay(held, idempotency, tenant)
                 if replayed is not None:
                     return replayed
+        max_tokens, stop = self._checked(request)
+        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
+        try:
+            written = await self._prepare_and_write(
+                request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=idempotency
+            )
+        except Exception:
+            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
+            raise
+        if isinstance(written, Submitted):  # another submit with the same key won the race
+            await self._refund(tenant, max_tokens)
+            return written
+        assert written is not None  # a fresh job id: never one that exists
+        if written.get("route"):  # counted once queued: a refused job was served by no model
+            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
+        return Submitted(written, quota=quota)
+
+    def _checked(self, request: JobCreate) -> tuple[int, list[str]]:
+        """What costs nothing to check: timeout_s, max_tokens, min_tokens, the stop strings; the job's
+        max_tokens (the default filled in) and stop strings."""
         if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest(
                 f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
@@ -114,21 +134,19 @@ class JobService:
         stop = request.stop_list()
         self._check_stop(stop)
         self.check_messages(len(request.messages or ()))
+        return max_tokens, stop
 
-        quota = await self.ratelimit.take(tenant, tokens=max_tokens)
-        try:
-            written = await self._prepare_and_write(
-                request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=idempotency
-            )
-        except Exception:
-            await self._refund(tenant, max_tokens)  # not queued: its tokens will not be generated
-            raise
-        if isinstance(written, Submitted):  # another submit with the same key won the race
-            await self._refund(tenant, max_tokens)
-            return written
-        if written.get("route"):  # counted once queued: a refused job was served by no model
-            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
-        return Submitted(written, quota=quota)
+    async def submit_line(self, request: JobCreate, *, tenant: str, job_id: str, deadline: float) -> bool:
+        """A batch's line as a job (app/api/batchfeed.py): the submit path, gates and write included,
+        without the tenant's rate limits (a batch is bounded by its file, and fed as the batch class
+        has room), with the id the line's place gives it and the batch's window as its deadline.
+        False when a job with that id exists already (the line was fed before): nothing is written."""
+        self._check_entitled(tenant, request.priority)
+        max_tokens, stop = self._checked(request)
+        written = await self._prepare_and_write(
+            request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=None, job=(job_id, deadline)
+        )
+        return written is not None
 
     async def _prepare_and_write(
         self,
@@ -138,9 +156,10 @@ class JobService:
         max_tokens: int,
         stop: list[str],
         idempotency: tuple[str, str] | None,
-    ) -> dict[str, str] | Submitted:
+        job: tuple[str, float] | None = None,
+    ) -> dict[str, str] | Submitted | None:
         """The work a charged submit pays for: its model (a route's choice), its prompt's tokens, its
-        callback, the write."""
+        callback, the write. `job`: a batch line's job id and deadline (None: the job already exists)."""
         name = request.model or self.settings.default_model
         routed: dict[str, str] = {}  # the record's route fields: a route's name resolves to a model here
         route = self.catalog.route(name)
@@ -182,7 +201,15 @@ class JobService:
             callback=callback,
             idempotency=idempotency,
             routed=routed,
+            job=job,
         )
+
+    async def model(self, name: str | None) -> ModelInfo:
+        """A model by its exact name (the default when None), its tokenizer loaded off the event loop;
+        404 model_not_found for any other name (a route's included)."""
+        name = name or self.settings.default_model
+        model = self.catalog.cached(name)
+        return model if model is not None else await run_in_threadpool(self.catalog.get, name)
 
     async def _route(self, route: routing.Route, request: JobCreate, max_tokens: int) -> routing.Choice:
         """Resolve a route to one of its models at admission (app/core/routing.py): the request's
@@ -228,14 +255,16 @@ class JobService:
         callback: Any,
         idempotency: tuple[str, str] | None,
         routed: dict[str, str],
-    ) -> dict[str, str] | Submitted:
+        job: tuple[str, float] | None = None,
+    ) -> dict[str, str] | Submitted | None:
         """The admission gates, then the job written with its intake entry: its record, or the job an
-        Idempotency-Key already names. `routed`: the route and reason that chose `model_name`."""
+        Idempotency-Key already names. `routed`: the route and reason that chose `model_name`. `job`:
+        the id and deadline a batch's line gives its job; None when that job exists already."""
         now = time.time()
         ticket = await self.admission.check(
             model=model_name, priority=request.priority, timeout_s=request.timeout_s, now=now
         )
-        job_id = uuid.uuid4().hex
+        job_id = job[0] if job is not None else uuid.uuid4().hex
         params = JobRequest(
             max_tokens=max_tokens,
             sampling=sampling,
@@ -246,6 +275,8 @@ class JobService:
             skip_special_tokens=request.skip_special_tokens,
         )
         deadline = now + request.timeout_s if request.timeout_s is not None else None
+        if job is not None:
+            deadline = job[1]
         record = JobRecord(
             id=job_id,
             status=JobStatus.QUEUED,
@@ -281,6 +312,8 @@ class JobService:
             idempotency=(idempotency[0], f"{job_id} {idempotency[1]}") if idempotency else None,
             callback_at=now if callback is not None else None,
         )
+        if written.existed:
+            return None
         if written.held is not None:
             assert idempotency is not None
             replayed = await self._replay(written.held, idempotency, tenant)
@@ -422,37 +455,10 @@ class JobService:
         generated tokens). The job goes the way every job goes: admission, the intake, the batcher
         (which batches it with other embeddings jobs for the embeddings stage workers) and the
         monitor's stall recovery."""
-        if self.settings.embedding_stages <= 0:
-            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
-        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
-            raise ModelNotFound(
-                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
-            )
-        limit = self.settings.max_embedding_inputs
-        if not 1 <= len(texts) <= limit or not all(texts):
-            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+        self._check_embeddings(texts, model)
         await self.ratelimit.take_embedding(tenant, nbytes=padded_bytes(texts))  # the work, padded
-        now = time.time()
-        ticket = await self.admission.check(model=EMBEDDING_MODEL, priority="normal", timeout_s=None, now=now)
         job_id = uuid.uuid4().hex
-        record = JobRecord(
-            id=job_id,
-            status=JobStatus.QUEUED,
-            model=EMBEDDING_MODEL,
-            tenant=tenant,
-            kind="embedding",
-            priority="normal",
-            created_at=now,
-            input=tuple(texts),
-        )
-        intake = intake_fields(
-            job_id=job_id,
-            model=EMBEDDING_MODEL,
-            prompt_tokens=padded_positions(texts),
-            priority="normal",
-            tenant=tenant,
-        )
-        await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
+        await self._write_embedding(texts, tenant=tenant, job_id=job_id, priority="normal", deadline=None)
         done = await self.wait(job_id, self.settings.sync_timeout_s)
         if not JobStatus(done["status"]).is_finished:
             done = await self._end_unanswered_embedding(job_id)
@@ -467,6 +473,56 @@ class JobService:
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
         await self.store.forget_embedding(job_id)
         return json.loads(done["embedding"]), done
+
+    async def submit_embedding_line(
+        self, texts: list[str], model: str | None, *, tenant: str, job_id: str, deadline: float
+    ) -> bool:
+        """A batch's /v1/embeddings line as a `batch`-class embeddings job (as `submit_line`): False
+        when a job with that id exists already. Its vectors stay on the record until the feeder has
+        them (`AsyncJobStore.forget_embedding`)."""
+        self._check_embeddings(texts, model)
+        return await self._write_embedding(
+            texts, tenant=tenant, job_id=job_id, priority="batch", deadline=deadline
+        )
+
+    def _check_embeddings(self, texts: list[str], model: str | None) -> None:
+        if self.settings.embedding_stages <= 0:
+            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
+        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
+            raise ModelNotFound(
+                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
+            )
+        limit = self.settings.max_embedding_inputs
+        if not 1 <= len(texts) <= limit or not all(texts):
+            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
+
+    async def _write_embedding(
+        self, texts: list[str], *, tenant: str, job_id: str, priority: str, deadline: float | None
+    ) -> bool:
+        """Admit and queue an embeddings job; False when a job with its id exists already."""
+        now = time.time()
+        ticket = await self.admission.check(model=EMBEDDING_MODEL, priority=priority, timeout_s=None, now=now)
+        record = JobRecord(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            model=EMBEDDING_MODEL,
+            tenant=tenant,
+            kind="embedding",
+            priority=priority,
+            created_at=now,
+            deadline=deadline,
+            input=tuple(texts),
+        )
+        intake = intake_fields(
+            job_id=job_id,
+            model=EMBEDDING_MODEL,
+            prompt_tokens=padded_positions(texts),
+            priority=priority,
+            deadline=deadline,
+            tenant=tenant,
+        )
+        written = await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
+        return not written.existed
 
     async def _end_unanswered_embedding(self, job_id: str) -> dict[str, str]:
         """An embeddings job's vectors go to its one request, so once that request stops waiting nobody

@@ -242,6 +242,7 @@ class Written:
     """The write's outcome: the job was queued, or `held` names the job its Idempotency-Key made."""
 
     held: str | None = None
+    existed: bool = False  # a job with the record's id exists already: nothing was written
 
 
 class Admission:
@@ -393,6 +394,10 @@ class Admission:
                 if self.fsync is not None:
                     await wait_on_disk(self.redis, self.fsync, self.settings.submit_fsync_timeout_ms)
                 return Written()
+            if outcome == "exists":
+                if ticket.probe:
+                    await self.breaker.release_probe(ticket.model)
+                return Written(existed=True)
             if outcome == "held":
                 if ticket.probe:
                     await self.breaker.release_probe(ticket.model)

@@ -573,6 +573,23 @@ class Settings(BaseSettings):
     # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
     cancel_on_disconnect: bool = True
 
+    # OpenAI's Batch API (/v1/files, /v1/batches; docs/batches.md). An uploaded JSONL file's bytes at
+    # most: its lines are copied once more when its batch starts, and both live in Redis.
+    batch_file_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
+    # Lines (requests) of one batch's input file at most, as OpenAI allows.
+    batch_file_max_lines: int = Field(default=50_000, ge=1)
+    # How long files and batches (their records, lines and results) are kept: a week, time to run a
+    # batch through its 24 h window and fetch its output.
+    batch_file_ttl_s: int = Field(default=7 * 86_400, ge=3600)
+    # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
+    # deletes files (or they expire). Output files do not count.
+    batch_tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    # The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as
+    # it has room, and the rest is left to jobs submitted with priority `batch` directly.
+    batch_feed_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    # How often the feeder looks for room, feeds lines, collects the results of ended jobs.
+    batch_feed_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
+
     # Webhooks. A job's callback_url is sent signed events (app/webhooks/): the dispatcher follows
     # the job's event stream, the callbacks worker POSTs with retries.
     # Standard Webhooks secrets (`whsec_` + base64). Every one signs each delivery, so a receiver that

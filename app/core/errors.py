@@ -221,3 +221,32 @@ class RateLimited(Refused):
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), **self.rate_headers}
+
+
+class FileNotFound(ConveyorError):
+    """A file id that does not exist, has expired, or is another tenant's."""
+
+    code = "file_not_found"
+    status = 404
+
+
+class BatchNotFound(ConveyorError):
+    """A batch id that does not exist, has expired, or is another tenant's."""
+
+    code = "batch_not_found"
+    status = 404
+
+
+class BatchFinished(ConveyorError):
+    """A batch that has already ended (or is ending) cannot be cancelled."""
+
+    code = "batch_finished"
+    status = 409
+
+
+class FileQuotaExceeded(ConveyorError):
+    """An upload past the tenant's stored-file bytes (`batch_tenant_file_bytes`): delete files, or
+    wait for them to expire."""
+
+    code = "file_quota_exceeded"
+    status = 429

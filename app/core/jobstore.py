@@ -433,7 +433,7 @@ return $RECOVERING
 # [10] = the tenant's share of the class (jobs), [11] = the job's class, [12] = its tenant,
 # [13] = the tenant's retained-bytes quota (0: none), [14] = the bytes this job may weigh,
 # then r record field/value items, then the intake entry's items.
-# Returns {'held', value} | {'overloaded', total} | {'queue_full', depth} |
+# Returns {'held', value} | {'exists', ''} | {'overloaded', total} | {'queue_full', depth} |
 # {'tenant_queue_full', the tenant's waiting jobs of the class} |
 # {'tenant_quota', '{retained bytes} {when its oldest job expires, unix ms}'} | {'ok', depth}.
 ADMIT_LUA = (
@@ -442,6 +442,8 @@ ADMIT_LUA = (
 local c = tonumber(ARGV[1])
 local waiting, expiry = KEYS[4 + c], KEYS[5 + c]
 local retained, retained_bytes = KEYS[6 + c], KEYS[7 + c]
+-- A job id is written once: a batch's line fed again after a feeder died finds its job here.
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
 local idem = KEYS[8 + c]
 if idem then
   local held = redis.call('GET', idem)
@@ -749,10 +751,10 @@ class AsyncJobStore:
         tenant's in its class; with `idempotency` (the key's digest, its value, its ttl) the key too,
         unless it is already held. With `callback_at` the job is registered with the webhook
         dispatcher, scored by that time. Returns the script's outcome and its detail: ('ok', depth),
-        ('held', value), ('overloaded', total), ('queue_full', depth) or ('tenant_queue_full', the
-        tenant's waiting jobs of the class), or ('tenant_quota', '{bytes} {unix ms}') when the
-        tenant's retained jobs and this one would weigh more than `tenant_bytes` (0: no quota): what
-        they weigh, and when the oldest of them expires."""
+        ('held', value), ('exists', '') (a job with its id exists), ('overloaded', total),
+        ('queue_full', depth) or ('tenant_queue_full', the tenant's waiting jobs of the class), or
+        ('tenant_quota', '{bytes} {unix ms}') when the tenant's retained jobs and this one would weigh
+        more than `tenant_bytes` (0: no quota): what they weigh, and when the oldest of them expires."""
         keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
         keys += [self.keys.intake(p) for p in PRIORITIES]
         keys += [self.keys.webhook_jobs(), *_waiting_keys(self.keys)]

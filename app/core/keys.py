@@ -307,6 +307,53 @@ class Keys:
         audit_unauthenticated_maxlen so that a flood of them cannot roll the tenants' entries over."""
         return f"{self.namespace}:audit:unauthenticated"
 
+    # Files and batches (OpenAI's Batch API: app/core/batchstore.py)
+
+    @lives(ttl="batch_file_ttl_s")
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded or a batch's output file's record (tenant, name, purpose, bytes, times)."""
+        return f"{self.namespace}:file:{file_id}"
+
+    @lives(ttl="batch_file_ttl_s, as its record")
+    def file_content(self, file_id: str) -> str:
+        """String: a file's bytes (JSONL)."""
+        return f"{self.namespace}:file:{file_id}:content"
+
+    @lives(ttl="batch_file_ttl_s from the tenant's latest upload")
+    def tenant_files(self, tenant: str) -> str:
+        """Hash: file id -> `{bytes} {expiry, unix ms}` of one tenant's uploads: its byte quota."""
+        return f"{self.namespace}:tenant-files:{tenant}"
+
+    @lives(ttl="batch_file_ttl_s")
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's record (status, counts, timestamps, files, feeding cursor)."""
+        return f"{self.namespace}:batch:{batch_id}"
+
+    @lives(ttl="batch_file_ttl_s, as its batch")
+    def batch_lines(self, batch_id: str) -> str:
+        """List: a batch's validated input lines (custom_id and body, JSON), in input order."""
+        return f"{self.namespace}:batch:{batch_id}:lines"
+
+    @lives(ttl="batch_file_ttl_s, as its batch")
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line index -> its output or error line (JSON), collected as its job ends."""
+        return f"{self.namespace}:batch:{batch_id}:results"
+
+    @lives(ttl="batch_file_ttl_s from the tenant's latest batch")
+    def tenant_batches(self, tenant: str) -> str:
+        """Sorted set: one tenant's batch ids, scored by creation time (GET /v1/batches)."""
+        return f"{self.namespace}:tenant-batches:{tenant}"
+
+    @lives(ttl="batch_file_ttl_s from the latest batch", bound="the batches not yet ended")
+    def open_batches(self) -> str:
+        """Sorted set: batches the feeder still works on (validating to finalizing), by creation time."""
+        return f"{self.namespace}:open-batches"
+
+    @lives(ttl="the feeder's lease (LEASE_S, api/batchfeed.py)")
+    def batch_feeder(self) -> str:
+        """String: the API process feeding batches' lines (one at a time), with a short TTL."""
+        return f"{self.namespace}:batch-feeder"
+
 
 @cache
 def _patterns(namespace: str) -> tuple[tuple[str, re.Pattern[str]], ...]:

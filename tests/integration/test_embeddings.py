@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -77,6 +78,39 @@ def test_the_official_client_gets_the_json_floats_in_either_encoding(embedding_s
     assert [d.embedding for d in default.data] == floats
     assert [d.embedding for d in as_float.data] == floats
     assert default.usage.prompt_tokens == answer.json()["usage"]["prompt_tokens"] > 0
+
+
+def test_an_embeddings_batch_answers_as_its_requests(embedding_stack):  # type: ignore[no-untyped-def]
+    """A /v1/embeddings batch (OpenAI's Batch API): each output line's body is what the endpoint
+    answers for its request alone, within the pipeline's float tolerance, in the encoding it asked."""
+    bodies = [{"input": TEXTS[:2]}, {"input": TEXTS[2], "encoding_format": "base64"}]
+    lines = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": b}
+        for i, b in enumerate(bodies)
+    ]
+    with openai.OpenAI(base_url=embedding_stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as oai:
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        uploaded = oai.files.create(file=("e.jsonl", content), purpose="batch")
+        batch = oai.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        deadline = time.monotonic() + 120
+        while (
+            batch.status not in ("completed", "failed", "cancelled", "expired")
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            batch = oai.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+        output = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
+    with embedding_stack.client() as client:
+        alone = [client.post("/v1/embeddings", json=body, timeout=120).json() for body in bodies]
+    assert [o["custom_id"] for o in output] == ["e0", "e1"]
+    first, second = (o["response"]["body"] for o in output)
+    assert first["object"] == "list" and len(first["data"]) == 2 and first["usage"] == alone[0]["usage"]
+    got = torch.tensor([d["embedding"] for d in first["data"]])
+    assert (got - torch.tensor([d["embedding"] for d in alone[0]["data"]])).abs().max().item() < 1e-5
+    assert isinstance(second["data"][0]["embedding"], str), "base64, as the line asked"
 
 
 @pytest.mark.parametrize(
