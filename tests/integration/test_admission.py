@@ -356,7 +356,7 @@ def test_fifty_concurrent_submits_with_one_key_make_one_job(client, one_at_a_tim
     assert conflict.status_code == 409
     assert conflict.json()["error"]["code"] == "idempotency_conflict"
     assert conflict.json()["error"]["details"]["job_id"] == job_id
-    equivalent = {**body, "priority": "high", "temperature": 1.0}  # the defaults spelled out: the same job
+    equivalent = {**body, "priority": "high", "min_tokens": 0}  # a default spelled out: the same job
     assert client.post("/v1/jobs", json=equivalent, headers={"Idempotency-Key": key}).json()["id"] == job_id
 
 

@@ -79,6 +79,16 @@ CROSS_FIELD_RULES = (
     "the chat template could not render",
     "outside the vocabulary",  # a token id past the model's vocabulary
     "top_logprobs needs logprobs",
+    # structured outputs: what the grammar engine cannot compile, or two constraints at once
+    "cannot be compiled",
+    "cannot compile it",
+    "a choice needs at least one string",
+    "give one structured output at most",
+    "cannot be used with a grammar",
+    "the JSON schema is not JSON",
+    "a JSON schema is a JSON object",
+    "needs its json_schema",
+    "structured_outputs takes exactly one of",
 )
 
 

@@ -129,7 +129,7 @@ def test_max_completion_tokens_and_conveyor_extras(oai):  # type: ignore[no-unty
     ("extra", "where"),
     [
         ({"n": 2}, "n"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
     ],
 )

@@ -195,7 +195,7 @@ def test_bookkeeping_fields_are_accepted_and_answer_changing_ones_refused(eos_st
     with eos_stack.client() as client:
         body = {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, **accepted}
         assert chunks_of(client, "/v1/chat/completions", body)[-1]["usage"]["completion_tokens"] == 3
-        for field, value in (("length_penalty", 1.3), ("use_beam_search", True), ("guided_regex", "a+")):
+        for field, value in (("length_penalty", 1.3), ("use_beam_search", True), ("prompt_logprobs", 1)):
             answer = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, field: value})
             assert answer.status_code == 422, field
             assert field in answer.json()["error"]["message"]
