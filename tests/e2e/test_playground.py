@@ -58,10 +58,8 @@ def submit(page, prompt: str, *, max_tokens: int, ignore_eos: bool = True) -> st
     page.fill("#max-tokens", str(max_tokens))
     page.set_checked("#ignore-eos", ignore_eos)
     page.click("#submit")
-    page.wait_for_function(
-        "document.getElementById('job-id').textContent.startsWith('job ')"
-        " || document.getElementById('error').textContent.length > 0"
-    )
+    # Selectors, not wait_for_function: the page's Content-Security-Policy forbids evaluating strings.
+    page.wait_for_selector("#job-id:text-matches('^job '), #error:text-matches('.')", state="attached")
     assert not page.text_content("#error"), page.text_content("#error")
     return str(page.text_content("#job-id")).removeprefix("job ")
 
@@ -92,7 +90,7 @@ def test_tokens_stream_in_before_the_job_ends(browser, live) -> None:  # type: i
 def test_a_running_job_cancelled_from_the_page_ends_cancelled(browser, live) -> None:  # type: ignore[no-untyped-def]
     page = open_page(browser, live)
     job_id = submit(page, "Count to a thousand.", max_tokens=460)
-    page.wait_for_function("document.getElementById('output').textContent.length > 0")
+    page.wait_for_selector("#output:text-matches('.')", state="attached")
     page.click("#cancel")
     page.wait_for_selector("#status.cancelled", timeout=30_000)
     with live.client() as client:
@@ -132,7 +130,7 @@ def _the_page_with_a_key(browser, live) -> None:  # type: ignore[no-untyped-def]
     key = next(word for word in made.stdout.split() if word.startswith("cvk_"))
     page = browser.new_page()
     page.goto(live.url + "/playground")
-    page.wait_for_function("document.getElementById('error').textContent.includes('401')")
+    page.wait_for_selector("#error:text-matches('401')", state="attached")
     page.fill("#key", key)
     page.dispatch_event("#key", "change")
     page.wait_for_selector("#model option", state="attached")
