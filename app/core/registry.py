@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from app.core import gguf as gguf_files
 from app.core import modelstore
 from app.core.config import Settings, valid_model_name
 from app.core.errors import InvalidRequest, UnsupportedModel
@@ -200,7 +201,7 @@ def _add_gguf(
 ) -> Manifest:
     check_gguf(gguf, family)  # from the header, before anything is dequantized
     echo(f"converting {gguf.name} to safetensors (once) ...")
-    modelstore.convert_gguf(gguf.parent, gguf.name, partial)
+    gguf_files.convert_gguf(gguf.parent, gguf.name, partial)
     config = load_config(partial)
     manifest = Manifest(
         name=name,
@@ -219,7 +220,7 @@ def check_gguf(gguf: Path, family: Family) -> str:
     transformers cannot convert it."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    header = modelstore.read_gguf_header(gguf)
+    header = gguf_files.read_gguf_header(gguf)
     model_type = GGUF_MODEL_TYPES.get(header.architecture, header.architecture)
     found = family(
         SimpleNamespace(

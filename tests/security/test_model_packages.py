@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.core import modelstore
 from app.core.config import Settings
+from app.core.gguf import read_gguf_header
 from app.core.modelstore import KNOWN_PACKAGES, KnownPackage, UntrustedPackage, gguf_from_package
 from app.core.registry import add_model
 from app.partitions.families import family_for
@@ -226,7 +227,7 @@ def test_a_gguf_header_that_lies_about_its_sizes_is_a_one_line_error(tmp_path, m
     path = tmp_path / "bad.gguf"
     path.write_bytes(HEADERS[damage])
     with pytest.raises(ValueError, match="bad.gguf"):
-        modelstore.read_gguf_header(path)
+        read_gguf_header(path)
     monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path / "home"))
     result = CliRunner().invoke(cli, ["model", "add", str(path)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit)  # no MemoryError, struct.error

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.core.config import Settings, valid_model_name
 from app.core.errors import InvalidRequest, UnsupportedModel
-from app.core.modelstore import Manifest, read_gguf_header, registered_dtype
+from app.core.gguf import read_gguf_header
+from app.core.modelstore import Manifest, registered_dtype
 from app.core.registry import add_model, check_gguf, list_models
 from app.partitions.families import family_for, supported_model_types
 
