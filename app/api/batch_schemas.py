@@ -66,6 +66,14 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = Field(
         default=None, description="Up to 16 pairs, keys up to 64 characters, values up to 512, kept as given."
     )
+    # Webhooks (app/webhooks/): one signed POST when the batch ends (an extension of OpenAI's body).
+    callback_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="http(s) URL that receives one signed event when the batch ends: `batch.completed`, "
+        "`batch.failed`, `batch.cancelled` or `batch.expired`, with the batch object as `data`. "
+        "Refused (422 callback_url_refused) when it reaches a private, loopback or link-local address.",
+    )
 
     @field_validator("metadata")
     @classmethod

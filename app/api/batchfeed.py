@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from app.api.batch_schemas import BatchPublic
 from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
 from app.api.routes.embeddings import (
     Embedding,
@@ -49,6 +50,8 @@ from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.errors import ConveyorError, JobFinished, JobNotFound, Refused
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
+from app.webhooks.events import batch_end_event
+from app.webhooks.retries import RetryQueue
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,7 @@ class BatchFeeder:
         self._renew = self.redis.register_script(RENEW_LUA)
         self._release = self.redis.register_script(RELEASE_LUA)
         self._stopping = asyncio.Event()
+        self.retries = RetryQueue(self.redis, self.keys, max_per_tenant=settings.webhooks.tenant_max_retries)
 
     async def run(self) -> None:
         """Pass after pass while this process holds the lease, until `stop`; never dies on one bad
@@ -196,6 +200,7 @@ class BatchFeeder:
 
     async def feed_pass(self) -> None:
         """One pass over every open batch, oldest first (the lease's holder calls it; tests call it)."""
+        await self.announce()
         room = await self._room()
         for batch_id in await self.store.open_ids():
             try:
@@ -207,6 +212,25 @@ class BatchFeeder:
                 room -= await self._step(batch, room)
             except Exception:
                 log.warning("batch %s: pass failed; tried again next pass", batch_id, exc_info=True)
+
+    async def announce(self) -> None:
+        """Hand each ended batch with a callback to the webhook retry queue, due now (the dispatcher
+        sends it on to the callbacks workers, which sign it with the tenant's secret and retry). A
+        tenant whose retry queue is full keeps its event here until a later pass finds room."""
+        for batch_id in await self.store.to_announce():
+            try:
+                record = await self.store.batch(batch_id, tenant=None)
+            except ConveyorError:
+                await self.store.announced(batch_id)  # its record expired: nothing left to say
+                continue
+            public = BatchPublic.of(record).model_dump(mode="json")
+            now = time.time()
+            event = batch_end_event(public, at=now)
+            message = event.message(record["callback_url"], record["tenant"])
+            if await self.retries.schedule_async(message, due=now):
+                await self.store.announced(batch_id)
+            else:
+                log.warning("batch %s: its tenant's webhook retry queue is full; announced later", batch_id)
 
     async def _room(self) -> int:
         depth = int(await self.redis.xlen(self.keys.intake("batch")))

@@ -10,8 +10,10 @@ Who calls what:
 
 A batch's status moves only along `MOVES`, each move one script that checks the status it leaves and
 stamps the time of the one it enters (`{status}_at`, OpenAI's field names); the final moves take the
-batch out of the open set in the same script. A file counts against its tenant's byte quota from
-the script that stores it to the one that deletes it (or until it expires).
+batch out of the open set in the same script, and put a batch with a `callback_url` in the set of
+batches to announce (the feeder hands each to the webhook retry queue, then takes it out). A file
+counts against its tenant's byte quota from the script that stores it to the one that deletes it (or
+until it expires).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ redis.call('EXPIRE', KEYS[1], ttl)
 return {1, size}
 """
 
-# KEYS: record, open set. ARGV: the status field's name, the new status, its timestamp field, now, 1 if
-# final, the statuses it may come from (count, then each), then field/value pairs. Returns 'ok', or
-# the status it had ('' for none).
+# KEYS: record, open set, batches to announce. ARGV: the status field's name, the new status, its
+# timestamp field, now, 1 if final, the statuses it may come from (count, then each), then field/value
+# pairs. Returns 'ok', or the status it had ('' for none).
 MOVE_LUA = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return '' end
@@ -85,7 +87,11 @@ for i = 7, 6 + n do if ARGV[i] == current then allowed = true end end
 if not allowed then return current end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 if #ARGV > 6 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 7 + n, #ARGV)) end
-if ARGV[5] == '1' then redis.call('ZREM', KEYS[2], string.match(KEYS[1], '[^:]+$')) end
+if ARGV[5] == '1' then
+  local id = string.match(KEYS[1], '[^:]+$')
+  redis.call('ZREM', KEYS[2], id)
+  if redis.call('HEXISTS', KEYS[1], 'callback_url') == 1 then redis.call('SADD', KEYS[3], id) end
+end
 return 'ok'
 """
 
@@ -214,6 +220,7 @@ class BatchStore:
         endpoint: str,
         window: str,
         metadata: Mapping[str, str] | None,
+        callback_url: str | None = None,
     ) -> dict[str, str]:
         """A new batch, `validating`, in the open set (the feeder validates its file next)."""
         exact = time.time()  # the indexes' order: two batches of one second are still in order
@@ -234,6 +241,8 @@ class BatchStore:
             "failed": "0",
             "fed": "0",
         }
+        if callback_url is not None:
+            record["callback_url"] = callback_url
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping=record)
         pipe.expire(self.keys.batch(batch_id), self.ttl_s)
@@ -276,7 +285,8 @@ class BatchStore:
         final = "1" if to in FINAL else "0"
         args: list[Any] = ["status", to, f"{to}_at", str(int(time.time())), final, len(sources)]
         args += [*sources, *(x for pair in fields.items() for x in pair)]
-        outcome = await self._move(keys=[self.keys.batch(batch_id), self.keys.open_batches()], args=args)
+        keys = [self.keys.batch(batch_id), self.keys.open_batches(), self.keys.batches_to_announce()]
+        outcome = await self._move(keys=keys, args=args)
         text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         return text == "ok", "" if text == "ok" else text
 
@@ -326,6 +336,14 @@ class BatchStore:
         """The batches not yet ended, oldest first."""
         raw = await self.redis.zrange(self.keys.open_batches(), 0, -1)
         return [r.decode() if isinstance(r, bytes) else r for r in raw]
+
+    async def to_announce(self) -> list[str]:
+        """The ended batches with a callback whose end is not yet handed to the webhook retry queue."""
+        raw = await self.redis.smembers(self.keys.batches_to_announce())
+        return sorted(r.decode() if isinstance(r, bytes) else r for r in raw)
+
+    async def announced(self, batch_id: str) -> None:
+        await self.redis.srem(self.keys.batches_to_announce(), batch_id)
 
     async def forget(self, batch_id: str) -> None:
         """Drop a batch whose record has expired from the open set."""

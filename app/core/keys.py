@@ -349,6 +349,13 @@ class Keys:
         """Sorted set: batches the feeder still works on (validating to finalizing), by creation time."""
         return f"{self.namespace}:open-batches"
 
+    @lives(bound="the ended batches with a callback_url, each until the next feeder pass")
+    def batches_to_announce(self) -> str:
+        """Set: ended batches with a callback_url whose end the feeder has not yet handed to the webhook
+        retry queue (it does so, then removes them: a crash in between hands one twice, and the
+        event's id settles once)."""
+        return f"{self.namespace}:batches-to-announce"
+
     @lives(ttl="the feeder's lease (LEASE_S, api/batchfeed.py)")
     def batch_feeder(self) -> str:
         """String: the API process feeding batches' lines (one at a time), with a short TTL."""

@@ -36,7 +36,7 @@ class Outgoing:
 
     job_id: str
     webhook_id: str
-    kind: str  # one of EVENT_TYPES
+    kind: str  # one of EVENT_TYPES, or `batch.{status}` for a batch's end
     body: str  # JSON; what is signed and sent
 
     def message(self, url: str, tenant: str | None) -> dict[str, Any]:
@@ -65,6 +65,21 @@ def body(kind: str, at: str, data: Mapping[str, Any]) -> str:
     """The Standard Webhooks envelope: `{"type", "timestamp", "data"}`."""
     envelope = {"type": f"job.{kind}", "timestamp": at, "data": data}
     return json.dumps(envelope, separators=(",", ":"), ensure_ascii=False)
+
+
+BATCH_ENDS = ("completed", "failed", "cancelled", "expired")  # a batch's final statuses: `batch.{status}`
+
+
+def batch_end_event(batch: Mapping[str, Any], *, at: float) -> Outgoing:
+    """The one event of an ended batch (OpenAI's `batch.completed` ... `batch.expired`), with the batch
+    object as polled for `data`; its id is the batch's and its end's, the same on every retry."""
+    status = str(batch["status"])
+    if status not in BATCH_ENDS:
+        raise ValueError(f"batch {batch['id']} has not ended: {status}")
+    when = dt.datetime.fromtimestamp(at, tz=dt.UTC).isoformat(timespec="milliseconds")
+    envelope = {"type": f"batch.{status}", "timestamp": when, "data": dict(batch)}
+    text = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False)
+    return Outgoing(str(batch["id"]), webhook_id(str(batch["id"]), status), f"batch.{status}", text)
 
 
 def started_data(job: Mapping[str, Any]) -> dict[str, Any]:

@@ -78,17 +78,23 @@ class RetryQueue:
         k = self.keys
         return [k.webhook_retries(), k.webhook_retry_messages(), k.webhook_retry_counts()]
 
-    def schedule(self, message: dict[str, Any], *, due: float) -> bool:
-        """Queue `message` (its `attempt` says which) for `due`; False when its tenant already has
-        `max_per_tenant` events waiting (the caller gives this one up)."""
-        args = [
+    def _schedule_args(self, message: dict[str, Any], due: float) -> list[Any]:
+        return [
             message["webhook_id"],
             repr(due),
             json.dumps(message),
             tenant_of(message),
             self.max_per_tenant,
         ]
-        return bool(self._schedule(keys=self._keys(), args=args))
+
+    def schedule(self, message: dict[str, Any], *, due: float) -> bool:
+        """Queue `message` (its `attempt` says which) for `due`; False when its tenant already has
+        `max_per_tenant` events waiting (the caller gives this one up)."""
+        return bool(self._schedule(keys=self._keys(), args=self._schedule_args(message, due)))
+
+    async def schedule_async(self, message: dict[str, Any], *, due: float) -> bool:
+        """`schedule` over a redis.asyncio client (the API's)."""
+        return bool(await self._schedule(keys=self._keys(), args=self._schedule_args(message, due)))
 
     def due(self, now: float, limit: int) -> list[tuple[dict[str, Any], str]]:
         """Up to `limit` messages due by `now`, oldest first, each with the token `remove` takes."""

@@ -17,10 +17,11 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.auth import current_tenant
 from app.api.batch_schemas import BatchCreate, BatchList, BatchPublic, FileDeleted, FileObject
-from app.api.deps import get_settings
+from app.api.deps import get_jobs, get_settings
 from app.api.limits import BodyTooLarge
 from app.api.routes.jobs import BODY_ERRORS, ERRORS, ErrorBody
 from app.api.routes.openai import OpenAIRoute
+from app.api.service import JobService
 from app.core import batchstore as bs
 from app.core.batchstore import BatchStore
 from app.core.config import Settings
@@ -109,21 +110,26 @@ async def create_batch(
     body: BatchCreate,
     settings: Settings = Depends(get_settings),
     store: BatchStore = Depends(get_batches),
+    jobs: JobService = Depends(get_jobs),
     tenant: str = Depends(current_tenant),
 ) -> BatchPublic:
     """A batch of the input file's requests, `validating` first: its lines are checked, then run as
-    `batch`-class jobs of the tenant as the queue has room, within the completion window."""
+    `batch`-class jobs of the tenant as the queue has room, within the completion window. With a
+    `callback_url`, the batch's end is sent there as one signed webhook event."""
     stored = await store.file(body.input_file_id, tenant=tenant)
     if body.endpoint == "/v1/embeddings" and settings.embedding_stages <= 0:
         raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
     if stored.purpose != "batch":
         raise InvalidRequest(f"file {stored.id} is not a batch input file (purpose {stored.purpose!r})")
+    if body.callback_url is not None:  # the SSRF guard (DNS included) before anything is written
+        await jobs.callbacks.check(body.callback_url, None, tenant=tenant)
     record = await store.create(
         tenant=tenant,
         input_file_id=stored.id,
         endpoint=body.endpoint,
         window=body.completion_window,
         metadata=body.metadata,
+        callback_url=body.callback_url,
     )
     return BatchPublic.of(record)
 
