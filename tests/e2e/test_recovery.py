@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -116,3 +117,71 @@ def test_the_batcher_killed_with_100_jobs_queued_or_in_flight_loses_none(pipelin
             stream = events(client, f"/v1/jobs/{job['id']}/events")
             assert [e.event for e in stream].count("done") == 1
             assert [e.data["index"] for e in tokens(stream)] == list(range(20))
+
+
+def test_a_1000_line_batch_loses_no_line_and_answers_none_twice_when_its_processes_are_killed(pipeline):  # type: ignore[no-untyped-def]
+    """The API (which feeds the batch), the batcher and a stage worker SIGKILLed while a batch of 1,000
+    lines runs: it completes with 1,000 answers, one per line, in input order."""
+    count = 1000
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": "tiny",
+                "prompt": f"line {i}:",
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        for i in range(count)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+    def batch_now(client: httpx.Client, batch_id: str) -> dict | None:  # type: ignore[type-arg]
+        try:  # the API restarts once: no answer for a moment
+            answer = client.get(f"/v1/batches/{batch_id}")
+        except httpx.HTTPError:
+            return None
+        return answer.json() if answer.status_code == 200 else None
+
+    with pipeline.client() as client:
+        uploaded = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        body = {
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/completions",
+            "completion_window": "24h",
+        }
+        batch_id = client.post("/v1/batches", json=body).json()["id"]
+        deadline = time.monotonic() + 300
+        while (b := batch_now(client, batch_id)) is None or b["request_counts"]["completed"] < 150:
+            assert time.monotonic() < deadline, b
+            time.sleep(0.1)
+        assert b["status"] == "in_progress", b  # killed mid-batch
+        for name in ("app.cli batcher", "--stage 1", "app.cli api"):
+            victim = worker(pipeline, name)
+            victim.send_signal(signal.SIGKILL)
+            replaced(pipeline, name, victim.pid)
+        deadline = time.monotonic() + 600
+        while (b := batch_now(client, batch_id)) is None or b["status"] not in (
+            "completed",
+            "failed",
+            "expired",
+        ):
+            assert time.monotonic() < deadline, b
+            time.sleep(0.2)
+        assert b["status"] == "completed", b
+        assert b["request_counts"] == {"total": count, "completed": count, "failed": 0}
+        assert b["error_file_id"] is None
+        output = [
+            json.loads(line)
+            for line in client.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines()
+        ]
+    assert [line["custom_id"] for line in output] == [
+        f"line-{i}" for i in range(count)
+    ]  # each once, in order
+    assert len({line["response"]["request_id"] for line in output}) == count
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 4 for line in output)
