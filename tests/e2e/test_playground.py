@@ -6,6 +6,7 @@ Set PLAYGROUND_SCREENSHOT=docs/playground.png to write the screenshot the docs s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,6 +85,34 @@ def test_tokens_stream_in_before_the_job_ends(browser, live) -> None:  # type: i
     screenshot = os.environ.get("PLAYGROUND_SCREENSHOT")
     if screenshot:
         page.screenshot(path=str(ROOT / screenshot), full_page=True)
+    page.close()
+
+
+def test_the_page_shows_a_batchs_progress(browser, live) -> None:  # type: ignore[no-untyped-def]
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": f"Count to {i}", "max_tokens": 4, "temperature": 0},
+        }
+        for i in range(3)
+    ]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with live.client() as client:
+        uploaded = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        batch = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": uploaded.json()["id"],
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            },
+        ).json()
+    page = open_page(browser, live)
+    row = f".batch[data-batch={batch['id']}]"
+    page.wait_for_selector(f"{row}[data-status=completed]", state="attached", timeout=60_000)
+    assert page.text_content(f"{row} .n") == "completed 3/3"
     page.close()
 
 
