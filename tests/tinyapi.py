@@ -24,6 +24,7 @@ def tiny_settings(redis_url: str, tiny_model: Path, **overrides: object) -> Sett
         "models": {"tiny": tiny_model},
         "default_model": "tiny",
         "embedding_stages": 0,
+        "allowed_hosts": ["testserver"],  # the Host a TestClient sends
     }
     return Settings(**(fields | overrides))  # type: ignore[arg-type]
 

@@ -107,6 +107,7 @@ def test_a_chat_request_to_a_model_without_a_chat_template_is_422(tmp_path, redi
         default_model="plain",
         embedding_stages=0,
         auth="none",  # an open API: this test is about chat templates, not credentials
+        allowed_hosts=["testserver"],  # the Host a TestClient sends
     )
     with TestClient(create_app(settings)) as client:
         messages = [{"role": "user", "content": "hi"}]

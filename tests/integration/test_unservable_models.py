@@ -44,6 +44,7 @@ def test_the_api_refuses_jobs_for_unservable_models_and_serves_the_others(
         default_model="tiny",
         embedding_stages=0,
         auth="none",
+        allowed_hosts=["testserver"],  # the Host a TestClient sends
     )
     with TestClient(create_app(settings)) as client:  # starts: the pointer's size is not read as a header
         for name, reason in BROKEN.items():

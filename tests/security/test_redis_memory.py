@@ -74,6 +74,7 @@ def settings(url: str, model: Path, **overrides: object) -> Settings:
         "stage_down_after_s": 1e9,
         "queue_depth_limit": 2 * JOBS,
         "overload_limit": 4 * JOBS,
+        "allowed_hosts": ["testserver"],  # the Host a TestClient sends
         **overrides,
     }
     return Settings(**values)  # type: ignore[arg-type]
