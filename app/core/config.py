@@ -368,8 +368,9 @@ class Settings(BaseSettings):
     allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])
     # Browser origins (`https://app.example.com`; `*`: any) allowed to open a job's WebSocket besides
     # the API's own (an Origin naming the request's Host); other pages are refused with close code
-    # 4403, so they cannot follow jobs with the credentials a browser holds. Clients that send no
-    # Origin (the CLI, Python clients) are not browsers and are accepted.
+    # 4403, so a page the user happens to visit cannot follow jobs through the user's browser (an
+    # open API on a laptop answers anyone). Clients that send no Origin (the CLI, Python clients) are
+    # not browsers and are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
     # Seconds a client has, from its connection's start and from the end of each answer, to send a
     # request's headers before the API closes the connection (uvicorn itself waits for ever).
