@@ -14,6 +14,9 @@ import redis as redis_lib
 
 from app.core.config import Settings
 
+# The names the API answers by default, and the Host a TestClient sends.
+TEST_HOSTS = ["localhost", "127.0.0.1", "::1", "testserver"]
+
 
 def tiny_settings(redis_url: str, tiny_model: Path, **overrides: object) -> Settings:
     """The tiny model as the only and default model, no embeddings workers, a fresh namespace
@@ -24,6 +27,7 @@ def tiny_settings(redis_url: str, tiny_model: Path, **overrides: object) -> Sett
         "models": {"tiny": tiny_model},
         "default_model": "tiny",
         "embedding_stages": 0,
+        "allowed_hosts": TEST_HOSTS,
     }
     return Settings(**(fields | overrides))  # type: ignore[arg-type]
 

@@ -22,6 +22,7 @@ from app.api.authmode import start_recording, stop_recording
 from app.api.batchfeed import BatchFeeder
 from app.api.catalog import Catalog
 from app.api.events import EventHub
+from app.api.hosts import HostMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.metrics import MetricsMiddleware
 from app.api.metrics import router as metrics_router
@@ -40,7 +41,7 @@ from app.api.routes import (
 from app.api.service import JobService
 from app.core.batchstore import BatchStore
 from app.core.config import Settings
-from app.core.durability import fsync_mode
+from app.core.durability import FsyncWatch, fsync_mode
 from app.core.errors import ConveyorError
 from app.core.keys import Keys
 from app.core.known_secrets import refuse_known_secrets
@@ -95,8 +96,9 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.redis = redis
             jobs = app.state.jobs = JobService(settings.job_service, redis, catalog, hub)
             if settings.submit_durability == "fsync":  # a Redis that cannot give it stops the start here
-                jobs.admission.fsync = await fsync_mode(redis)
-                log.info("submits are answered once on disk (%s)", jobs.admission.fsync)
+                mode = await fsync_mode(redis)
+                jobs.admission.fsync = FsyncWatch(redis, mode)  # and asked again while it runs
+                log.info("submits are answered once on disk (%s)", mode)
             # How this API serves, for `conveyor keys create` to read (app/api/authmode.py).
             recorder = await start_recording(redis, keys, settings.auth)
             app.state.batches = BatchStore(redis, keys, ttl_s=settings.batch_file_ttl_s)  # Batch API
@@ -124,7 +126,9 @@ def create_app(settings: Settings) -> FastAPI:
     # A batch input file has its own limit (and multipart's few hundred bytes around it).
     uploads = {"/v1/files": settings.batch_file_max_bytes + 64 * 1024}
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, paths=uploads)
-    app.add_middleware(AuditMiddleware)  # outside the body limit, so it sees 401 and 413 too
+    # Another Host is refused before the body is read (DNS rebinding: app/api/hosts.py).
+    app.add_middleware(HostMiddleware, allowed=settings.allowed_hosts)
+    app.add_middleware(AuditMiddleware)  # outside the body limit, so it sees 401, 413 and 400 host too
     app.add_middleware(MetricsMiddleware)  # outermost: counts every answer, whoever gave it
     # Every route but health, metrics, the docs and the playground page needs credentials
     # (app/api/auth.py); the WebSocket route authenticates itself (a refusal there is a close code).

@@ -45,7 +45,7 @@ from typing import Any
 
 from app.core import breaker, routing
 from app.core.config import AdmissionLimits, AdmissionSettings
-from app.core.durability import wait_on_disk
+from app.core.durability import FsyncWatch, wait_on_disk
 from app.core.errors import (
     CircuitOpen,
     DeadlineUnmeetable,
@@ -256,7 +256,7 @@ class Admission:
         self.limits = settings.limits
         self.breaker = breaker.Breaker(redis, keys, settings.breaker)
         self.store = AsyncJobStore(redis, keys)
-        self.fsync: str | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync: how (set at the API's start)
+        self.fsync: FsyncWatch | None = None  # CONVEYOR_SUBMIT_DURABILITY=fsync (set at the API's start)
         self._memory: Memory | None = None
 
     async def memory(self) -> Memory:
@@ -379,6 +379,8 @@ class Admission:
         tenant_depth = self.settings.tenant_queue_limit(record.tenant)
         tenant_bytes = self.settings.retained_quota(record.tenant, (await self.memory()).maxmemory)
         try:
+            # A store that cannot keep the job on disk now (reconfigured, replaced) is not written to.
+            fsync = None if self.fsync is None else await self.fsync.mode()
             outcome, detail = await self.store.admit(
                 record,
                 intake=intake,
@@ -391,8 +393,8 @@ class Admission:
                 callback_at=callback_at,
             )
             if outcome == "ok":
-                if self.fsync is not None:
-                    await wait_on_disk(self.redis, self.fsync, self.settings.submit_fsync_timeout_ms)
+                if fsync is not None:
+                    await wait_on_disk(self.redis, fsync, self.settings.submit_fsync_timeout_ms)
                 return Written()
             if outcome == "exists":
                 if ticket.probe:

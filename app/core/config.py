@@ -360,6 +360,18 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"  # local only: turn auth (and TLS) on before binding elsewhere
     api_port: int = 8000  # the HTTP API (and its /metrics)
+    # Host header names the API answers (the port aside); any other gets 400 host_not_allowed, so a
+    # web page whose name an attacker points at this machine (DNS rebinding) cannot use an API it
+    # reaches as same-origin. `.example.com`: the name and its subdomains; `*`: any name. Health,
+    # readiness and /metrics answer whatever the Host (probes and scrapers address a pod by its IP).
+    # Add the names your clients use (deploy/ sets those of the compose and Kubernetes services).
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])
+    # Browser origins (`https://app.example.com`; `*`: any) allowed to open a job's WebSocket besides
+    # the API's own (an Origin naming the request's Host); other pages are refused with close code
+    # 4403, so a page the user happens to visit cannot follow jobs through the user's browser (an
+    # open API on a laptop answers anyone). Clients that send no Origin (the CLI, Python clients) are
+    # not browsers and are accepted.
+    allowed_origins: list[str] = Field(default_factory=list)
     # Seconds a client has, from its connection's start and from the end of each answer, to send a
     # request's headers before the API closes the connection (uvicorn itself waits for ever).
     # Headers are a few hundred bytes; 10 s is generous to the slowest link, short for an attacker

@@ -21,6 +21,7 @@ from app.api.app import create_app
 from app.api.catalog import serving
 from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.keys import Keys
+from tests.tinyapi import TEST_HOSTS
 
 PROMPTS = ["one two three", "the quick brown fox", "0 1 2 3 4 5", "hello hello"]
 
@@ -107,6 +108,7 @@ def test_a_chat_request_to_a_model_without_a_chat_template_is_422(tmp_path, redi
         default_model="plain",
         embedding_stages=0,
         auth="none",  # an open API: this test is about chat templates, not credentials
+        allowed_hosts=TEST_HOSTS,
     )
     with TestClient(create_app(settings)) as client:
         messages = [{"role": "user", "content": "hi"}]

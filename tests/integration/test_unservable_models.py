@@ -16,6 +16,7 @@ from unservable import bidirectional, falcon, headless, lfs_pointer
 from app.api.app import create_app
 from app.core.config import Settings
 from app.core.keys import Keys
+from tests.tinyapi import TEST_HOSTS
 
 BROKEN = {
     "pointer": "git-lfs pointer",
@@ -44,6 +45,7 @@ def test_the_api_refuses_jobs_for_unservable_models_and_serves_the_others(
         default_model="tiny",
         embedding_stages=0,
         auth="none",
+        allowed_hosts=TEST_HOSTS,
     )
     with TestClient(create_app(settings)) as client:  # starts: the pointer's size is not read as a header
         for name, reason in BROKEN.items():

@@ -53,7 +53,7 @@ def test_fsync_on_a_redis_that_fsyncs_every_write_answers_once_on_disk(tmp_path,
         redis = redis_lib.Redis.from_url(url)
         redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 60})  # a live stage worker
         with TestClient(create_app(settings(url, tiny_model, namespace))) as client:
-            assert client.app.state.jobs.admission.fsync == "always"  # type: ignore[attr-defined]
+            assert client.get("/readyz").json()["checks"]["durability"] == {"fsync": True}
             answer = client.post("/v1/jobs", json={"prompt": "keep me", "max_tokens": 2})
             assert answer.status_code == 202, answer.text
             job_id = answer.json()["id"]
@@ -62,3 +62,45 @@ def test_fsync_on_a_redis_that_fsyncs_every_write_answers_once_on_disk(tmp_path,
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_a_redis_that_stops_fsyncing_while_the_api_runs_refuses_submits_until_it_does_again(  # type: ignore[no-untyped-def]
+    tmp_path, tiny_model
+):
+    process, url = start_embedded(
+        tmp_path / "redis", free_port(), password=uuid.uuid4().hex, appendfsync="always"
+    )
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    keys = Keys(namespace)
+    try:
+        redis = redis_lib.Redis.from_url(url)
+        redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 120})  # a live stage worker
+        with TestClient(create_app(settings(url, tiny_model, namespace))) as client:
+            assert client.post("/v1/jobs", json={"prompt": "before", "max_tokens": 2}).status_code == 202
+            redis.config_set("appendonly", "no")  # an operator (or a replaced server) drops the AOF
+            durability = wait_for_durability(client, False)
+            assert "appendonly no" in durability["problem"]
+            refused = client.post("/v1/jobs", json={"prompt": "not on disk", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "store_not_durable"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert client.get("/readyz").json()["status"] == "not_ready"
+            queued = [k for k in redis.scan_iter(match=f"{namespace}:job:*") if k.count(b":") == 2]
+            redis.config_set("appendonly", "yes")
+            wait_for_durability(client, True)
+            assert client.post("/v1/jobs", json={"prompt": "after", "max_tokens": 2}).status_code == 202
+        assert len(queued) == 1  # the job before; the refused submit wrote none
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def wait_for_durability(client: TestClient, fsync: bool, timeout_s: float = 15.0) -> dict[str, str]:
+    """/readyz's durability check once it says `fsync` (Redis is asked again every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        durability = client.get("/readyz").json()["checks"].get("durability", {})
+        if durability.get("fsync") is fsync:
+            return durability  # type: ignore[no-any-return]
+        time.sleep(0.1)
+    raise AssertionError(f"/readyz never said fsync={fsync}: {durability}")

@@ -52,7 +52,10 @@ async def readyz(
     process's event subscription is up. To a caller whose credentials name a tenant of
     `CONVEYOR_ADMIN_TENANTS` only (the probe answers anyone, and worker names are host names): what
     each stage worker serves (layers, dtype, device), each GPU worker's device state, which replicas
-    are unhealthy and why, and the error of a Redis that does not answer."""
+    are unhealthy and why, and the error of a Redis that does not answer.
+
+    Under `CONVEYOR_SUBMIT_DURABILITY=fsync`, also whether Redis can keep a submit on disk now (it is
+    asked again every few seconds): while it cannot, submits are refused and the API is not ready."""
     redis = request.app.state.redis
     keys = Keys(settings.namespace)
     admin = await _is_admin(request, settings)
@@ -110,6 +113,10 @@ async def readyz(
         sick = not_healthy(await redis.hgetall(keys.health()), now, settings.heartbeat_ttl_s)
         checks["health"] = {"unhealthy_replicas": len(sick), **({"not_healthy": sick} if admin else {})}
         ready = all(n > 0 for m, s in live_per_model.items() if m not in problems for n in s.values())
+        if jobs.admission.fsync is not None:  # CONVEYOR_SUBMIT_DURABILITY=fsync: can Redis give it now?
+            problem = await jobs.admission.fsync.problem()
+            checks["durability"] = {"fsync": problem is None, **({"problem": problem} if problem else {})}
+            ready = ready and problem is None
     except Exception as exc:  # Redis down: not ready, and say why (its address only to an admin)
         checks["redis"] = {
             "ok": False,

@@ -6,6 +6,9 @@ which the server closes normally (1000). `?last_event_id=<entry id>` resumes aft
 Credentials go in the handshake's headers, as on every other route (`Authorization: Bearer` or
 `X-API-Key`). The connection is refused by a close code (the reason holds the error code and message):
 
+- 4400: a Host header not in `CONVEYOR_ALLOWED_HOSTS` (`host_not_allowed`, app/api/hosts.py);
+- 4403: a browser page of another origin (its `Origin` neither the API's own nor in
+  `CONVEYOR_ALLOWED_ORIGINS`: `origin_not_allowed`); a client that sends no Origin is no browser;
 - 4401: no credentials, or credentials that do not verify (`unauthorized`);
 - 4404: no such job (unknown, expired, or another tenant's);
 - 4422: a `last_event_id` that is not an entry id;
@@ -29,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.api import audit
+from app.api.hosts import origin_allowed
 from app.api.routes.jobs import checked_event_id
 from app.api.service import JobService
 from app.api.streams import Slot
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+FORBIDDEN_ORIGIN = 4403  # a browser page of an origin not allowed (CONVEYOR_ALLOWED_ORIGINS)
 UNAUTHORIZED = 4401  # 4000 + the HTTP status the same refusal has on GET /v1/jobs/{id}/events
 NOT_FOUND = 4404
 INVALID = 4422
@@ -52,6 +57,13 @@ async def job_ws(websocket: WebSocket, job_id: str, last_event_id: str | None = 
     jobs: JobService = websocket.app.state.jobs
     await websocket.accept()
     audit.note(websocket, job_id=job_id)
+    origin = websocket.headers.get("origin")
+    settings = websocket.app.state.settings
+    if not origin_allowed(origin, host=websocket.headers.get("host", ""), allowed=settings.allowed_origins):
+        shown = (origin or "")[:60]
+        message = f"pages of {shown!r} may not open this API's WebSockets (CONVEYOR_ALLOWED_ORIGINS)"
+        await _close(websocket, FORBIDDEN_ORIGIN, f"origin_not_allowed: {message}")
+        return
     try:
         after = checked_event_id(last_event_id, "last_event_id")
     except InvalidRequest as exc:
