@@ -89,6 +89,9 @@ def headers(webhook_id: str, timestamp: int, body: bytes, keys: Sequence[Secret]
     }
 
 
+OPEN_TENANT = "anonymous"  # the tenant of every job of an API without authentication (app/api/auth.py)
+
+
 class SecretSource(Protocol):
     def for_tenant(self, tenant: str | None) -> tuple[Secret, ...]: ...
 
@@ -131,9 +134,14 @@ def generation(redis: Any, keys: Keys, tenant: str) -> int | None:
 
 class TenantSecrets:
     """Which secrets sign a tenant's deliveries: the callbacks worker asks on every attempt, so a
-    rotation takes effect at once. A tenant with a record in Redis gets its derived secret (and, for
-    `overlap_s` after a rotation, the previous generation's too: one signature each, so a receiver
-    still holding the old secret verifies while it is updated); any other tenant gets `default`."""
+    rotation takes effect at once. With a master key, every named tenant gets its own derived secret:
+    generation 1 until `conveyor keys` first rotates it (`keys create` and `rotate-webhook-secret` on
+    a tenant without a record make generation 1, the same secret), the current generation after
+    that, and for `overlap_s` after a rotation the previous one's too (one signature each, so a
+    receiver still holding the old secret verifies while it is updated). `default` (the shared
+    secrets) signs only the open API's jobs (tenant `anonymous`) and, without a master key, every
+    job: a deployment with API keys or JWTs sets the master key (the callbacks worker refuses to
+    start without it)."""
 
     def __init__(
         self,
@@ -153,11 +161,11 @@ class TenantSecrets:
         self.clock = clock
 
     def for_tenant(self, tenant: str | None) -> tuple[Secret, ...]:
-        if tenant is None or self.master is None:
+        if tenant is None or tenant == OPEN_TENANT or self.master is None:
             return self.default
         raw = self.redis.hget(self.keys.webhook_tenants(), tenant)
         if raw is None:
-            return self.default
+            return (derive(self.master, tenant, 1),)
         record = TenantRecord.decode(raw)
         current = derive(self.master, tenant, record.generation)
         if record.generation > 1 and self.clock() - record.rotated_at < self.overlap_s:

@@ -34,6 +34,11 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     from app.core.redis import sync_client
 
     refuse_known_secrets(settings)
+    if settings.auth != "none" and not settings.webhook_master_key:
+        raise SystemExit(
+            "no webhook master key: with API keys or JWTs every tenant's deliveries are signed with its own "
+            "secret, derived from CONVEYOR_WEBHOOK_MASTER_KEY (whsec_...; `conveyor up` makes one)"
+        )
     url = settings.redis_url or ""
     keys = Keys(settings.namespace)
     hooks = settings.webhooks

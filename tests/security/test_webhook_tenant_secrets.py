@@ -1,6 +1,8 @@
 """One tenant cannot sign another tenant's webhooks: each tenant given its own secret (`conveyor keys
 create`) has its deliveries signed with that secret only, derived from the master key and the tenant's
-generation; a tenant without one keeps the shared secret.
+generation; a named tenant without a record has its generation-1 secret; only the open API's jobs
+(tenant `anonymous`) are signed with the shared secret, and the callbacks worker of an API with keys
+does not start without a master key.
 
 A real receiver on loopback (allow-listed), the real delivery code and a real Redis, in process; the
 CLI as an operator runs it."""
@@ -132,13 +134,31 @@ def test_a_delivery_for_tenant_a_verifies_with_a_secret_only(redis, setup, recei
         Webhook(secret_of("tenant-a", 1)).verify(body, forged)
 
 
-def test_tenants_without_their_own_secret_keep_the_shared_one(redis, setup, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_tenant_without_a_record_is_signed_with_its_own_first_secret_never_the_shared_one(
+    redis, setup, receiver
+) -> None:  # type: ignore[no-untyped-def]
+    """A tenant named only by a JWT or CONVEYOR_API_KEYS (no `keys create`): its own generation-1
+    secret, the one `rotate-webhook-secret` then gives it; only the open API's jobs get the shared one."""
     settings, keys = setup
-    deliver(redis, settings, keys, receiver.url, "legacy-tenant")  # no record: the shared secret
-    deliver(redis, settings, keys, receiver.url, None)  # a job without a tenant (anonymous mode)
-    assert len(receiver.received) == 2
-    for headers, body in receiver.received:
+    deliver(redis, settings, keys, receiver.url, "jwt-tenant")  # no record
+    deliver(redis, settings, keys, receiver.url, "anonymous")  # the open API's tenant
+    deliver(redis, settings, keys, receiver.url, None)  # a job without a tenant
+    (own_headers, own_body), *shared = receiver.received
+    Webhook(secret_of("jwt-tenant", 1)).verify(own_body, own_headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SHARED).verify(own_body, own_headers)
+    assert len(shared) == 2
+    for headers, body in shared:
         Webhook(SHARED).verify(body, headers)
+    assert signing.rotate(redis, keys, "jwt-tenant") == 1  # what the operator is then shown: the same secret
+
+
+def test_the_callbacks_worker_refuses_to_start_with_api_keys_and_no_master_key(redis_url: str) -> None:
+    from app.webhooks.worker import run_callbacks_worker
+
+    settings = Settings(redis_url=redis_url, auth="keys", webhook_secrets=[SHARED], webhook_master_key=None)
+    with pytest.raises(SystemExit, match="CONVEYOR_WEBHOOK_MASTER_KEY"):
+        run_callbacks_worker(settings)
 
 
 def test_rotation_signs_with_the_new_generation_and_the_old_one_for_the_overlap(

@@ -91,6 +91,7 @@ CONVEYOR_SERVICES = {n for n, s in COMPOSE["services"].items() if s.get("image",
 REQUIRED = {
     "REDIS_PASSWORD": "0123456789abcdef0123456789abcdef",
     "CONVEYOR_WEBHOOK_SECRETS": '["whsec_c2VjcmV0LW9mLXRoZS1jb21wb3NlLXRlc3RzLTMyYg=="]',
+    "CONVEYOR_WEBHOOK_MASTER_KEY": "whsec_bWFzdGVyLWtleS1vZi10aGUtY29tcG9zZS10ZXN0cy0z",
     "FLOWER_PASSWORD": "flower-password-of-the-tests",
     "GRAFANA_ADMIN_PASSWORD": "grafana-password-of-the-tests",
 }
