@@ -33,7 +33,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
+from app.api.chat_schemas import ChatCompletionCreate
+from app.api.openai_schemas import CompletionCreate, OpenAIRequest
 from app.api.routes.embeddings import (
     Embedding,
     EmbeddingsCreate,

@@ -1,0 +1,198 @@
+"""Tools with the official `openai` client, against the API in process whose jobs the in-process
+pipeline generates on SmolLM2 (fp32, CPU): a round trip (request -> tool_calls -> tool message ->
+answer) with tool_choice `required` and a named function, streamed and not; and the 422s of tool
+definitions and choices that cannot be served."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import openai
+import pytest
+import redis as redis_lib
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from app.api.app import create_app
+from app.core.keys import Keys
+from tests.stageharness import Pipeline, build
+from tests.tinyapi import forget_namespace, tiny_settings
+
+T = TypeVar("T")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS = [TIME, WEATHER]
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+REPORT = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
+
+
+@pytest.fixture(scope="module")
+def served(redis_url: str, smollm2_dir: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
+    """The API over SmolLM2 and, in the same namespace, the pipeline that generates what it submits."""
+    settings = tiny_settings(redis_url, smollm2_dir, auth="none")
+    redis = redis_lib.Redis.from_url(redis_url)
+    redis.zadd(Keys(settings.namespace).workers("tiny", 0), {"w0": time.time() + 3600})
+    pipeline = build(redis, smollm2_dir, namespace=settings.namespace)
+    try:
+        with TestClient(create_app(settings)) as http:
+            yield (
+                openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0),
+                pipeline,
+            )
+    finally:
+        forget_namespace(redis_url, settings.namespace)
+
+
+def generated(pipeline: Pipeline, call: Callable[[], T]) -> tuple[T, list[int]]:
+    """`call()` (a request), its job generated meanwhile; its result and the job's prompt."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except Exception as exc:  # raised again in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    jobs: list[str] = []
+    while not jobs and time.monotonic() < deadline and thread.is_alive():
+        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
+        jobs = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    prompt = json.loads(pipeline.record(jobs[0])["prompt_ids"]) if jobs else []
+    if jobs:
+        pipeline.dispatch(jobs)
+        pipeline.pump()
+    thread.join(120)
+    if "error" in result:
+        raise result["error"]
+    assert jobs, "the request made no job"
+    return result["value"], prompt
+
+
+def ask(
+    served: tuple[openai.OpenAI, Pipeline], *, stream: bool, **body: Any
+) -> tuple[dict[str, Any], list[int]]:
+    """One chat completion, streamed or not: the message and finish reason it adds up to, and the
+    prompt its job was given."""
+    client, pipeline = served
+    body = {"model": "tiny", "tools": TOOLS, "max_completion_tokens": 128, "temperature": 0, **body}
+    if not stream:
+        answer, prompt = generated(pipeline, lambda: client.chat.completions.create(**body))
+        choice = answer.choices[0]
+        message = choice.message.model_dump(exclude_none=True)
+        return {**message, "finish_reason": choice.finish_reason}, prompt
+    chunks, prompt = generated(pipeline, lambda: list(client.chat.completions.create(stream=True, **body)))
+    return joined(chunks), prompt
+
+
+def joined(chunks: list[Any]) -> dict[str, Any]:
+    """A stream's chunks added up as OpenAI's clients add them: content, and each call by its index,
+    its id, type and name from its first delta, its arguments the pieces' concatenation."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:
+                assert delta.id and delta.type == "function" and delta.function.name, (
+                    "first delta names the call"
+                )
+                calls[delta.index] = {
+                    "id": delta.id,
+                    "type": "function",
+                    "function": {"name": delta.function.name, "arguments": ""},
+                }
+            else:
+                assert delta.id is None and delta.function.name is None, "later deltas carry arguments only"
+            calls[delta.index]["function"]["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    message: dict[str, Any] = {"role": "assistant", "finish_reason": finish}
+    if content:
+        message["content"] = content
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_a_tool_call_round_trip_on_smollm2(served, smollm2_dir, choice, stream):  # type: ignore[no-untyped-def]
+    """The forced answer is calls that parse, of the tools asked (the named one), with arguments that
+    follow the function's schema; the calls and the tool's result go back in the next request, whose
+    prompt shows them to the model, and its answer is text."""
+    first, _ = ask(served, stream=stream, messages=QUESTION, tool_choice=choice)
+    assert first["finish_reason"] == "tool_calls", first
+    assert "content" not in first, first
+    calls = first["tool_calls"]
+    assert calls and all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    names = [c["function"]["name"] for c in calls]
+    assert set(names) <= {"get_weather", "get_time"} and (choice == "required" or names == ["get_weather"])
+    for call in calls:
+        arguments = json.loads(call["function"]["arguments"])
+        assert isinstance(arguments["city"], str), arguments
+        if call["function"]["name"] == "get_weather":
+            assert arguments["unit"] in ("celsius", "fahrenheit") and set(arguments) == {"city", "unit"}
+
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": REPORT} for c in calls]
+    assistant = {"role": "assistant", "content": None, "tool_calls": calls}
+    messages = [*QUESTION, assistant, *results]
+    second, prompt_ids = ask(
+        served, stream=stream, messages=messages, tool_choice="none", max_completion_tokens=24
+    )
+    assert second["finish_reason"] in ("stop", "length") and second["content"].strip(), second
+    assert "tool_calls" not in second
+
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir).decode(prompt_ids)
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt, "the tools are in the system prompt"
+    assert (
+        f"<tool_call>\n{json.dumps({'name': names[0], 'arguments': json.loads(calls[0]['function']['arguments'])})}"
+        in prompt
+    )
+    assert f"<|im_start|>user\n<tool_response>\n{REPORT}\n</tool_response>" in prompt
+
+
+@pytest.mark.slow
+def test_streamed_and_whole_answers_agree(served):  # type: ignore[no-untyped-def]
+    """The same greedy request answers the same calls, ids aside, whether streamed or not."""
+    whole, _ = ask(served, stream=False, messages=QUESTION, tool_choice="required")
+    streamed, _ = ask(served, stream=True, messages=QUESTION, tool_choice="required")
+
+    def without_ids(message: dict[str, Any]) -> dict[str, Any]:
+        return {**message, "tool_calls": [{**c, "id": None} for c in message["tool_calls"]]}
+
+    assert without_ids(whole) == without_ids(streamed)
