@@ -179,10 +179,8 @@ def test_a_tool_call_round_trip_on_smollm2(served, smollm2_dir, choice, stream):
 
     prompt = AutoTokenizer.from_pretrained(smollm2_dir).decode(prompt_ids)
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt, "the tools are in the system prompt"
-    assert (
-        f"<tool_call>\n{json.dumps({'name': names[0], 'arguments': json.loads(calls[0]['function']['arguments'])})}"
-        in prompt
-    )
+    written = {"name": names[0], "arguments": json.loads(calls[0]["function"]["arguments"])}
+    assert f"<tool_call>\n{json.dumps(written)}\n</tool_call>" in prompt, "the call, in its turn"
     assert f"<|im_start|>user\n<tool_response>\n{REPORT}\n</tool_response>" in prompt
 
 
