@@ -39,8 +39,9 @@ LLAMA3_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'user' and tools and loop.first %}"
     '<|start_header_id|>user<|end_header_id|>\n\nRespond in the format {"name": function name, '
     '"parameters": dictionary of argument name and its value}.\n{% for t in tools %}{{ t | tojson }}\n'
-    "{% endfor %}{{ m.content }}<|eot_id|>{% elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>"
-    '\n\n{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": '
+    "{% endfor %}{{ m.content }}<|eot_id|>{% elif m.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": '
     "{{ c.function.arguments | tojson }}}{% if not loop.last %}; {% endif %}{% endfor %}<|eot_id|>"
     "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
     "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
