@@ -1,7 +1,7 @@
 """Tools with the official `openai` client, against the API in process whose jobs the in-process
-pipeline generates on SmolLM2 (fp32, CPU): a round trip (request -> tool_calls -> tool message ->
-answer) with tool_choice `required` and a named function, streamed and not; and the 422s of tool
-definitions and choices that cannot be served."""
+pipeline generates (fp32, CPU): on SmolLM2, a round trip (request -> tool_calls -> tool message ->
+answer) with tool_choice `required` and a named function, streamed and not; on the tiny random model
+sampled at temperature 1, forced calls that always parse; and the 422s as a client sees them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from app.api.app import create_app
 from app.core.keys import Keys
 from tests.stageharness import Pipeline, build
+from tests.tiny import make_tiny_model
 from tests.tinyapi import forget_namespace, tiny_settings
 
 T = TypeVar("T")
@@ -58,13 +59,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 REPORT = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
 
 
-@pytest.fixture(scope="module")
-def served(redis_url: str, smollm2_dir: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
-    """The API over SmolLM2 and, in the same namespace, the pipeline that generates what it submits."""
-    settings = tiny_settings(redis_url, smollm2_dir, auth="none")
+def serve(redis_url: str, path: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
+    """The API over the model at `path` and, in the same namespace, the pipeline that generates what
+    it submits."""
+    settings = tiny_settings(redis_url, path, auth="none")
     redis = redis_lib.Redis.from_url(redis_url)
     redis.zadd(Keys(settings.namespace).workers("tiny", 0), {"w0": time.time() + 3600})
-    pipeline = build(redis, smollm2_dir, namespace=settings.namespace)
+    pipeline = build(redis, path, namespace=settings.namespace)
     try:
         with TestClient(create_app(settings)) as http:
             yield (
@@ -73,6 +74,19 @@ def served(redis_url: str, smollm2_dir: Path) -> Iterator[tuple[openai.OpenAI, P
             )
     finally:
         forget_namespace(redis_url, settings.namespace)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url: str, smollm2_dir: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
+    yield from serve(redis_url, smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
+    """The tiny random model, with the context a prompt of tools takes in its byte-level tokens."""
+    yield from serve(redis_url, make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", context=4096))
 
 
 def generated(pipeline: Pipeline, call: Callable[[], T]) -> tuple[T, list[int]]:
@@ -194,3 +208,56 @@ def test_streamed_and_whole_answers_agree(served):  # type: ignore[no-untyped-de
         return {**message, "tool_calls": [{**c, "id": None} for c in message["tool_calls"]]}
 
     assert without_ids(whole) == without_ids(streamed)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_calls_parse_whatever_a_random_model_samples(tiny, stream):  # type: ignore[no-untyped-def]
+    """A random model at temperature 1 writes calls that parse when they are forced: required (one or
+    more of the tools) and named (that one), each with arguments that follow its schema."""
+    called = []
+    for seed, choice in enumerate(["required", NAMED, "required", NAMED]):
+        body = {"tool_choice": choice, "temperature": 1.0, "seed": seed, "max_completion_tokens": 600}
+        message, _ = ask(tiny, stream=stream, messages=QUESTION, **body)
+        if message["finish_reason"] == "length":
+            continue  # a random model may fill max_tokens inside a string: then nothing is a call
+        assert message["finish_reason"] == "tool_calls", message
+        called.append(choice)
+        for call in message["tool_calls"]:
+            arguments = json.loads(call["function"]["arguments"])
+            assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 20
+            assert choice == "required" or call["function"]["name"] == "get_weather"
+            if call["function"]["name"] == "get_weather":
+                assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    assert "required" in called and NAMED in called, "most answers end by themselves"
+
+
+def test_auto_streams_the_same_text_it_answers_whole(tiny):  # type: ignore[no-untyped-def]
+    """With tools and `auto`, a text that holds no call comes out whole as content, streamed or not."""
+    whole, _ = ask(tiny, stream=False, messages=QUESTION, max_completion_tokens=24, temperature=0)
+    streamed, _ = ask(tiny, stream=True, messages=QUESTION, max_completion_tokens=24, temperature=0)
+    assert whole["content"] and "tool_calls" not in whole, whole
+    assert streamed == whole
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "name"),
+        ("/v1/chat/completions", {"tools": [WEATHER, WEATHER]}, "defined twice"),
+        ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
+        (
+            "/v1/chat/completions",
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "another",
+        ),
+        ("/v1/completions", {"prompt": "a"}, "tools"),
+    ],
+)
+def test_what_cannot_be_served_is_422_naming_it(tiny, path, body, named):  # type: ignore[no-untyped-def]
+    client, _ = tiny
+    sent = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "max_tokens": 4, **body}
+    if path == "/v1/completions":
+        sent.pop("messages")
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        client.post(path.removeprefix("/v1"), body=sent, cast_to=dict)
+    assert caught.value.code == "invalid_request" and named in caught.value.message
