@@ -74,6 +74,8 @@ def _object(text: str, i: int, *, final: bool, keys: tuple[str, ...]) -> tuple[C
             return call, i + 1
         if text[i] == ",":
             i = _ws(text, i + 1)
+            if i >= len(text):
+                break
         try:
             key, i = json.decoder.scanstring(text, i + 1) if text[i : i + 1] == '"' else (None, i)  # type: ignore[attr-defined]
         except ValueError:
