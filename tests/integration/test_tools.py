@@ -62,7 +62,7 @@ REPORT = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
 def serve(redis_url: str, path: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
     """The API over the model at `path` and, in the same namespace, the pipeline that generates what
     it submits."""
-    settings = tiny_settings(redis_url, path, auth="none")
+    settings = tiny_settings(redis_url, path, auth="none", batch_feed_interval_s=0.05)
     redis = redis_lib.Redis.from_url(redis_url)
     redis.zadd(Keys(settings.namespace).workers("tiny", 0), {"w0": time.time() + 3600})
     pipeline = build(redis, path, namespace=settings.namespace)
@@ -261,3 +261,32 @@ def test_what_cannot_be_served_is_422_naming_it(tiny, path, body, named):  # typ
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         client.post(path.removeprefix("/v1"), body=sent, cast_to=dict)
     assert caught.value.code == "invalid_request" and named in caught.value.message
+
+
+def test_a_batch_lines_forced_call_is_in_its_output(tiny):  # type: ignore[no-untyped-def]
+    """A chat line of the Batch API with a named tool_choice: its job is constrained as the endpoint's
+    would be, and its output line carries the call, read in the model's format."""
+    client, pipeline = tiny
+    body = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 300}
+    line = {"custom_id": "w", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    uploaded = client.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    jobs: list[str] = []
+    while not jobs and time.monotonic() < deadline:
+        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
+        jobs = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    assert jobs, "the batch fed no job"
+    pipeline.dispatch(jobs)
+    pipeline.pump()
+    while (done := client.batches.retrieve(batch.id)).status != "completed" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.status == "completed" and done.output_file_id, done
+    (output,) = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    choice = output["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
