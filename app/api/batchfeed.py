@@ -34,7 +34,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from app.api.batch_schemas import BatchPublic
-from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
+from app.api.chat_schemas import ChatCompletionCreate
+from app.api.openai_schemas import CompletionCreate, OpenAIRequest
 from app.api.routes.embeddings import (
     Embedding,
     EmbeddingsCreate,
@@ -42,8 +43,9 @@ from app.api.routes.embeddings import (
     EmbeddingsUsage,
     as_base64,
 )
-from app.api.routes.openai import ChatReply, CompletionReply, Reply
+from app.api.routes.openai import ChatReply, CompletionReply, Reply, tool_format_of
 from app.api.service import JobService
+from app.api.toolformats import ToolFormat
 from app.core import batchstore as bs
 from app.core.batchstore import BatchStore, line_job_id, output_file_id
 from app.core.config import EMBEDDING_MODEL, Settings
@@ -353,7 +355,11 @@ class BatchFeeder:
                 )
             else:
                 assert isinstance(request, OpenAIRequest)
-                job = request.to_job().model_copy(update={"priority": "batch", "timeout_s": None})
+                if isinstance(request, ChatCompletionCreate):
+                    made = request.to_job(await self._tool_format(request))
+                else:
+                    made = request.to_job()
+                job = made.model_copy(update={"priority": "batch", "timeout_s": None})
                 await self.jobs.submit_line(job, tenant=batch["tenant"], job_id=job_id, deadline=deadline)
         except Refused:
             return False
@@ -397,6 +403,14 @@ class BatchFeeder:
         first = min(indexes)
         return {i: json.loads(lines[i - first]) for i in indexes}
 
+    async def _tool_format(
+        self, request: ChatCompletionCreate, model: str | None = None
+    ) -> ToolFormat | None:
+        """The format of the model's tool calls, when the line asks for them to be read."""
+        if request.tool_mode == "none":
+            return None
+        return await tool_format_of(self.jobs, model or request.model)
+
     async def _collect_one(
         self, batch: dict[str, str], index: int, line: dict[str, Any], record: dict[str, Any]
     ) -> None:
@@ -406,6 +420,11 @@ class BatchFeeder:
             body: BaseModel
             if batch["endpoint"] == EMBEDDINGS:
                 body = _embeddings(record, EmbeddingsCreate.model_validate(line["body"]))
+            elif batch["endpoint"] == "/v1/chat/completions":  # its calls read in its model's format
+                request = ChatCompletionCreate.model_validate(line["body"])
+                tool_format = await self._tool_format(request, record["model"])
+                tools = request.tool_use(tool_format) if tool_format is not None else None
+                body = ChatReply(record, tools=tools).whole(record)
             else:
                 body = REPLIES[batch["endpoint"]](record).whole(record)
             answer = output_line(job_id, custom_id, status_code=200, body=_dump(body))

@@ -23,6 +23,8 @@ from jinja2 import TemplateError
 from redis.exceptions import RedisError
 from transformers import AutoTokenizer
 
+from app.api.toolformats import ToolFormat
+from app.api.toolprompt import template_format, written_in
 from app.core import modelstore, routing
 from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
 from app.core.errors import InvalidRequest, ModelNotFound, UnsupportedModel
@@ -95,28 +97,42 @@ class ModelInfo:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    @cached_property
+    def tool_format(self) -> tuple[ToolFormat, bool]:
+        """The format its answers write tool calls in, and whether its template renders tools itself
+        (app/api/toolprompt.py); read once per model."""
+        return template_format(self.tokenizer)
+
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat rendered by the model's template (vLLM's defaults: a generation prompt, no special
-        tokens beyond the template's), then tokenized."""
+        tokens beyond the template's), then tokenized. `tools`, the assistant's calls and `tool`
+        messages: by the template where it has a tools section, else written into the messages."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest(
                 f"model {self.name!r} has no chat template; send 'prompt' instead", model=self.name
             )
+        kwargs = dict(template_kwargs or {})
+        if self.tool_format[1]:
+            if tools:
+                kwargs["tools"] = tools
+        elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = written_in(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
-                **(template_kwargs or {}),
+                **kwargs,
             )
         except (ValueError, TypeError, TemplateError) as exc:  # the request's doing (a message, a kwarg)
             raise InvalidRequest(f"the chat template could not render these messages: {exc}") from None

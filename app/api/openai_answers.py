@@ -58,10 +58,27 @@ class Completion(BaseModel):
     usage: CompletionUsage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments object's JSON text, as the model wrote it.")
+
+
+class ToolCall(BaseModel):
+    id: str = Field(description="`call_...`; a `tool` message answers it by this id.")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="The answer's text; null when it only calls tools.")
     refusal: None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="The tools it calls, if any.")
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        return {k: v for k, v in dumped.items() if k != "tool_calls" or v is not None}
 
 
 class TopLogprob(BaseModel):
@@ -97,9 +114,33 @@ class ChatCompletion(TokenIds):
     prompt_token_ids: list[int] | None = Field(default=None, description="return_token_ids: the prompt's.")
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first delta has the id, the type and the name (arguments ""), the next ones
+    pieces of the arguments' text, as OpenAI streams them."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

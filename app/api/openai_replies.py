@@ -29,6 +29,7 @@ from app.api.openai_answers import (
     TokenLogprob,
     TopLogprob,
 )
+from app.api.toolcalls import ToolCalls, ToolUse
 
 Tokens = Sequence[Mapping[str, Any]]  # token events' data
 
@@ -130,7 +131,8 @@ class Reply:
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
         return None
 
-    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel | None:
+        """The chunk for the next piece of text; None when nothing can be sent yet."""
         raise NotImplementedError
 
     def last(
@@ -196,7 +198,21 @@ class CompletionReply(Reply):
 
 
 class ChatReply(Reply):
+    """`tools`: how the answer holds tool calls, when the request gave tools (and tool_choice is not
+    `none`): they are read out of its text, whole or as it streams (`ToolCalls`)."""
+
     prefix = "chatcmpl-"
+
+    def __init__(
+        self,
+        record: dict[str, str],
+        logprobs: TokenLogprobs | None = None,
+        *,
+        token_ids: bool = False,
+        tools: ToolUse | None = None,
+    ) -> None:
+        super().__init__(record, logprobs, token_ids=token_ids)
+        self.calls = ToolCalls(tools, record["id"]) if tools is not None else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
         return ChatCompletionChunk(
@@ -207,9 +223,13 @@ class ChatReply(Reply):
         return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
 
     def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+        content: str | None = record.get("text", "")
+        calls = None
+        if self.calls is not None:
+            content, calls = self.calls.whole(content or "")
         choice = ChatChoice(
-            message=AssistantMessage(content=record.get("text", "")),
-            finish_reason=record.get("finish_reason"),
+            message=AssistantMessage(content=content, tool_calls=calls or None),
+            finish_reason=_finish(record.get("finish_reason"), bool(calls)),
             logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
             token_ids=self.ids(tokens),
         )
@@ -233,17 +253,26 @@ class ChatReply(Reply):
             prompt_token_ids=self.prompt_once(),
         )
 
-    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
-        choice = ChatChunkChoice(
-            delta=ChatDelta(content=text), logprobs=self._logprobs(tokens), token_ids=self.ids(tokens)
-        )
+    def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel | None:
+        delta = ChatDelta(content=text)
+        if self.calls is not None:
+            content, calls = self.calls.feed(text)
+            if not content and not calls:
+                return None  # held: it may be part of a call (its tokens go with the next chunk)
+            delta = ChatDelta(content=content or None, tool_calls=calls or None)
+        choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(tokens), token_ids=self.ids(tokens))
         return self._chunk([choice], usage)
 
     def last(
         self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
     ) -> BaseModel:
+        delta = ChatDelta()
+        if self.calls is not None:
+            content, calls = self.calls.finish()
+            delta = ChatDelta(content=content or None, tool_calls=calls or None)
+            finish_reason = _finish(finish_reason, self.calls.called)
         choice = ChatChunkChoice(
-            delta=ChatDelta(),
+            delta=delta,
             finish_reason=finish_reason,
             logprobs=self._logprobs(tokens),
             token_ids=self.ids(tokens),
@@ -252,6 +281,11 @@ class ChatReply(Reply):
 
     def usage(self, usage: CompletionUsage) -> BaseModel:
         return self._chunk([], usage)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended by itself with calls."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def usage_of(record: dict[str, str]) -> CompletionUsage:

@@ -3,7 +3,7 @@
 
 A request translates to a `JobCreate` (`to_job`). Fields of
 OpenAI's API (and vLLM's extensions) that would change the answer and that Conveyor does not implement
-(tools, several choices, structured output, ...) are refused with 422 rather than silently ignored
+(several choices, beam search, ...) are refused with 422 rather than silently ignored
 (`UNSUPPORTED`); the rest of OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are
 accepted and ignored.
 """
@@ -26,7 +26,6 @@ from pydantic import (
 from app.api.schemas import (
     BadWord,
     Bias,
-    ChatMessage,
     JobCreate,
     Priority,
     TokenId,
@@ -55,8 +54,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -87,6 +84,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # Chat completions' fields (vLLM's) that a completion has no messages for: refused there unless neutral.
 CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "chat_template_kwargs": (None, {}),
@@ -426,71 +425,3 @@ class CompletionCreate(OpenAIRequest):
     def to_job(self) -> JobCreate:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return self._job(prompt=prompt, max_tokens=self.max_tokens, grammar=self.output_grammar())
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class OpenAIMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # `name` and the like
-
-    role: Literal["developer", "system", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
-
-    def to_chat(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
-
-
-class ChatCompletionCreate(OpenAIRequest):
-    model_config = ConfigDict(
-        extra="allow",
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                }
-            ]
-        },
-    )
-
-    messages: list[OpenAIMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="Preferred over max_tokens.")
-    add_generation_prompt: bool = Field(
-        default=True, description="End the rendered chat with the template's generation prompt."
-    )
-    continue_final_message: bool = Field(
-        default=False,
-        description="Leave the final message open so the answer continues it; needs add_generation_prompt "
-        "false.",
-    )
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, description="More variables for the model's chat template."
-    )
-    logprobs: bool | None = Field(default=False, description="Each token's log probability.")
-    top_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest alternatives."
-    )
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionCreate:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return self
-
-    @property
-    def top_logprobs_asked(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def to_job(self) -> JobCreate:
-        return self._job(
-            messages=[m.to_chat() for m in self.messages],
-            max_tokens=self.max_completion_tokens or self.max_tokens,
-            grammar=self.output_grammar(),
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs,
-        )

@@ -41,6 +41,9 @@ class PromptEncoder:
             [m.content for m in request.messages] if request.messages is not None else [request.prompt or ""]
         )
         extra = len(json.dumps(request.chat_template_kwargs)) if request.chat_template_kwargs else 0
+        tools = [t.for_template() for t in request.tools] if request.tools else None
+        extra += len(json.dumps(tools)) if tools else 0
+        extra += sum(len(c.function.arguments) for m in request.messages or () for c in m.tool_calls or ())
         self.check_length(model, sum(len(text) for text in texts) + extra)
         loop = asyncio.get_running_loop()
         if request.messages is not None:
@@ -50,11 +53,12 @@ class PromptEncoder:
 
             def encode_chat() -> list[int]:  # the messages' conversion too runs off the event loop
                 return model.encode_chat(
-                    [m.model_dump() for m in chat],
+                    [m.for_template() for m in chat],
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
                     template_kwargs=request.chat_template_kwargs,
                     add_special_tokens=bool(request.add_special_tokens),
+                    tools=tools,
                 )
 
             encode: Callable[[], list[int]] = encode_chat

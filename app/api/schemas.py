@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from app.api.tool_schemas import MAX_TOOLS, MessageToolCall, ToolDefinition, check_tools
 from app.core.grammar import Grammar, grammar_problem
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 from app.core.sampling import (
@@ -104,8 +105,33 @@ TEMPLATE_ARGUMENTS = frozenset(
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[MessageToolCall] | None = Field(
+        default=None, description="An assistant's: the tools it called (OpenAI's shape)."
+    )
+    tool_call_id: str | None = Field(
+        default=None, max_length=256, description="A `tool` message's: the call it answers."
+    )
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError(
+                "a tool message, and only a tool message, names the call it answers (tool_call_id)"
+            )
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """As the chat template reads it: only the keys it has (templates test `'tool_calls' in m`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class JobCreate(BaseModel):
@@ -127,6 +153,12 @@ class JobCreate(BaseModel):
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     prompt: str | None = Field(default=None, description="Raw completion prompt.")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDefinition] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description="With messages: functions the chat template tells the model it may call (OpenAI's "
+        "shape). See docs/structured-outputs.md#tools.",
+    )
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Tokens to generate at most; the server's default when omitted."
     )
@@ -329,6 +361,10 @@ class JobCreate(BaseModel):
                 raise ValueError(f"{given[0]} applies only to 'messages', not to a 'prompt'")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        if self.tools:
+            if self.messages is None:
+                raise ValueError("tools applies only to 'messages', not to a 'prompt'")
+            check_tools(self.tools)
         reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: it is the server's")

@@ -89,6 +89,18 @@ CROSS_FIELD_RULES = (
     "a JSON schema is a JSON object",
     "needs its json_schema",
     "structured_outputs takes exactly one of",
+    # tools: what a tool, a call or a choice must be beside the rest of the request
+    "a function's parameters are a JSON schema of type object",
+    "is defined twice",
+    "tool_choice needs tools",
+    "which is not among the tools",
+    "tools applies only to 'messages'",
+    "only an assistant message has tool_calls",
+    "names the call it answers (tool_call_id)",
+    "needs its content",
+    "arguments are the text of a JSON object",
+    "cannot be used with another structured output",
+    "write tool calls in different formats",
 )
 
 

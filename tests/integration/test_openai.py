@@ -130,7 +130,7 @@ def test_max_completion_tokens_and_conveyor_extras(oai):  # type: ignore[no-unty
     [
         ({"n": 2}, "n"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_what_is_not_implemented_is_refused_clearly(oai, extra, where):  # type: ignore[no-untyped-def]

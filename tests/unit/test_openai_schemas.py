@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.api.openai_schemas import CHAT_ONLY, UNSUPPORTED, ChatCompletionCreate, CompletionCreate
+from app.api.chat_schemas import ChatCompletionCreate
+from app.api.openai_schemas import CHAT_ONLY, UNSUPPORTED, CompletionCreate
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 # As guidellm sends them for a fixed output length.

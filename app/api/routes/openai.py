@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.api import audit
 from app.api.auth import current_tenant
 from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
+from app.api.chat_schemas import ChatCompletionCreate
 from app.api.deps import get_jobs, get_settings
 from app.api.openai_answers import (
     ChatCompletion,
@@ -31,14 +32,15 @@ from app.api.openai_answers import (
     RoutePolicyCard,
 )
 from app.api.openai_replies import ChatReply, CompletionReply, Reply, TokenLogprobs, usage_of
-from app.api.openai_schemas import ChatCompletionCreate, CompletionCreate, OpenAIRequest
+from app.api.openai_schemas import CompletionCreate, OpenAIRequest
 from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
 from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted, sse_data
 from app.api.service import JobService
 from app.api.streams import Slot
+from app.api.toolformats import ToolFormat
 from app.core import routing
 from app.core.config import Settings
-from app.core.errors import ConveyorError, JobFailed, ModelNotFound, Refused, SyncTimeout
+from app.core.errors import ConveyorError, InvalidRequest, JobFailed, ModelNotFound, Refused, SyncTimeout
 from app.core.jobs import JobStatus
 
 DONE = "[DONE]"  # the last data line of an OpenAI stream
@@ -200,9 +202,13 @@ async def _answer(
 ) -> BaseModel | Response:
     """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
     (`cancel_on_disconnect`), as on /v1/inference."""
+    tool_format = None
     if isinstance(body, ChatCompletionCreate):  # before each message is converted (CPU per message)
         jobs.check_messages(len(body.messages))
-    job = body.to_job()
+        tool_format = await tool_format_of(jobs, body.model) if body.tool_mode != "none" else None
+        job = body.to_job(tool_format)
+    else:
+        job = body.to_job()
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
     job_id = submitted.record["id"]
@@ -211,7 +217,15 @@ async def _answer(
         model = jobs.catalog.cached(submitted.record["model"])
         tokenizer = model.tokenizer if model is not None else None
         logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
-    reply = reply_type(submitted.record, logprobs, token_ids=bool(body.return_token_ids))
+    if isinstance(body, ChatCompletionCreate) and tool_format is not None:
+        reply: Reply = ChatReply(
+            submitted.record,
+            logprobs,
+            token_ids=bool(body.return_token_ids),
+            tools=body.tool_use(tool_format),
+        )
+    else:
+        reply = reply_type(submitted.record, logprobs, token_ids=bool(body.return_token_ids))
     read_tokens = logprobs is not None or reply.token_ids
     if slot is not None:
         notes = audit.fields(request)
@@ -234,6 +248,23 @@ async def _answer(
     audit.note_job(request, record)
     _check_succeeded(record, settings)
     return reply.whole(record, await jobs.token_events(job_id) if read_tokens else ())
+
+
+async def tool_format_of(jobs: JobService, name: str | None) -> ToolFormat:
+    """The format the model writes tool calls in (its chat template's, app/api/toolformats.py); for a
+    route, its two models' (422 when they write them differently)."""
+    route = jobs.catalog.route(name or jobs.settings.default_model)
+    names = [route.small, route.large] if route is not None else [name]
+    formats: dict[str, ToolFormat] = {}
+    for each in names:
+        tool_format = (await jobs.model(each)).tool_format[0]
+        formats[tool_format.name] = tool_format
+    if len(formats) > 1:
+        raise InvalidRequest(
+            f"the models of route {name!r} write tool calls in different formats ({', '.join(formats)}); "
+            "name one of the models"
+        )
+    return next(iter(formats.values()))
 
 
 def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
@@ -286,8 +317,10 @@ def _stream(
             if event.event == "token":
                 held.append(event.data)
                 if event.data.get("text"):
-                    yield data(reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1), held))
-                    held = []
+                    chunk = reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1), held)
+                    if chunk is not None:  # else the text is held back (a tool call's start)
+                        yield data(chunk)
+                        held = []
             record = event.record  # the final event's: the job as it ended
         if record is None:  # the stream ended without its final event (its stream was gone): read the job
             record = await jobs.get(job_id, tenant=None)

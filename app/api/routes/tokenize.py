@@ -29,7 +29,7 @@ async def tokenize(
     model = await jobs.model(body.model)
     if body.messages is not None:
         jobs.prompts.check_length(model, sum(len(m.content) for m in body.messages))
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         special = bool(body.add_special_tokens)
         ids = await jobs.prompts.run(_chat_ids, model, messages, body.add_generation_prompt, special)
     else:
@@ -67,5 +67,4 @@ def _chat_ids(model: ModelInfo, messages: list[dict[str, Any]], generation: bool
         raise InvalidRequest(
             f"model {model.name!r} has no chat template; send 'prompt' instead", model=model.name
         )
-    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
-    return _prompt_ids(model, text, special)
+    return model.encode_chat(messages, add_generation_prompt=generation, add_special_tokens=special)
