@@ -117,27 +117,41 @@ async def wait_all(
     request: Request, jobs: JobService, job_ids: list[str], settings: Settings
 ) -> list[dict[str, str]] | None:
     """Every job's record once it ends; None when the client went away (which cancels them, with
-    `cancel_on_disconnect`). Past the sync timeout, or when one did not succeed, the others are
-    cancelled (a request of several jobs) and its error raised."""
-    records = await asyncio.gather(*(wait_unless_gone(request, jobs, j, settings) for j in job_ids))
+    `cancel_on_disconnect`). Of a request of several jobs, the first that ends without succeeding
+    cancels the others at once, as the sync timeout does those still running; its error is raised."""
+    ended: list[dict[str, str]] = []  # the first job that ended without succeeding
+
+    def end_others(job_id: str, reason: str) -> None:
+        for other in job_ids:
+            if other != job_id:
+                jobs.cancel_soon(other, reason)
+
+    async def wait(job_id: str) -> dict[str, str] | None:
+        record = await wait_unless_gone(request, jobs, job_id, settings)
+        status = JobStatus(record["status"]) if record is not None else None
+        if status is not None and status.is_finished and status != JobStatus.SUCCEEDED and not ended:
+            ended.append(record)  # type: ignore[arg-type]
+            if len(job_ids) > 1:
+                end_others(job_id, f"another choice of its request ended {status}")
+        return record
+
+    records = await asyncio.gather(*(wait(j) for j in job_ids))
     if any(r is None for r in records):
         return None
     done = [r for r in records if r is not None]
     for record in done:
         audit.note_job(request, record)
-    ended = [r for r in done if JobStatus(r["status"]).is_finished]
-    failed = next((r for r in ended if r["status"] != JobStatus.SUCCEEDED), None)
-    if len(done) > 1 and (failed is not None or len(ended) < len(done)):
-        unfinished = [r["id"] for r in done if r not in ended]
-        for job_id in unfinished:
-            jobs.cancel_soon(job_id, "another choice of its request ended first, or its request timed out")
-        if failed is None:
-            raise SyncTimeout(
-                f"jobs {unfinished} did not finish within {settings.sync_timeout_s:g} s; the request's "
-                f"{len(done)} jobs were cancelled",
-                job_id=unfinished[0],
-            )
-    for record in [failed] if failed is not None else done:
+    if ended:
+        check_succeeded(ended[0], settings)
+    running = [r["id"] for r in done if not JobStatus(r["status"]).is_finished]
+    if running and len(done) > 1:
+        end_others("", "its request was not answered within sync_timeout_s")
+        raise SyncTimeout(
+            f"jobs {running} did not finish within {settings.sync_timeout_s:g} s; the request's "
+            f"{len(done)} jobs were cancelled",
+            job_id=running[0],
+        )
+    for record in done:
         check_succeeded(record, settings)
     return done
 

@@ -221,3 +221,89 @@ def test_what_is_not_served_is_refused_naming_it(served, path, fields, named):  
     assert response.status_code == 422, response.text
     assert named in response.json()["error"]["message"]
     assert not list(pipeline.redis.scan_iter(match=pipeline.keys.job("*"))), "no job was made"
+
+
+@pytest.fixture()
+def queue_only(redis_url: str, tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The API with a live stage worker registered but none running: jobs stay queued. The test's
+    own settings come as the fixture's parameter."""
+    settings = tiny_settings(redis_url, tiny_model, auth="none", **request.param)
+    keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
+    redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client, keys, redis
+    finally:
+        forget_namespace(redis_url, settings.namespace)
+
+
+def statuses(keys: Keys, redis: redis_lib.Redis) -> dict[str, str]:
+    found = [k.decode().rsplit(":", 1)[1] for k in redis.scan_iter(match=keys.job("*"), _type="hash")]
+    return {j: (redis.hget(keys.job(j), "status") or b"").decode() for j in found}
+
+
+def eventually(check: Any, timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def in_thread(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(answer=target()))
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("queue_only", [{"sync_timeout_s": 60}], indirect=True)
+def test_a_cancelled_choice_ends_its_request_and_cancels_the_others(queue_only, stream):  # type: ignore[no-untyped-def]
+    client, keys, redis = queue_only
+    body = {"prompt": PROMPT, "n": 3, "max_tokens": 4, "stream": stream}
+
+    def post() -> Any:
+        if not stream:
+            return client.post("/v1/completions", json=body)
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+    thread, result = in_thread(post)
+    jobs = eventually(lambda: (s := statuses(keys, redis)) and len(s) == 3 and s)
+    assert jobs, "the request made three jobs"
+    first = sorted(jobs)[0]
+    assert client.post(f"/v1/jobs/{first}/cancel").status_code == 200
+    thread.join(30)
+    assert not thread.is_alive(), "the request ended with its first cancelled job"
+    if stream:
+        lines = result["answer"]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "cancelled"
+    else:
+        assert result["answer"].status_code == 409 and result["answer"].json()["error"]["code"] == "cancelled"
+    assert eventually(lambda: set(statuses(keys, redis).values()) == {"cancelled"}), statuses(keys, redis)
+
+
+@pytest.mark.parametrize("queue_only", [{"sync_timeout_s": 0.5}], indirect=True)
+def test_a_request_of_several_jobs_past_the_sync_timeout_cancels_them(queue_only):  # type: ignore[no-untyped-def]
+    client, keys, redis = queue_only
+    answer = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
+    assert answer.status_code == 504, answer.text
+    assert eventually(lambda: set(statuses(keys, redis).values()) == {"cancelled"}), statuses(keys, redis)
+    one = client.post("/v1/completions", json={"prompt": "c", "max_tokens": 4})
+    assert one.status_code == 504  # a single job is left to be polled, as before
+    job = one.json()["error"]["details"]["job_id"]
+    assert statuses(keys, redis)[job] == "queued"
+
+
+@pytest.mark.parametrize(
+    "queue_only",
+    [{"rate_limit_tokens_per_min": 20, "rate_limit_rps": 100.0, "rate_limit_burst": 100}],
+    indirect=True,
+)
+def test_each_choice_is_charged_and_a_request_over_the_budget_leaves_no_job(queue_only):  # type: ignore[no-untyped-def]
+    client, keys, redis = queue_only
+    answer = client.post("/v1/completions", json={"prompt": PROMPT, "n": 4, "max_tokens": 6})
+    assert answer.status_code == 429, answer.text  # 4 x 6 tokens, over a budget of 20
+    made = statuses(keys, redis)
+    assert len(made) == 3, "three choices fitted the budget before the fourth was refused"
+    assert eventually(lambda: set(statuses(keys, redis).values()) == {"cancelled"}), statuses(keys, redis)
