@@ -10,7 +10,7 @@ accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -63,6 +63,11 @@ from app.core.sampling import (
 MAX_N = 16
 MAX_PROMPTS = 64
 MAX_CHOICES = 64
+
+# A completions request's prompts: strings, or token ids (one list, or a list of lists), none empty.
+Prompts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+TokenPrompts = Annotated[list[TokenPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -313,19 +318,19 @@ class CompletionCreate(OpenAIRequest):
         json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time"}]},
     )
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+    prompt: str | Prompts | TokenPrompt | TokenPrompts = Field(
         description=f"A prompt, or up to {MAX_PROMPTS}: strings, one token-id list, or token-id lists.",
-        json_schema_extra={"minItems": 1},
     )
     echo: bool | None = Field(
         default=False, description="Each text starts with its prompt; with logprobs, the prompt's too."
     )
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)):
-            if not 1 <= len(prompt) <= MAX_PROMPTS or not all(prompt):
+        """The schema's rules, with one message that names them."""
+        if isinstance(prompt, list) and not (prompt and all(isinstance(p, int) for p in prompt)):
+            if not 1 <= len(prompt) <= MAX_PROMPTS or any(p in ("", []) for p in prompt):
                 raise ValueError(f"prompt holds 1 to {MAX_PROMPTS} prompts, none empty")
         return prompt
 
