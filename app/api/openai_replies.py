@@ -73,6 +73,26 @@ class TokenLogprobs:
             top_logprobs=tops,
         )
 
+    def prompt(self, prompt_ids: Sequence[int], entries: Sequence[Any]) -> CompletionLogprobs:
+        """Echo's lists for the prompt's tokens: the first has no log probability (nothing comes
+        before it); `entries` (a `prompt` event's `prompt_logprobs`) give each later one its
+        [logprob, [[id, logprob], ...]]."""
+        tokens = [self.name(t) for t in prompt_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        logprobs: list[float | None] = [None]
+        tops: list[dict[str, float] | None] = [None]
+        for token, (logprob, top) in zip(tokens[1:], entries, strict=False):
+            named = {self.name(int(t)): _floor(lp) for t, lp in top}
+            named.setdefault(token, _floor(logprob))
+            logprobs.append(_floor(logprob))
+            tops.append(named)
+        return CompletionLogprobs(
+            text_offset=offsets, token_logprobs=logprobs, tokens=tokens, top_logprobs=tops
+        )
+
     def chat(self, events: list[Mapping[str, Any]]) -> ChatLogprobs | None:
         """Chat completions' `content` entries for these token events (None when they carry none)."""
         events = [e for e in events if "logprob" in e]
@@ -104,9 +124,18 @@ class Reply:
     prefix = ""
 
     def __init__(
-        self, record: dict[str, str], logprobs: TokenLogprobs | None = None, *, token_ids: bool = False
+        self,
+        record: dict[str, str],
+        logprobs: TokenLogprobs | None = None,
+        *,
+        token_ids: bool = False,
+        index: int = 0,
+        echo: str | None = None,
     ) -> None:
         self.logprobs = logprobs
+        self.index = index  # the choice's place in the answer's `choices`
+        self.echo = echo  # completions' echo: the prompt's text, before the completion's
+        self.echo_ids: list[int] = json.loads(record.get("prompt_ids") or "[]") if echo is not None else []
         # return_token_ids: the prompt's ids (sent once), and each answer's or chunk's token ids
         self.token_ids = token_ids
         self.prompt_ids: list[int] | None = (
@@ -125,10 +154,16 @@ class Reply:
             total_tokens=self.prompt_tokens + completion_tokens,
         )
 
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+    def whole(
+        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+    ) -> BaseModel:
         raise NotImplementedError
 
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
+        return None
+
+    def echoed(self, data: Mapping[str, Any], usage: CompletionUsage | None = None) -> BaseModel | None:
+        """The chunk a job's `prompt` event gives a stream (echo with logprobs): None for others."""
         return None
 
     def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel | None:
@@ -162,18 +197,45 @@ class CompletionReply(Reply):
     def _logprobs(self, tokens: Tokens) -> CompletionLogprobs | None:
         return self.logprobs.completion(list(tokens)) if self.logprobs is not None else None
 
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+    def whole(
+        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+    ) -> BaseModel:
+        """`prompt`: the job's `prompt` event (echo with logprobs)."""
+        text, logprobs = record.get("text", ""), None
+        if self.echo is not None:
+            text = self.echo + text
+            logprobs = self._prompt_logprobs(prompt)
+        logprobs = _joined(logprobs, self._logprobs(tokens))
         choice = CompletionChoice(
-            text=record.get("text", ""),
+            index=self.index,
+            text=text,
             finish_reason=record.get("finish_reason"),
-            logprobs=self._logprobs(tokens),
+            logprobs=logprobs,
             prompt_token_ids=self.prompt_once(),
             token_ids=self.ids(tokens),
         )
         return self._make([choice], usage_of(record))
 
+    def _prompt_logprobs(self, prompt: Mapping[str, Any] | None) -> CompletionLogprobs | None:
+        if self.logprobs is None or prompt is None:
+            return None
+        return self.logprobs.prompt(self.echo_ids, prompt.get("prompt_logprobs") or [])
+
+    def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
+        """Echo without logprobs: the prompt's text first (with logprobs it waits for them)."""
+        if self.echo is None or self.logprobs is not None:
+            return None
+        return self._make([CompletionChoice(index=self.index, text=self.echo)], usage)
+
+    def echoed(self, data: Mapping[str, Any], usage: CompletionUsage | None = None) -> BaseModel | None:
+        if self.echo is None or self.logprobs is None:
+            return None
+        logprobs = self._prompt_logprobs(data)
+        return self._make([CompletionChoice(index=self.index, text=self.echo, logprobs=logprobs)], usage)
+
     def delta(self, text: str, usage: CompletionUsage | None = None, tokens: Tokens = ()) -> BaseModel:
         choice = CompletionChoice(
+            index=self.index,
             text=text,
             logprobs=self._logprobs(tokens),
             prompt_token_ids=self.prompt_once(),
@@ -185,6 +247,7 @@ class CompletionReply(Reply):
         self, finish_reason: str | None, usage: CompletionUsage | None = None, tokens: Tokens = ()
     ) -> BaseModel:
         choice = CompletionChoice(
+            index=self.index,
             text="",
             finish_reason=finish_reason,
             logprobs=self._logprobs(tokens),
@@ -209,9 +272,11 @@ class ChatReply(Reply):
         logprobs: TokenLogprobs | None = None,
         *,
         token_ids: bool = False,
+        index: int = 0,
+        echo: str | None = None,
         tools: ToolUse | None = None,
     ) -> None:
-        super().__init__(record, logprobs, token_ids=token_ids)
+        super().__init__(record, logprobs, token_ids=token_ids, index=index, echo=echo)
         self.calls = ToolCalls(tools, record["id"]) if tools is not None else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
@@ -222,12 +287,15 @@ class ChatReply(Reply):
     def _logprobs(self, tokens: Tokens) -> ChatLogprobs | None:
         return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
 
-    def whole(self, record: dict[str, str], tokens: Tokens = ()) -> BaseModel:
+    def whole(
+        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+    ) -> BaseModel:
         content: str | None = record.get("text", "")
         calls = None
         if self.calls is not None:
             content, calls = self.calls.whole(content or "")
         choice = ChatChoice(
+            index=self.index,
             message=AssistantMessage(content=content, tool_calls=calls or None),
             finish_reason=_finish(record.get("finish_reason"), bool(calls)),
             logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
@@ -243,7 +311,9 @@ class ChatReply(Reply):
         )
 
     def first(self, usage: CompletionUsage | None = None) -> BaseModel | None:
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), token_ids=self.ids(()))
+        choice = ChatChunkChoice(
+            index=self.index, delta=ChatDelta(role="assistant", content=""), token_ids=self.ids(())
+        )
         return ChatCompletionChunk(
             id=self.id,
             created=self.created,
@@ -260,7 +330,9 @@ class ChatReply(Reply):
             if not content and not calls:
                 return None  # held: it may be part of a call (its tokens go with the next chunk)
             delta = ChatDelta(content=content or None, tool_calls=calls or None)
-        choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(tokens), token_ids=self.ids(tokens))
+        choice = ChatChunkChoice(
+            index=self.index, delta=delta, logprobs=self._logprobs(tokens), token_ids=self.ids(tokens)
+        )
         return self._chunk([choice], usage)
 
     def last(
@@ -272,6 +344,7 @@ class ChatReply(Reply):
             delta = ChatDelta(content=content or None, tool_calls=calls or None)
             finish_reason = _finish(finish_reason, self.calls.called)
         choice = ChatChunkChoice(
+            index=self.index,
             delta=delta,
             finish_reason=finish_reason,
             logprobs=self._logprobs(tokens),
@@ -292,4 +365,16 @@ def usage_of(record: dict[str, str]) -> CompletionUsage:
     prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
     return CompletionUsage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _joined(head: CompletionLogprobs | None, tail: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """Echo's prompt lists followed by the completion's."""
+    if head is None or tail is None:
+        return head or tail
+    return CompletionLogprobs(
+        text_offset=head.text_offset + tail.text_offset,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        tokens=head.tokens + tail.tokens,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
     )

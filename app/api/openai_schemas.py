@@ -1,17 +1,16 @@
 """Request bodies of the OpenAI-compatible endpoints, in OpenAI's own shapes (the responses' are
 `app.api.openai_answers`).
 
-A request translates to a `JobCreate` (`to_job`). Fields of
-OpenAI's API (and vLLM's extensions) that would change the answer and that Conveyor does not implement
-(several choices, beam search, ...) are refused with 422 rather than silently ignored
+A request translates to its jobs, one per choice (`app.api.openai_choices`; `to_job` for a request of
+one choice). Fields of OpenAI's API (and vLLM's extensions) that would change the answer and that
+Conveyor does not implement (beam search, ...) are refused with 422 rather than silently ignored
 (`UNSUPPORTED`); the rest of OpenAI's bookkeeping fields (`user`, `metadata`, `store`, ...) are
 accepted and ignored.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -23,6 +22,14 @@ from pydantic import (
     model_validator,
 )
 
+from app.api.openai_grammar import (
+    ResponseFormat,
+    StructuredOutputs,
+    choice_grammar,
+    response_format_grammar,
+    schema_grammar,
+    structured_grammar,
+)
 from app.api.schemas import (
     BadWord,
     Bias,
@@ -35,7 +42,7 @@ from app.api.schemas import (
     temperature_schema,
 )
 from app.core.errors import InvalidRequest
-from app.core.grammar import Grammar, grammar_problem, json_schema
+from app.core.grammar import Grammar, grammar_problem
 from app.core.sampling import (
     MAX_BAD_WORDS,
     MAX_LOGPROBS,
@@ -49,9 +56,21 @@ from app.core.sampling import (
     MIN_TOP_P,
 )
 
+# Several choices are several jobs (app/api/openai_choices.py), each admitted and charged as one, and
+# the request holds them all open: n is capped as vLLM's own benchmarks use it (up to 16 samples), a
+# request's prompts and its choices (prompts x n) at a size one answer carries comfortably.
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_CHOICES = 64
+
+# A completions request's prompts: strings, or token ids (one list, or a list of lists), none empty.
+Prompts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+TokenPrompts = Annotated[list[TokenPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+
 # Fields OpenAI defines that Conveyor does not implement: accepted only with these neutral values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
+    "echo": (None, False),  # on chat completions; a completion's is implemented
     "suffix": (None, ""),
     "best_of": (None, 1),
     "functions": (None, []),
@@ -102,36 +121,6 @@ class StreamOptions(BaseModel):
     )
 
 
-class JsonSchemaFormat(BaseModel):
-    """`response_format.json_schema`: the schema the answer follows (`strict` or not, it is enforced)."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: str | None = Field(default=None, description="Accepted and ignored.")
-    description: str | None = Field(default=None, description="Accepted and ignored.")
-    schema_: dict[str, Any] = Field(
-        alias="schema", description="A JSON schema; the answer is JSON that follows it."
-    )
-    strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced.")
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = Field(default=None, description="With type json_schema.")
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of its keys."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema.")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = Field(default=None, description="A Lark grammar (llguidance's dialect).")
-    json_object: bool | None = None
-
-
 class OpenAIRequest(BaseModel):
     """What completions and chat completions share. `top_k`, `ignore_eos`, `min_tokens` (as vLLM has
     them), `priority` and `timeout_s` (Conveyor's own) are not OpenAI's: the OpenAI client sends them
@@ -166,11 +155,11 @@ class OpenAIRequest(BaseModel):
     top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a job's seed (JobCreate.seed)
     stop: str | list[str] | None = None
-    # The schema states the rule; _one_choice enforces it with its own message.
     n: int | None = Field(
         default=None,
-        description="Only 1: one choice per request.",
-        json_schema_extra={"minimum": 1, "maximum": 1},
+        ge=1,
+        le=MAX_N,
+        description="Choices per prompt, each a job of its own (with a seed: seeds derived from it).",
     )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -232,13 +221,6 @@ class OpenAIRequest(BaseModel):
     def _temperature(cls, value: float | None) -> float | None:
         return None if value is None else checked_temperature(value)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"only n=1 is supported (one choice per request), not {n}")
-        return n
-
     @model_validator(mode="after")
     def _no_unsupported(self) -> OpenAIRequest:
         for name, value in (self.model_extra or {}).items():
@@ -256,7 +238,8 @@ class OpenAIRequest(BaseModel):
         return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
     def to_job(self) -> JobCreate:
-        """The job this request asks for (raises InvalidRequest for what a job cannot take)."""
+        """The one job of a request for one choice (a batch's line); InvalidRequest for what a job
+        cannot take, `n` over 1 or several prompts included."""
         raise NotImplementedError
 
     def output_grammar(self) -> Grammar | None:
@@ -265,14 +248,14 @@ class OpenAIRequest(BaseModel):
         asked = {
             name: grammar
             for name, grammar in (
-                ("response_format", _response_format_grammar(self.response_format)),
-                ("structured_outputs", _structured_grammar(self.structured_outputs)),
-                ("guided_json", _schema_grammar(self.guided_json)),
+                ("response_format", response_format_grammar(self.response_format)),
+                ("structured_outputs", structured_grammar(self.structured_outputs)),
+                ("guided_json", schema_grammar(self.guided_json)),
                 (
                     "guided_regex",
                     Grammar("regex", self.guided_regex) if self.guided_regex is not None else None,
                 ),
-                ("guided_choice", _choice_grammar(self.guided_choice)),
+                ("guided_choice", choice_grammar(self.guided_choice)),
                 ("guided_grammar", Grammar("lark", self.guided_grammar) if self.guided_grammar else None),
             )
             if grammar is not None
@@ -293,6 +276,8 @@ class OpenAIRequest(BaseModel):
         return None
 
     def _job(self, *, max_tokens: int | None, **input: Any) -> JobCreate:
+        if (self.n or 1) > 1:
+            raise InvalidRequest(f"n is {self.n}: one choice, one job here")
         fields: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
@@ -326,75 +311,33 @@ class OpenAIRequest(BaseModel):
             raise InvalidRequest(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
 
-def _schema_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
-    if schema is None:
-        return None
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise InvalidRequest("the JSON schema is not JSON") from None
-    if not isinstance(schema, dict):
-        raise InvalidRequest("a JSON schema is a JSON object")
-    return json_schema(schema)
-
-
-def _choice_grammar(choices: list[str] | None) -> Grammar | None:
-    if choices is None:
-        return None
-    if not choices:
-        raise InvalidRequest("a choice needs at least one string")
-    return Grammar("choice", json.dumps(choices))
-
-
-def _response_format_grammar(value: ResponseFormat | None) -> Grammar | None:
-    if value is None or value.type == "text":
-        return None
-    if value.type == "json_object":
-        return json_schema({"type": "object"})
-    if value.json_schema is None:
-        raise InvalidRequest("response_format of type json_schema needs its json_schema")
-    return json_schema(value.json_schema.schema_)
-
-
-def _structured_grammar(value: StructuredOutputs | None) -> Grammar | None:
-    if value is None:
-        return None
-    given = [
-        grammar
-        for grammar in (
-            _schema_grammar(value.json_),
-            Grammar("regex", value.regex) if value.regex is not None else None,
-            _choice_grammar(value.choice),
-            Grammar("lark", value.grammar) if value.grammar is not None else None,
-            json_schema({"type": "object"}) if value.json_object else None,
-        )
-        if grammar is not None
-    ]
-    if len(given) != 1:
-        raise InvalidRequest(
-            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
-        )
-    return given[0]
-
-
 class CompletionCreate(OpenAIRequest):
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time"}]},
     )
 
-    prompt: str | list[str] = Field(
-        description="One prompt (a list of one string is accepted too).",
-        json_schema_extra={"minItems": 1, "maxItems": 1},  # for the list; _one_prompt enforces it
+    prompt: str | Prompts | TokenPrompt | TokenPrompts = Field(
+        description=f"A prompt, or up to {MAX_PROMPTS}: strings, one token-id list, or token-id lists.",
+    )
+    echo: bool | None = Field(
+        default=False, description="Each text starts with its prompt; with logprobs, the prompt's too."
     )
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError(f"exactly one prompt per request is supported, not {len(prompt)}")
+    def _prompts(cls, prompt: Any) -> Any:
+        """The schema's rules, with one message that names them."""
+        if isinstance(prompt, list) and not (prompt and all(isinstance(p, int) for p in prompt)):
+            if not 1 <= len(prompt) <= MAX_PROMPTS or any(p in ("", []) for p in prompt):
+                raise ValueError(f"prompt holds 1 to {MAX_PROMPTS} prompts, none empty")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: strings or token-id lists."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     logprobs: int | None = Field(
         default=None,
@@ -423,5 +366,14 @@ class CompletionCreate(OpenAIRequest):
         return self
 
     def to_job(self) -> JobCreate:
-        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return self._job(prompt=prompt, max_tokens=self.max_tokens, grammar=self.output_grammar())
+        if len(self.prompts()) > 1 or self.echo:
+            raise InvalidRequest(f"{'echo' if self.echo else 'prompt'}: one choice, one plain prompt here")
+        return self.job_for(self.prompts()[0])
+
+    def job_for(self, prompt: str | list[int]) -> JobCreate:
+        """The job of one of its prompts (echo with logprobs: the prompt's logprobs too)."""
+        given = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        echoed = self.logprobs if self.echo else None
+        return self._job(
+            **given, max_tokens=self.max_tokens, grammar=self.output_grammar(), prompt_logprobs=echoed
+        )

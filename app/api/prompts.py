@@ -37,6 +37,8 @@ class PromptEncoder:
     async def encode(self, model: ModelInfo, request: JobCreate) -> list[int]:
         """The prompt's (or the rendered chat's) token ids, only the last `truncate_prompt_tokens`
         when asked; 422 for one too long or empty."""
+        if request.prompt_token_ids is not None:
+            return self._given_ids(model, request.prompt_token_ids, request.truncate_prompt_tokens)
         texts = (
             [m.content for m in request.messages] if request.messages is not None else [request.prompt or ""]
         )
@@ -71,6 +73,16 @@ class PromptEncoder:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         return prompt_ids
+
+    def _given_ids(self, model: ModelInfo, ids: list[int], truncate: int | None) -> list[int]:
+        """A prompt given as token ids: each inside the model's vocabulary, only the last `truncate`."""
+        vocab = model.vocab_size if model.vocab_size is not None else 2**31
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise InvalidRequest(
+                f"prompt_token_ids holds token id {outside[0]}, outside the vocabulary (0 to {vocab - 1})"
+            )
+        return list(ids[-truncate:] if truncate is not None else ids)
 
     async def encode_words(self, model: ModelInfo, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """`bad_words` as token sequences (ModelInfo.encode_words), on the tokenizing threads."""

@@ -152,6 +152,9 @@ class JobCreate(BaseModel):
 
     model: str | None = Field(default=None, description="Model name; the configured default when omitted.")
     prompt: str | None = Field(default=None, description="Raw completion prompt.")
+    prompt_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, description="The prompt as token ids, instead of `prompt` (vLLM's)."
+    )
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolDefinition] | None = Field(
         default=None,
@@ -242,6 +245,13 @@ class JobCreate(BaseModel):
         description="Each token event carries the token's log probability and its this many likeliest "
         "alternatives', from the model's logits before any sampling control (vLLM's raw logprobs).",
     )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="The first token event carries `prompt_logprobs`: each prompt token's log probability "
+        "given the tokens before it, and this many likeliest alternatives' (the first token has none).",
+    )
     stop: list[str] | str | None = Field(default=None, description="Stop strings, excluded from the text.")
     grammar: Grammar | None = Field(
         default=None,
@@ -322,6 +332,7 @@ class JobCreate(BaseModel):
         return {name: value for name, value in chosen.items() if value is not None} | {
             "seed": self.seed,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),
@@ -346,8 +357,9 @@ class JobCreate(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
         if self.callback_events is not None and self.callback_url is None:  # Webhooks
             raise ValueError("callback_events needs a callback_url")
         if self.messages is None:  # the chat fields, at anything but their defaults

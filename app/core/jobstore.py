@@ -330,8 +330,9 @@ return done
 
 # One decode step. KEYS[1] = the progress sorted set; then, per row, the job hash and its event
 # stream. ARGV[1..5] = now, stream maxlen, stream ttl, announce channel prefix, ended ttl; then 8
-# values per row: job id, batch id, emit (0/1), index, token event data, completion text, completion
-# tokens, finish reason ('' while it goes on). Returns the ids of the rows whose job is no longer
+# values per row: job id, batch id, emit (0/1; 2: a `prompt` event of this data, before the job's
+# own row), index, token event data, completion text, completion tokens, finish reason ('' while it
+# goes on). Returns the ids of the rows whose job is no longer
 # theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here: this
 # batch's prefill has read it (ENDED_FUNCTION).
 STEP_LUA = ENDED_FUNCTION + _lua(
@@ -349,6 +350,9 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
     if rec[1] and rec[2] == batch and not live[rec[1]] then  -- it ended in this batch
       redis.call('HDEL', job, 'prompt_ids')
     end
+  elseif emit == '2' then  -- the prompt's log probabilities (echo), before its first token
+    redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'prompt', 'data', ARGV[a + 4])
+    redis.call('EXPIRE', events, ttl)
   else
     if emit == '1' then
       redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'token', 'data', ARGV[a + 4])
@@ -592,6 +596,9 @@ class TokenOut:
     # job asked for them (SamplingParams.logprobs).
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # Echo's prompt logprobs, on a job's first token (SamplingParams.prompt_logprobs): per prompt
+    # token after the first, [its log probability, [[id, log probability], ...]]; a `prompt` event.
+    prompt_logprobs: list[Any] | None = None
 
 
 class JobStore:
@@ -651,6 +658,10 @@ class JobStore:
         keys, args = [self.keys.progress()], [repr(time.time()), life.stream_maxlen, life.ttl_s]
         args += [self.keys.announce(""), life.ended_ttl_s]
         for out in outs:
+            if out.prompt_logprobs is not None:
+                keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
+                args += [out.job_id, out.batch_id, 2, -1, _json({"prompt_logprobs": out.prompt_logprobs})]
+                args += ["", 0, ""]
             keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
             data: dict[str, Any] = {"index": out.index, "text": out.text, "token_id": out.token_id}
             if out.logprob is not None:

@@ -61,6 +61,9 @@ class SamplingParams:
     # Each token's log probability and its `logprobs` likeliest alternatives, from the model's own
     # logits (before any control or temperature, vLLM's "raw" logprobs); None: not computed.
     logprobs: int | None = None
+    # Echo's log probabilities of the prompt's tokens (each given the tokens before it) and this
+    # many likeliest alternatives at each position, computed at the prefill; None: not computed.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +130,7 @@ class SamplingParams:
             bad_words=tuple(tuple(int(t) for t in word) for word in value.get("bad_words") or ()),
             stop_token_ids=tuple(int(t) for t in value.get("stop_token_ids") or ()),
             logprobs=value.get("logprobs"),
+            prompt_logprobs=value.get("prompt_logprobs"),
         )
 
 
@@ -140,6 +144,7 @@ _CONTROLS: dict[str, Any] = {
     "bad_words": (),
     "stop_token_ids": (),
     "logprobs": None,
+    "prompt_logprobs": None,
 }
 
 
@@ -161,12 +166,12 @@ def _controls_problem(params: SamplingParams, vocab: int | None) -> str | None:
         return f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
     if params.allowed_token_ids is not None and not params.allowed_token_ids:
         return "allowed_token_ids may not be empty (leave it out to allow every token)"
-    if params.logprobs is not None and (
-        isinstance(params.logprobs, bool)
-        or not isinstance(params.logprobs, int)
-        or not 0 <= params.logprobs <= MAX_LOGPROBS
-    ):
-        return f"logprobs must be an integer between 0 and {MAX_LOGPROBS}, not {params.logprobs!r}"
+    for name in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, name)
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_LOGPROBS
+        ):
+            return f"{name} must be an integer between 0 and {MAX_LOGPROBS}, not {count!r}"
     if len(params.bad_words) > MAX_BAD_WORDS:
         return f"bad_words has {len(params.bad_words)} words, more than {MAX_BAD_WORDS}"
     lists = {
@@ -181,6 +186,21 @@ def _controls_problem(params: SamplingParams, vocab: int | None) -> str | None:
         if outside:
             return f"{name} holds token id {outside[0]}, outside the vocabulary (0 to {(vocab or 2**31) - 1})"
     return None
+
+
+MASK64 = (1 << 64) - 1
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for several choices (`n`) with `seed`: the seed
+    itself for the first (so its first choice is the answer the same request with n=1 gives), then
+    SplitMix64 of (seed, index), different for every choice and the same on every run."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)  # a job's seed is at most 2**63 - 1
 
 
 def sampling_problem(*, temperature: object, top_p: object, top_k: object) -> str | None:

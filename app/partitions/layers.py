@@ -60,6 +60,10 @@ class BatchState:
         # The batches whose rows this state holds: its own, then every batch that joined it. A job's
         # record names the batch it was scheduled in; only those are this state's to fail.
         self.batch_ids: set[str] = set()
+        # A last stage's prefill of prompts whose logprobs are asked (echo) keeps the step's final
+        # hidden states [B, S, D] in `hidden`, for the stage to read once.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     @property
     def slabs(self) -> list[SlabLayer]:
@@ -354,6 +358,8 @@ class StagePartition(nn.Module):
                     slab.wide = False
             hidden = out[0] if isinstance(out, tuple) else out
         self._check_windows(state)
+        if state.keep_hidden:
+            state.hidden = hidden
         return self.finish(hidden)
 
     @property

@@ -215,9 +215,12 @@ class Prefill:
     def computed(self) -> int:
         return sum(self.plan.lengths) - self.reused
 
-    def start(self, x: torch.Tensor) -> tuple[BatchState, torch.Tensor]:
+    def start(self, x: torch.Tensor, *, whole: bool = False) -> tuple[BatchState, torch.Tensor]:
         """The batch's state and the step's input: `x` ([B, T] ids or [B, T, D] hidden) whole, or
-        only its last `plan.step` columns with the tokens before them reused."""
+        only its last `plan.step` columns with the tokens before them reused. `whole`: reuse
+        nothing (a last stage that reads every prompt column's output: echo's logprobs)."""
+        if whole:
+            self.plan = plan(self.plan.lengths, [None] * len(self.plan.lengths))
         config = self.partition.config
         if not self.plan.saves:
             return BatchState(config, self.seq_ids, self.mask), x

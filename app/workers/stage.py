@@ -36,6 +36,7 @@ from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
 from app.partitions.layers import BatchState, StagePartition, left_pad
 from app.partitions.prefix import Prefill, PrefixCache
+from app.workers import echo
 from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.grammar import GrammarError, Grammars, Matcher
@@ -128,10 +129,12 @@ class StageRuntime:
             if not msg.seq_ids:
                 self._finish_batch(msg)
                 return
-            state, x = prefill.start(x)
-            self.batches.begin(msg.batch_id, state, time.monotonic()).prefilling = True
-            if self.partition.is_last:
-                self._take_sequences(msg)
+            sequences = self._load_sequences(msg.batch_id, msg.seq_ids) if self.partition.is_last else None
+            keep = echo.asked(sequences or {})  # then every prompt column is computed here, and read
+            state, x = prefill.start(x, whole=keep)
+            state.keep_hidden, routes = keep, msg.routes if sequences is not None else None
+            now = time.monotonic()
+            self.batches.begin(msg.batch_id, state, now, routes=routes, sequences=sequences).prefilling = True
         else:
             state = self.batches.resume(msg.batch_id, msg.merge, msg.seq_ids)
             x = decode_tensor(msg.tensors["input_ids" if self.partition.is_first else "hidden"])
@@ -143,7 +146,8 @@ class StageRuntime:
             if prefill is not None:
                 out = self._prefilled(prefill, state, out)
             if self.partition.is_last:
-                self._sample(msg, out)
+                rows = self.batches[msg.batch_id].sequences
+                self._sample(msg, out, echo.take(self.partition, state, prefill, rows))
             else:
                 self._forward(msg, prefill, out)
         finally:
@@ -194,12 +198,6 @@ class StageRuntime:
             if ids is not None:
                 prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
         return msg, Prefill(self.prefixes, self.partition, msg.seq_ids, prompts, mask), x
-
-    def _take_sequences(self, msg: StepMessage) -> None:
-        """Last stage: the prefilling batch's sequences and routes."""
-        running = self.batches[msg.batch_id]
-        running.sequences = self._load_sequences(msg.batch_id, msg.seq_ids)
-        running.routes = msg.routes
 
     def _prefilled(self, prefill: Prefill, state: BatchState, out: torch.Tensor) -> torch.Tensor:
         """The prefill's output over whole prompts; its new prefixes stored, its reuse counted."""
@@ -278,7 +276,7 @@ class StageRuntime:
         else:
             self.send(nxt, self.identity.next_queue or "")
 
-    def _sample(self, msg: StepMessage, logits: torch.Tensor) -> None:
+    def _sample(self, msg: StepMessage, logits: torch.Tensor, echoes: dict[str, echo.Entries]) -> None:
         sequences = self.batches[msg.batch_id].sequences
         # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
         index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
@@ -306,7 +304,7 @@ class StageRuntime:
         ]
         rows = [seq for seq, _, _ in kept]
         tokens = [token for _, token, _ in kept]
-        outs = [advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept]
+        outs = echo.attach([advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept], echoes)
         gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
         alive = settle(sequences, rows, tokens, gone)

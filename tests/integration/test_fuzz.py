@@ -69,7 +69,8 @@ def test_the_stack_serves_this_schema(stack):  # type: ignore[no-untyped-def]
 # tie two fields together.
 SEMANTIC_CODES = {"max_tokens_exceeded", "context_length_exceeded", "callback_url_refused"}
 CROSS_FIELD_RULES = (
-    "give exactly one of 'prompt' or 'messages'",
+    "give exactly one of 'prompt' or 'messages'",  # /tokenize
+    "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'",
     "callback_events needs a callback_url",
     "the prompt is empty",
     "continue_final_message needs add_generation_prompt",

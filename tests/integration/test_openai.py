@@ -128,7 +128,8 @@ def test_max_completion_tokens_and_conveyor_extras(oai):  # type: ignore[no-unty
 @pytest.mark.parametrize(
     ("extra", "where"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"echo": True}, "echo"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
@@ -138,6 +139,35 @@ def test_what_is_not_implemented_is_refused_clearly(oai, extra, where):  # type:
         oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
     assert caught.value.code == "invalid_request" and caught.value.type == "invalid_request_error"
     assert where in caught.value.message
+
+
+def test_n4_with_a_seed_is_reproducible_through_the_client(oai):  # type: ignore[no-untyped-def]
+    ask: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "n": 4, "seed": 2026, "temperature": 1.0}
+    ask |= {"max_tokens": 8, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    first, again = oai.completions.create(**ask), oai.completions.create(**ask)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    samples = [c.model_extra["token_ids"] for c in first.choices]
+    assert samples == [c.model_extra["token_ids"] for c in again.choices]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({tuple(s) for s in samples}) == 4, "at temperature 1 the four samples differ"
+    assert first.usage is not None and first.usage.completion_tokens == 32
+    streamed: dict[int, str] = {}
+    for chunk in oai.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in first.choices}
+
+
+def test_several_prompts_and_echo_with_logprobs_through_the_client(oai):  # type: ignore[no-untyped-def]
+    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    one = [oai.completions.create(prompt=p, **ask).choices[0].text for p in (PROMPT, "Hello")]
+    both = oai.completions.create(prompt=[PROMPT, "Hello"], **ask)
+    assert [(c.index, c.text) for c in both.choices] == [(0, one[0]), (1, one[1])]
+    echoed = oai.completions.create(prompt=PROMPT, echo=True, logprobs=1, **ask).choices[0]
+    assert echoed.text == PROMPT + one[0]
+    assert echoed.logprobs is not None and echoed.logprobs.token_logprobs is not None
+    assert echoed.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in echoed.logprobs.token_logprobs[1:])
 
 
 def test_errors_keep_the_project_code_and_add_openai_type(stack, oai):  # type: ignore[no-untyped-def]

@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import REGISTRY
+from transformers import AutoModelForCausalLM
 
 from app.core.steps import complete
 from app.partitions.prefix import PrefixCache
@@ -278,3 +280,37 @@ def _reused(pipeline: Pipeline, stage: int) -> float:
         )
         or 0.0
     )
+
+
+def test_prompt_logprobs_come_once_whole_past_a_prefix_cache_hit_and_a_recovery(
+    redis, tiny_model: Path, pipelines
+):  # type: ignore[no-untyped-def]
+    """Echo's prompt logprobs: a `prompt` event before the first token, the model's log-softmax at
+    every prompt position, though the prompt's prefix is in both stages' caches (the last stage
+    computes it whole); a job recovered after its first tokens gets no second one."""
+    prompt = list(range(5, 45))  # 40 tokens: two whole blocks of the prefix cache
+    pipeline = build(redis, tiny_model, stages=2, prefix_cache_mb=8)
+    pipelines.append(pipeline)
+    warm = pipeline.submit(prompt, max_tokens=2)
+    pipeline.dispatch([warm])
+    pipeline.pump()
+    job = pipeline.submit(prompt, max_tokens=8, prompt_logprobs=2)
+    pipeline.dispatch([job])
+    pipeline.pump(until=lambda: len(pipeline.tokens(job)) >= 3)
+    pipeline.outbox.clear()  # the worker died with the batch's next step
+    assert pipeline.recover_stalled() == {job: "recovering"}
+    fresh = build(redis, tiny_model, stages=2, namespace=pipeline.keys.namespace, prefix_cache_mb=8)
+    fresh.dispatch([job])
+    fresh.pump()
+
+    assert fresh.record(job)["status"] == "succeeded" and len(fresh.tokens(job)) == 8
+    kinds = [kind for kind, _ in fresh.events(job)]
+    assert kinds.count("prompt") == 1 and kinds.index("prompt") < kinds.index("token")
+    (entries,) = [data["prompt_logprobs"] for kind, data in fresh.events(job) if kind == "prompt"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(dim=-1)  # [39, V]
+    assert len(entries) == len(prompt) - 1
+    for i, (logprob, top) in enumerate(entries):
+        assert abs(logprob - float(want[i, prompt[i + 1]])) < 1e-3
+        assert [t for t, _ in top] == want[i].topk(2).indices.tolist()

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from app.api.chat_schemas import ChatCompletionCreate
 from app.api.openai_schemas import CHAT_ONLY, UNSUPPORTED, CompletionCreate
+from app.core.errors import InvalidRequest
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 # As guidellm sends them for a fixed output length.
@@ -73,12 +74,38 @@ def test_bookkeeping_and_neutral_values_are_accepted(extra):  # type: ignore[no-
 
 @pytest.mark.parametrize(
     "extra",
-    [{"length_penalty": 1.2}, {"prompt_logprobs": 1}, {"echo": True}, {"use_beam_search": True}, {"n": 2}],
+    [{"length_penalty": 1.2}, {"prompt_logprobs": 1}, {"best_of": 2}, {"use_beam_search": True}, {"n": 17}],
 )
 def test_what_would_change_the_answer_is_refused(extra):  # type: ignore[no-untyped-def]
     with pytest.raises(ValidationError) as caught:
         CompletionCreate.model_validate({"prompt": "hi", **extra})
     assert next(iter(extra)) in str(caught.value)
+
+
+def test_chat_has_no_echo():  # type: ignore[no-untyped-def]
+    with pytest.raises(ValidationError, match="echo"):
+        ChatCompletionCreate.model_validate({"messages": [{"role": "user", "content": "hi"}], "echo": True})
+
+
+@pytest.mark.parametrize(
+    ("fields", "prompts"),
+    [
+        ({"prompt": "hi"}, ["hi"]),
+        ({"prompt": ["a", "b"]}, ["a", "b"]),
+        ({"prompt": [1, 2, 3]}, [[1, 2, 3]]),
+        ({"prompt": [[1, 2], [3]]}, [[1, 2], [3]]),
+    ],
+)
+def test_a_completions_prompts_strings_or_token_ids(fields, prompts):  # type: ignore[no-untyped-def]
+    assert CompletionCreate.model_validate(fields).prompts() == prompts
+
+
+@pytest.mark.parametrize("fields", [{"n": 2}, {"prompt": ["a", "b"]}, {"echo": True}])
+def test_one_job_of_a_request_for_several_choices_or_echo_is_refused(fields):  # type: ignore[no-untyped-def]
+    """A batch's line is one job: what asks for more (or for echo, which it would not show) is refused."""
+    request = CompletionCreate.model_validate({"prompt": "hi", **fields})
+    with pytest.raises(InvalidRequest, match=next(iter(fields))):
+        request.to_job()
 
 
 def test_the_compatibility_table_names_every_refused_field():

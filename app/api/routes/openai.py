@@ -1,14 +1,15 @@
 """OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models, built on the same jobs.
 
-A request becomes a job (JobService.submit: the same validation, admission and queues as /v1/jobs);
-the answer waits for the job's end, or streams its token events as OpenAI's chunks. Ids are the job's
-(`cmpl-<job id>`, `chatcmpl-<job id>`), so a completion can also be polled at /v1/jobs/<job id>.
+A request becomes a job per choice (JobService.submit: the same validation, admission and queues as
+/v1/jobs; app/api/openai_choices.py); the answer waits for the jobs' end, or streams their token
+events as OpenAI's chunks. Ids are the (first) job's (`cmpl-<job id>`, `chatcmpl-<job id>`), so a
+completion can also be polled at /v1/jobs/<job id>.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
-from sse_starlette.sse import EventSourceResponse
 
 from app.api import audit
 from app.api.auth import current_tenant
@@ -26,40 +26,33 @@ from app.api.deps import get_jobs, get_settings
 from app.api.openai_answers import (
     ChatCompletion,
     Completion,
-    CompletionUsage,
     ModelCard,
     ModelList,
     RoutePolicyCard,
 )
-from app.api.openai_replies import ChatReply, CompletionReply, Reply, TokenLogprobs, usage_of
+from app.api.openai_choices import (
+    DONE,
+    Choice,
+    JobCancelled,
+    JobExpired,
+    choices_of,
+    events_of,
+    merged,
+    stream,
+    submit_all,
+    wait_all,
+)
+from app.api.openai_replies import ChatReply, CompletionReply, Reply, TokenLogprobs
 from app.api.openai_schemas import CompletionCreate, OpenAIRequest
-from app.api.routes.inference import CLIENT_CLOSED, wait_unless_gone
-from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted, sse_data
+from app.api.routes.inference import CLIENT_CLOSED
+from app.api.routes.jobs import ERRORS, IDEMPOTENCY_KEY, STREAMED, SUBMIT_ERRORS, mark_submitted
 from app.api.service import JobService
-from app.api.streams import Slot
 from app.api.toolformats import ToolFormat
 from app.core import routing
 from app.core.config import Settings
-from app.core.errors import ConveyorError, InvalidRequest, JobFailed, ModelNotFound, Refused, SyncTimeout
-from app.core.jobs import JobStatus
+from app.core.errors import InvalidRequest, ModelNotFound
 
-DONE = "[DONE]"  # the last data line of an OpenAI stream
-
-
-class JobCancelled(ConveyorError):
-    """A synchronous OpenAI request whose job was cancelled (POST /v1/jobs/{id}/cancel) first."""
-
-    code = "cancelled"
-    status = 409
-
-
-class JobExpired(Refused):
-    """A synchronous OpenAI request whose job was not started within its timeout_s: the load did
-    not let it start in the time the client allowed, as when admission refuses it at once (429,
-    with the Retry-After every 429 carries)."""
-
-    code = "expired"
-    status = 429
+__all__ = ["DONE", "ChatReply", "CompletionReply", "JobCancelled", "JobExpired", "Reply", "router"]
 
 
 def error_type(status: int) -> str:
@@ -200,54 +193,45 @@ async def _answer(
     tenant: str,
     idempotency_key: str | None,
 ) -> BaseModel | Response:
-    """Submit the job; stream it, or wait for its end. A client that goes away first cancels it
-    (`cancel_on_disconnect`), as on /v1/inference."""
+    """Submit the request's jobs, one per choice (app/api/openai_choices.py); stream them, or wait
+    for their end. A client that goes away first cancels them (`cancel_on_disconnect`), as on
+    /v1/inference."""
     tool_format = None
     if isinstance(body, ChatCompletionCreate):  # before each message is converted (CPU per message)
         jobs.check_messages(len(body.messages))
         tool_format = await tool_format_of(jobs, body.model) if body.tool_mode != "none" else None
-        job = body.to_job(tool_format)
-    else:
-        job = body.to_job()
+    choices = choices_of(body, tool_format)
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
-    submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
-    job_id = submitted.record["id"]
-    logprobs = None
-    if job.logprobs is not None:  # the model's tokenizer names the tokens (loaded by the submit)
-        model = jobs.catalog.cached(submitted.record["model"])
-        tokenizer = model.tokenizer if model is not None else None
-        logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
-    if isinstance(body, ChatCompletionCreate) and tool_format is not None:
-        reply: Reply = ChatReply(
-            submitted.record,
-            logprobs,
-            token_ids=bool(body.return_token_ids),
-            tools=body.tool_use(tool_format),
-        )
-    else:
-        reply = reply_type(submitted.record, logprobs, token_ids=bool(body.return_token_ids))
-    read_tokens = logprobs is not None or reply.token_ids
+    made = await submit_all(jobs, choices, tenant=tenant, idempotency_key=idempotency_key)
+    replies = [
+        _reply(body, reply_type, jobs, s.record, c, tool_format) for s, c in zip(made, choices, strict=True)
+    ]
+    job_ids = [s.record["id"] for s in made]
     if slot is not None:
-        notes = audit.fields(request)
-        stream = _stream(
+        answer = stream(
             jobs,
-            job_id,
-            reply,
+            list(zip(job_ids, replies, strict=True)),
             settings,
+            n=body.n or 1,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
-            notes=notes,
+            notes=audit.fields(request),
             slot=slot,
         )
-        mark_submitted(request, stream, submitted, job)
-        return stream
-    mark_submitted(request, response, submitted, job)
-    record = await wait_unless_gone(request, jobs, job_id, settings)
-    if record is None:
+        for submitted, choice in zip(made, choices, strict=True):
+            mark_submitted(request, answer, submitted, choice.job)
+        return answer
+    for submitted, choice in zip(made, choices, strict=True):
+        mark_submitted(request, response, submitted, choice.job)
+    records = await wait_all(request, jobs, job_ids, settings)
+    if records is None:
         return Response(status_code=CLIENT_CLOSED)
-    audit.note_job(request, record)
-    _check_succeeded(record, settings)
-    return reply.whole(record, await jobs.token_events(job_id) if read_tokens else ())
+    answers = []
+    for reply, record in zip(replies, records, strict=True):
+        read = reply.logprobs is not None or reply.token_ids
+        tokens, prompt = await events_of(jobs, record["id"]) if read else ([], None)
+        answers.append(reply.whole(record, tokens, prompt))
+    return merged(answers, replies, records, body.n or 1)
 
 
 async def tool_format_of(jobs: JobService, name: str | None) -> ToolFormat:
@@ -267,92 +251,31 @@ async def tool_format_of(jobs: JobService, name: str | None) -> ToolFormat:
     return next(iter(formats.values()))
 
 
-def _check_succeeded(record: dict[str, str], settings: Settings) -> None:
-    job_id, status = record["id"], JobStatus(record["status"])
-    if not status.is_finished:
-        raise SyncTimeout(
-            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
-            job_id=job_id,
-        )
-    if status == JobStatus.SUCCEEDED:
-        return
-    error = json.loads(record.get("error") or "{}")
-    message = f"job {job_id} ended {status}: {error.get('message', 'no reason recorded')}"
-    if status == JobStatus.CANCELLED:
-        raise JobCancelled(message, job_id=job_id)
-    if status == JobStatus.EXPIRED:
-        raise JobExpired(message, retry_after_s=settings.retry_after_s, job_id=job_id)
-    raise JobFailed(message, job_id=job_id, reason=error.get("code"))
-
-
-def _stream(
+def _reply(
+    body: OpenAIRequest,
+    reply_type: type[Reply],
     jobs: JobService,
-    job_id: str,
-    reply: Reply,
-    settings: Settings,
-    *,
-    include_usage: bool,
-    continuous_usage: bool,
-    notes: dict[str, Any],
-    slot: Slot,
-) -> EventSourceResponse:
-    """OpenAI's stream: `data: <chunk>` lines, then `data: [DONE]`. A job that ends without a
-    completion (failed, cancelled, expired) sends `data: {"error": ...}` before `[DONE]`. With
-    `continuous_usage` (vLLM's `continuous_usage_stats`) every chunk carries the usage so far."""
-
-    def so_far(completion_tokens: int) -> CompletionUsage | None:
-        return reply.so_far(completion_tokens) if continuous_usage else None
-
-    def data(chunk: BaseModel | dict[str, Any]) -> dict[str, str]:
-        if isinstance(chunk, BaseModel):
-            return {"data": sse_data(chunk.model_dump_json())}
-        return {"data": sse_data(json.dumps(chunk, separators=(",", ":"), ensure_ascii=False))}
-
-    async def generate() -> AsyncIterator[dict[str, str]]:
-        if (first := reply.first(so_far(0))) is not None:
-            yield data(first)
-        record = None
-        held: list[dict[str, Any]] = []  # tokens whose text is not out yet: their logprobs wait with it
-        async for event in jobs.events(job_id, slot=slot):
-            if event.event == "token":
-                held.append(event.data)
-                if event.data.get("text"):
-                    chunk = reply.delta(event.data["text"], so_far(int(event.data["index"]) + 1), held)
-                    if chunk is not None:  # else the text is held back (a tool call's start)
-                        yield data(chunk)
-                        held = []
-            record = event.record  # the final event's: the job as it ended
-        if record is None:  # the stream ended without its final event (its stream was gone): read the job
-            record = await jobs.get(job_id, tenant=None)
-        audit.note_job(notes, record)
-        if record["status"] == JobStatus.SUCCEEDED:
-            usage = usage_of(record)
-            yield data(reply.last(record.get("finish_reason"), usage if continuous_usage else None, held))
-            if include_usage:
-                yield data(reply.usage(usage))
-        else:
-            yield data(_stream_error(record))
-        yield {"data": DONE}
-
-    async def disconnected(_: object) -> None:
-        jobs.cancel_soon(job_id, "the client disconnected")
-
-    return EventSourceResponse(
-        generate(),
-        ping=int(settings.sse_ping_s),
-        sep="\n",  # as OpenAI frames its stream
-        client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
-    )
+    record: dict[str, str],
+    choice: Choice,
+    tool_format: ToolFormat | None,
+) -> Reply:
+    """How one choice answers: its index, its logprobs named by the model's tokenizer (loaded by the
+    submit), echo's prompt text (a token-id prompt's decoded)."""
+    model = jobs.catalog.cached(record["model"])
+    tokenizer = model.tokenizer if model is not None else None
+    logprobs = None
+    if choice.job.logprobs is not None:
+        logprobs = TokenLogprobs(tokenizer, as_ids=body.return_tokens_as_token_ids or tokenizer is None)
+    echo = None
+    if isinstance(body, CompletionCreate) and body.echo and choice.prompt is not None:
+        echo = choice.prompt if isinstance(choice.prompt, str) else _decoded(tokenizer, choice.prompt)
+    if isinstance(body, ChatCompletionCreate) and tool_format is not None:
+        tools = body.tool_use(tool_format)
+        return ChatReply(
+            record, logprobs, token_ids=bool(body.return_token_ids), index=choice.index, tools=tools
+        )
+    return reply_type(record, logprobs, token_ids=bool(body.return_token_ids), index=choice.index, echo=echo)
 
 
-def _stream_error(record: dict[str, str]) -> dict[str, Any]:
-    error = json.loads(record.get("error") or "{}")
-    status = record["status"]
-    return {
-        "error": {
-            "code": error.get("code") or status,
-            "message": f"job {record['id']} ended {status}: {error.get('message', 'no reason recorded')}",
-            "type": "server_error" if status == JobStatus.FAILED else "invalid_request_error",
-            "details": {"job_id": record["id"], "status": status},
-        }
-    }
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids)) if tokenizer is not None else ""
