@@ -307,3 +307,29 @@ def test_each_choice_is_charged_and_a_request_over_the_budget_leaves_no_job(queu
     made = statuses(keys, redis)
     assert len(made) == 3, "three choices fitted the budget before the fourth was refused"
     assert eventually(lambda: set(statuses(keys, redis).values()) == {"cancelled"}), statuses(keys, redis)
+
+
+def test_each_choice_of_a_forced_tool_call_is_a_call(served):  # type: ignore[no-untyped-def]
+    """n=2 with a named function: each choice's answer is that call, with an id of its own."""
+    tool = {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+    }
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 3,
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "ping"}},
+        "max_tokens": 52,  # the tools' system prompt takes 460 of the tiny model's 512 positions
+        "ignore_eos": False,
+    }
+    choices = answer(served, "/v1/chat/completions", body, jobs=2)["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "ping" and json.loads(call["function"]["arguments"]) == {}
+    assert choices[0]["message"]["tool_calls"][0]["id"] != choices[1]["message"]["tool_calls"][0]["id"]
