@@ -23,7 +23,8 @@ from starlette.datastructures import Headers
 
 from app.api import audit
 from app.api.auth import Authenticator, JwtVerifier, key_digest, new_api_key
-from app.cli import api_command, uvicorn_options
+from app.cli import uvicorn_options
+from app.cli_up import api_command
 from app.core.config import Settings
 from app.core.errors import RateLimited, Unauthorized
 from app.core.keys import Keys
