@@ -17,8 +17,7 @@ from app.cli_models import add_or_exit
 from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
 
 if TYPE_CHECKING:
-    from app.launcher import Child, Supervisor
-    from app.stack import Only, Part
+    from app.launcher import Child
 
 
 def up(
@@ -101,8 +100,6 @@ def up(
     if run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned):
         _ensure_models(settings, models)  # the api tokenizes with it, the workers run it
     supervisor = Supervisor(env)
-    if settings.cpu_bind == "workers" and not settings.torch_threads:
-        _bind_cpus(supervisor, planned, selection)
     metrics: list[str] = []
     redis_process = None
     if settings.redis_url:
@@ -157,20 +154,6 @@ def up(
     raise typer.Exit(supervisor.run())
 
 
-def _bind_cpus(supervisor: Supervisor, planned: list[tuple[Part, Child]], selection: Only) -> None:
-    """Stage workers on CPUs of their own (`app.stack.bind_workers`), and this process on the rest
-    before it starts Redis, the api and the others, which run where it runs."""
-    from app.core.cpus import allowed, bind, format_cpus
-    from app.stack import bind_workers
-
-    rest = bind_workers(planned, selection, allowed())
-    if rest is None:
-        return
-    bind(rest)
-    bound = [f"{c.name} on {c.env['CONVEYOR_CPUS']}" for _, c in planned if "CONVEYOR_CPUS" in c.env]
-    supervisor.say(f"cpus    {', '.join(bound)}; the rest on {format_cpus(rest)} (CONVEYOR_CPU_BIND)")
-
-
 def _webhook_secrets(settings: Settings, env: dict[str, str], say: Callable[[str], None]) -> None:
     """Signing secrets for the children, made once under the home and kept across restarts: the
     secret of tenants without their own (receivers already trust it), and the master key each
@@ -201,7 +184,7 @@ def _refuse_ports_in_use(
         ports.append(("127.0.0.1", settings.flower_port, "Flower"))
     if settings.metrics_port:  # numbered as `up` hands them out
         ports += [
-            (settings.metrics_host, settings.metrics_port + n, f"metrics of {child.name}")
+            (settings.api_host, settings.metrics_port + n, f"metrics of {child.name}")
             for n, child in enumerate(children)
         ]
     problems = ports_in_use(ports)

@@ -7,8 +7,6 @@ docs/configuration.md is generated from those comments (`conveyor docs config`).
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.breaker import Policy as BreakerPolicy
 from app.core.cpus import parse_cpus
+from app.core.discovery import find_model, known_models, valid_model_name
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -29,51 +28,12 @@ EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/e
 # Its texts are truncated at this many tokens: sentence-transformers' max_seq_length for it
 # (sentence_bert_config.json).
 EMBEDDING_MAX_TOKENS = 256
-# A model's name: a directory name under the model home and a Redis key part, never a path.
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def pipeline_stages(model: str, *, stages: int, embedding_stages: int) -> int:
     """How many stages `model`'s pipeline has: the embeddings model its own count, every generation
     model `stages`. One answer for the API's admission and the batcher's census and monitor."""
     return embedding_stages if model == EMBEDDING_MODEL else stages
-
-
-def valid_model_name(name: str) -> bool:
-    """Whether `name` can name a model: no separators, no `..`, no leading dot (hidden, partial)."""
-    return MODEL_NAME.fullmatch(name) is not None and ".." not in name
-
-
-def find_model(name: str, *, models: Mapping[str, Path], model_home: Path) -> Path | None:
-    """Where the model called exactly `name` lives: an entry of `models` (CONVEYOR_MODELS), or a
-    directory of that name with a config.json in the model home; None otherwise. A name that cannot
-    name a model (a path, `..`, a trailing slash) is refused without touching the disk, and a
-    directory must be listed under that exact name (no case folding, no aliases)."""
-    if name in models:
-        return Path(models[name])
-    if not valid_model_name(name) or name not in _home_entries(model_home):
-        return None
-    candidate = model_home / name
-    return candidate if (candidate / "config.json").is_file() else None
-
-
-def known_models(*, models: Mapping[str, Path], model_home: Path) -> list[str]:
-    """Every model a request may name: configured (`models`), and added (or pulled) into the model
-    home."""
-    names = set(models)
-    names.update(
-        name
-        for name in _home_entries(model_home)
-        if valid_model_name(name) and (model_home / name / "config.json").is_file()
-    )
-    return sorted(names)
-
-
-def _home_entries(model_home: Path) -> list[str]:
-    try:
-        return os.listdir(model_home)
-    except OSError:  # no model home yet
-        return []
 
 
 class TenantLimits(BaseModel):
@@ -149,15 +109,14 @@ class BatcherSettings:
     stages: int
     embedding_stages: int
     batcher_max_pending: int
-    monitor_interval_s: float
     tenant_weights: Mapping[str, float]
     max_batch_size: int
     max_wait_s: float  # max_wait_ms
     length_buckets: tuple[int, ...]  # sorted
     aging_s: float
-    max_prefill_tokens: int | None  # None under request-level batching (batching=request)
+    max_prefill_tokens: int
     min_batch_size: int
-    max_running_sequences: int | None  # None under request-level batching
+    max_running_sequences: int
     replica_batches: int
     max_inflight_batches: int | None
     max_inflight_sequences: int | None
@@ -370,11 +329,9 @@ class Settings(BaseSettings):
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
     flower_port: int = 5555  # Flower's usual port
     # Prometheus metrics of a process other than the api (which serves them at /metrics on its own
-    # port): this port; None or 0: not served. `conveyor up` gives each child its own, upwards.
+    # port): this port, on api_host's address; None or 0: not served. `conveyor up` gives each child
+    # its own, upwards.
     metrics_port: int | None = 9100
-    metrics_host: str = (
-        "127.0.0.1"  # as api_host: 0.0.0.0 in containers, where Prometheus scrapes from outside
-    )
     flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
     # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
     # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
@@ -420,9 +377,6 @@ class Settings(BaseSettings):
     max_inflight_sequences: int | None = None
     # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
     length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
-    # continuous: a batch prefilled while another runs joins it at the next step (Orca, OSDI'22);
-    # request: every batch runs alone until its last sequence ends.
-    batching: Literal["continuous", "request"] = "continuous"
     # Sequences in one running batch, joiners included; past it a new batch runs on its own.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
@@ -434,15 +388,6 @@ class Settings(BaseSettings):
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
     # prefill waits behind. A longer prompt still goes, alone.
     max_prefill_tokens: int = Field(default=512, ge=1)
-    # A realtime or high prefill reaching a stage runs between two layers of the step in progress
-    # (which then goes on), instead of waiting for that step to end.
-    preempt_between_layers: bool = True
-    # An ordinary prefill that has run this long lets the decode steps waiting at its stage run
-    # between two of its layers, then goes on: a long prompt holds the running streams for about a
-    # slice, not its whole prefill (needs preempt_between_layers). 0 (the default): a prefill runs
-    # whole. Off by default: at saturation it cost throughput (docs/benchmarks.md, "A long prompt
-    # arriving while streams decode"); 100 suits long prompts beside streaming clients.
-    prefill_slice_ms: float = Field(default=0.0, ge=0)
     # At most this many intake entries held by the batcher at once (the rest wait in Redis).
     batcher_max_pending: int = 1024
 
@@ -459,8 +404,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Decode steps captured as CUDA graphs (docs/models.md, "Captured decode steps"): auto does it
     # on a GPU and runs a CPU's eagerly (there the fixed layout measured slower); graphs (refused
-    # without a GPU) and off (or 0) choose. Prefill always runs eagerly.
-    compile: Literal["auto", "graphs", "off", "0", "1"] = "auto"
+    # without a GPU) and off choose. Prefill always runs eagerly.
+    compile: Literal["auto", "graphs", "off"] = "auto"
     # Prefix caching (docs/models.md, "Prefix caching"): each stage keeps the keys and values of the
     # prompts it prefilled, in whole blocks of 16 tokens, and a later prompt that starts with the same
     # tokens (a chat template's system prompt) computes only the rest. MiB per stage worker, least
@@ -470,14 +415,8 @@ class Settings(BaseSettings):
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
     torch_threads: int | None = None
-    # workers: `conveyor up`, when it shares the cores (CONVEYOR_TORCH_THREADS unset), binds each
-    # stage worker it starts to CPUs of its own, the first ones, and the api, the batcher, Redis and
-    # the other processes to the rest, as vLLM binds its model's threads (skipped where the workers'
-    # threads do not fit beside one CPU left over). none: every process runs wherever the OS puts
-    # it. Measured within noise on a 2-core machine (docs/benchmarks.md, "Against vLLM").
-    cpu_bind: Literal["none", "workers"] = "none"
     # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
-    # it. `conveyor up` sets it for the workers it binds; a CPU this process may not use is refused.
+    # it. A CPU this process may not use is refused.
     cpus: str = ""
     heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
     heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
@@ -501,7 +440,6 @@ class Settings(BaseSettings):
     # Well above the slowest step (a 32 x 2048 prefill on a CPU takes seconds).
     stall_timeout_s: float = 30.0
     max_attempts: int = 3  # runs of one job (first run included) before it fails as worker_lost
-    monitor_interval_s: float = 1.0  # how often the batcher looks for stalled jobs
 
     # Record lifetimes: a job's record and event stream live this long from its submit while it runs
     # (a day: longer than any job waits and runs).
@@ -528,9 +466,7 @@ class Settings(BaseSettings):
     # arrow+zstd / arrow+lz4: Arrow IPC with its buffers compressed, byte-exact, fewer bytes on the wire.
     stage_codec: Literal["raw", "arrow", "arrow+zstd", "arrow+lz4", "zfp"] = "raw"
     stage_transport_dtype: Literal["float16", "bfloat16"] | None = None  # unset: the model's dtype
-    stage_zfp_tolerance: float = 1e-2  # absolute error bound when the codec is zfp
     claim_check_bytes: int = 32 * 1024  # measured break-even of inline vs by reference: 18 to 37 KB
-    claim_ttl_s: float = 3600.0  # as long as the broker's visibility timeout
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
@@ -761,21 +697,19 @@ class Settings(BaseSettings):
 
     @cached_property
     def batcher(self) -> BatcherSettings:
-        continuous = self.batching == "continuous"
         return BatcherSettings(
             namespace=self.namespace,
             stages=self.stages,
             embedding_stages=self.embedding_stages,
             batcher_max_pending=self.batcher_max_pending,
-            monitor_interval_s=self.monitor_interval_s,
             tenant_weights=MappingProxyType(dict(self.tenant_weights)),
             max_batch_size=self.max_batch_size,
             max_wait_s=self.max_wait_ms / 1000.0,
             length_buckets=tuple(sorted(self.length_buckets)),
             aging_s=self.aging_s,
-            max_prefill_tokens=self.max_prefill_tokens if continuous else None,
+            max_prefill_tokens=self.max_prefill_tokens,
             min_batch_size=self.min_batch_size,
-            max_running_sequences=self.max_running_sequences if continuous else None,
+            max_running_sequences=self.max_running_sequences,
             replica_batches=self.replica_batches,
             max_inflight_batches=self.max_inflight_batches,
             max_inflight_sequences=self.max_inflight_sequences,

@@ -308,7 +308,7 @@ def run_dispatcher(settings: Settings) -> None:
     def send(message: dict[str, Any]) -> None:
         send_delivery(celery, message, queue)
 
-    metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.metrics_host)
+    metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.api_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

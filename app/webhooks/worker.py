@@ -52,7 +52,7 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     register_deliver_task(app, Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets))
     for name in ("celery.app.trace", "celery.worker.strategy", "httpx"):  # each attempt is logged in Redis
         logging.getLogger(name).setLevel(logging.WARNING)
-    metrics.serve(settings.metrics_port, "callbacks worker", settings.metrics_host)
+    metrics.serve(settings.metrics_port, "callbacks worker", settings.api_host)
     log.info("callbacks worker on %s, %d threads", keys.callbacks_queue(), hooks.concurrency)
     app.worker_main(
         [

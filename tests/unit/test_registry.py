@@ -14,7 +14,8 @@ from transformers import BertConfig
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.core.config import Settings, valid_model_name
+from app.core.config import Settings
+from app.core.discovery import valid_model_name
 from app.core.errors import InvalidRequest, UnsupportedModel
 from app.core.gguf import read_gguf_header
 from app.core.modelstore import Manifest, registered_dtype
