@@ -107,7 +107,7 @@ def _tenant_webhook_secret(
     False when no master key is known (the tenant stays on the shared secret)."""
     from app.webhooks import signing
 
-    master = settings.webhook_master_key
+    master = settings.webhook.master_key
     if not master and master_key_file(settings).exists():  # the one `conveyor up` made
         master = master_key_file(settings).read_text().strip()
     if not master:

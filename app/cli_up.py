@@ -160,11 +160,11 @@ def _webhook_secrets(settings: Settings, env: dict[str, str], say: Callable[[str
     tenant's own secret is derived from."""
     from app.webhooks.signing import ensure_secret_file
 
-    if not settings.webhook_secrets:
+    if not settings.webhook.secrets:
         secret_file = settings.home / "webhook_secret"
         env["CONVEYOR_WEBHOOK_SECRETS"] = json.dumps([ensure_secret_file(secret_file)])
         say(f"webhooks are signed with the secret in {secret_file}")
-    if not settings.webhook_master_key:
+    if not settings.webhook.master_key:
         env["CONVEYOR_WEBHOOK_MASTER_KEY"] = ensure_secret_file(master_key_file(settings))
         say(f"tenants' own webhook secrets derive from the key in {master_key_file(settings)}")
 

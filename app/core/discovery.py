@@ -9,6 +9,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/embedding.py)
+# Its texts are truncated at this many tokens: sentence-transformers' max_seq_length for it
+# (sentence_bert_config.json).
+EMBEDDING_MAX_TOKENS = 256
 # A model's name: a directory name under the model home and a Redis key part, never a path.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.core.grammar import Grammar
 from app.core.jobs import (
@@ -39,9 +39,6 @@ from app.core.jobs import (
 from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA
 from app.core.keys import PRIORITIES, Keys
 from app.core.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from app.core.config import Settings
 
 S = JobStatus
 
@@ -214,18 +211,12 @@ EVENTS_BESIDE_TOKENS = 16
 
 @dataclass(frozen=True)
 class Lifetimes:
-    """How long a job's record and stream live, and how long its stream may grow."""
+    """How long a job's record and stream live, and how long its stream may grow
+    (`Settings.lifetimes`)."""
 
     ttl_s: int  # while the job is live
     ended_ttl_s: int  # once it has ended
     stream_maxlen: int
-
-    @classmethod
-    def of(cls, settings: Settings) -> Lifetimes:
-        """A job's lifetimes as the settings make them: derived here once, for the API, the batcher
-        and the workers alike."""
-        maxlen = settings.max_tokens_limit + EVENTS_BESIDE_TOKENS
-        return cls(ttl_s=settings.job_ttl_s, ended_ttl_s=settings.ended_job_ttl_s, stream_maxlen=maxlen)
 
 
 def _end_call(

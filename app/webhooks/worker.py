@@ -36,7 +36,7 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     refuse_known_secrets(settings)
     url = settings.redis_url or ""
     keys = Keys(settings.namespace)
-    hooks = settings.webhooks
+    hooks = settings.webhook
     redis = sync_client(url)
     secrets = TenantSecrets(  # a malformed secret stops the worker here, loudly
         hooks.secrets,
@@ -49,7 +49,10 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
         raise SystemExit("no webhook secret: set CONVEYOR_WEBHOOK_SECRETS (`conveyor up` makes one)")
     app = create_celery_app(settings, url)
     guard = Guard(hooks.allow_cidrs)
-    register_deliver_task(app, Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets))
+    register_deliver_task(
+        app,
+        Deliverer(redis, keys, settings.webhook, guard=guard, secrets=secrets, job_ttl_s=settings.job_ttl_s),
+    )
     for name in ("celery.app.trace", "celery.worker.strategy", "httpx"):  # each attempt is logged in Redis
         logging.getLogger(name).setLevel(logging.WARNING)
     metrics.serve(settings.metrics_port, "callbacks worker", settings.api_host)

@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.core.cpus import allowed, format_cpus
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
-from app.core.jobstore import JobStore, Lifetimes
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
 from app.core.protocol import StepMessage
@@ -139,7 +139,7 @@ def run_worker(
             redis,
             keys,
             jobs,
-            life=Lifetimes.of(settings),
+            life=settings.lifetimes,
             outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
         ),
         redis=redis,
@@ -152,9 +152,9 @@ def run_worker(
         max_kv_positions=settings.max_batch_kv_positions,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
         codec=CodecSpec(
-            settings.stage_codec,
-            settings.stage_transport_dtype,
-            tolerance=ZFP_TOLERANCE if settings.stage_codec == "zfp" else None,
+            settings.stage.codec,
+            settings.stage.transport_dtype,
+            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
         ),
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
