@@ -1,5 +1,7 @@
 """`conveyor up`: start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers,
-the webhook processes and Flower under one supervisor (`app/launcher.py`), as `app/stack.py` plans them."""
+the webhook processes and Flower under one supervisor (`app/launcher.py`). `plan_stack` decides what
+runs here and with which environment (the processes: `app/stack.py`) before anything starts;
+`launch` starts it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,11 +46,54 @@ def up(
     ] = None,
 ) -> None:
     """Start Redis (embedded unless REDIS_URL is set), the api, the batcher, the workers and Flower."""
-    from app.core.redis import ensure_password, password_file, redacted, start_embedded, wait_for_redis
-    from app.launcher import Child, Supervisor, die_with_parent
-    from app.stack import Only, Part, flower_child, flower_login, passwordless_remote_redis, processes
+    stack = plan_stack(
+        stages=stages,
+        replicas=replicas,
+        plan=plan,
+        flower=flower,
+        models=model or [],
+        only=only or [],
+        certfile=ssl_certfile,
+        keyfile=ssl_keyfile,
+    )
+    raise typer.Exit(launch(stack))
 
-    api_argv = api_command([sys.executable, "-m", "app.cli"], ssl_certfile, ssl_keyfile)
+
+@dataclass
+class StackPlan:
+    """What `conveyor up` starts on this host, decided before anything starts (`plan_stack`);
+    `launch` starts it."""
+
+    settings: Settings
+    env: dict[str, str]  # every child's environment; REDIS_URL joins it once Redis is known
+    api_argv: list[str]
+    children: list[Child]  # every process but the api, Redis and Flower
+    models: list[str]  # the generation models served, the default first
+    run_api: bool
+    run_redis: bool
+    run_flower: bool
+    run_callbacks: bool
+    needs_models: bool  # the api or a stage worker runs here: the model files must be present
+    https: bool
+
+
+def plan_stack(
+    *,
+    stages: int | None,
+    replicas: int | None,
+    plan: Path | None,
+    flower: bool | None,
+    models: list[str],
+    only: list[str],
+    certfile: Path | None,
+    keyfile: Path | None,
+) -> StackPlan:
+    """The settings, the children and their environment for `up`'s options; refuses (typer's
+    BadParameter, or an exit) what cannot run, before anything starts."""
+    from app.core.redis import redacted
+    from app.stack import Only, Part, passwordless_remote_redis, processes
+
+    api_argv = api_command([sys.executable, "-m", "app.cli"], certfile, keyfile)
     if plan is not None:
         from app.partitions.planner import Plan
 
@@ -65,21 +111,21 @@ def up(
             "(redis://:PASSWORD@host:6379/0), or set CONVEYOR_ALLOW_PASSWORDLESS_REDIS=true for a Redis "
             "protected otherwise"
         )
-    models = served_models(settings, model or [])
-    if plan is not None and len(models) > 1:
+    served = served_models(settings, models)
+    if plan is not None and len(served) > 1:
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
     # Every child learns which models this stack serves: the api lists them (and only them) and
     # refuses the rest; the first is the default of requests that name none.
-    env["CONVEYOR_DEFAULT_MODEL"] = models[0]
-    env["CONVEYOR_SERVED_MODELS"] = json.dumps(models + _embedding_model(settings))
+    env["CONVEYOR_DEFAULT_MODEL"] = served[0]
+    env["CONVEYOR_SERVED_MODELS"] = json.dumps(served + _embedding_model(settings))
     if settings.plan_file is not None:
         env["CONVEYOR_PLAN_FILE"] = str(settings.plan_file.resolve())
     me = [sys.executable, "-m", "app.cli"]
     try:
-        selection = Only.parse(only or [])
-        planned = processes(settings, models, me, selection)
+        selection = Only.parse(only)
+        planned = processes(settings, served, me, selection)
         if settings.redis_url and not selection.everything and selection.wants(Part("redis")):
             raise ValueError("redis names the embedded Redis, which REDIS_URL replaces: leave it out")
         services = [
@@ -96,9 +142,33 @@ def up(
         raise typer.BadParameter(
             "without redis, set REDIS_URL to the Redis the other hosts use", param_hint="--only"
         )
-    _refuse_ports_in_use(settings, children, api=run_api, redis=run_redis, flower=run_flower)
-    if run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned):
-        _ensure_models(settings, models)  # the api tokenizes with it, the workers run it
+    return StackPlan(
+        settings=settings,
+        env=env,
+        api_argv=api_argv,
+        children=children,
+        models=served,
+        run_api=run_api,
+        run_redis=run_redis,
+        run_flower=bool(run_flower),
+        run_callbacks=selection.wants(Part("callbacks")),
+        needs_models=run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned),
+        https=certfile is not None,
+    )
+
+
+def launch(stack: StackPlan) -> int:
+    """Start what `stack` plans: Redis (or wait for REDIS_URL's), the webhook secrets, then every
+    child under one supervisor; its exit status once everything has stopped."""
+    from app.core.redis import ensure_password, password_file, redacted, start_embedded, wait_for_redis
+    from app.launcher import Child, Supervisor, die_with_parent
+    from app.stack import flower_child, flower_login
+
+    settings, env, children = stack.settings, stack.env, stack.children
+    run_api, run_flower = stack.run_api, stack.run_flower
+    _refuse_ports_in_use(settings, children, api=run_api, redis=stack.run_redis, flower=run_flower)
+    if stack.needs_models:
+        _ensure_models(settings, stack.models)  # the api tokenizes with it, the workers run it
     supervisor = Supervisor(env)
     metrics: list[str] = []
     redis_process = None
@@ -124,13 +194,13 @@ def up(
         data = settings.home / "redis"
         supervisor.say(f"started embedded Redis at {redacted(url)} (password in {secret}, data in {data})")
     env["REDIS_URL"] = url
-    if run_api or selection.wants(Part("callbacks")):  # on several hosts: set the secrets on each
+    if run_api or stack.run_callbacks:  # on several hosts: set the secrets on each
         _webhook_secrets(settings, env, supervisor.say)
     if redis_process is not None:
         supervisor.add(Child("redis", [], restart=False), redis_process)
 
     if run_api:
-        supervisor.add(Child("api", api_argv))  # its metrics are on its own port, at /metrics
+        supervisor.add(Child("api", stack.api_argv))  # its metrics are on its own port, at /metrics
     for n, child in enumerate(children):  # every other process: one metrics port each, upwards
         if settings.metrics_port:
             child.env["CONVEYOR_METRICS_PORT"] = str(settings.metrics_port + n)
@@ -138,7 +208,7 @@ def up(
         supervisor.add(child)
     if run_flower:
         supervisor.add(flower_child(settings, url, flower_login(settings, supervisor.say)))
-    scheme = "https" if ssl_certfile else "http"
+    scheme = "https" if stack.https else "http"
     if run_api:
         supervisor.say(f"api     {scheme}://{settings.api_host}:{settings.api_port}  (docs at /docs)")
     if run_api and settings.auth == "none":
@@ -151,7 +221,7 @@ def up(
     if metrics:
         supervisor.say("metrics " + ", ".join(metrics) + (" (and the api's /metrics)" if run_api else ""))
     supervisor.say("Ctrl-C stops everything")
-    raise typer.Exit(supervisor.run())
+    return supervisor.run()
 
 
 def _webhook_secrets(settings: Settings, env: dict[str, str], say: Callable[[str], None]) -> None:
