@@ -21,12 +21,11 @@ import ipaddress
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from app.core.config import Settings
-from app.core.cpus import format_cpus
 from app.core.redis import ensure_password
 from app.launcher import Child
 
@@ -205,24 +204,3 @@ def _share_cores(planned: list[tuple[Part, Child]], only: Only, cores: int) -> N
     for part, child in here:
         if part.kind in ("stage", "embed"):
             child.env["CONVEYOR_TORCH_THREADS"] = str(per_stage if part.kind == "stage" else per_embed)
-
-
-def bind_workers(planned: list[tuple[Part, Child]], only: Only, cpus: Sequence[int]) -> list[int] | None:
-    """Give each stage worker this host starts CPUs of its own, as many as its torch threads, the
-    first of `cpus` (vLLM's CPU backend binds its model's threads to the first cores too), and
-    return the CPUs left to everything else: `conveyor up` itself, and so the api, the batcher,
-    Redis, the webhook processes and the embeddings workers (small, idle unless asked).
-
-    None, and no worker bound, where the workers' threads are not all known (the operator set
-    CONVEYOR_TORCH_THREADS) or do not fit beside one CPU left over: two stages on two cores share
-    them as the OS decides, which keeps both stages of a pipeline busy at once.
-    """
-    workers = [child for part, child in planned if part.kind == "stage" and only.wants(part)]
-    threads = [int(child.env.get("CONVEYOR_TORCH_THREADS", "0")) for child in workers]
-    if not workers or 0 in threads or sum(threads) > len(cpus) - 1:
-        return None
-    start = 0
-    for child, count in zip(workers, threads, strict=True):
-        child.env["CONVEYOR_CPUS"] = format_cpus(cpus[start : start + count])
-        start += count
-    return list(cpus[start:])

@@ -241,11 +241,10 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
     for system in args.systems.split(","):
         if system == "conveyor":
             for stages in (int(s) for s in args.stages.split(",")):
-                for threads, bind in itertools.product(args.threads.split(","), args.cpu_bind.split(",")):
+                for threads in args.threads.split(","):
                     name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
                     name += "" if threads == "auto" else f" (torch threads {threads})"
-                    name += "" if bind == "none" else f" (CONVEYOR_CPU_BIND={bind})"
-                    settings = {"CONVEYOR_STAGES": str(stages), "CONVEYOR_CPU_BIND": bind}
+                    settings = {"CONVEYOR_STAGES": str(stages)}
                     settings |= {} if threads == "auto" else {"CONVEYOR_TORCH_THREADS": threads}
                     chosen.append((name, conveyor(name, workdir, settings)))
         elif system == "vllm":
@@ -270,11 +269,6 @@ def main() -> None:
         default="last",
         help="CPUs the load's clients run on: last (the last CPU, the one both systems keep for their "
         "servers: vLLM's reserved core, Conveyor's api and Redis), a list like 1 or 2-3, or any",
-    )
-    parser.add_argument(
-        "--cpu-bind",
-        default="none",
-        help="Conveyor CPU bindings to run (CONVEYOR_CPU_BIND), e.g. none,workers",
     )
     parser.add_argument("--rounds", type=int, default=1, help="the systems take turns this many times")
     parser.add_argument("--no-write", action="store_true")

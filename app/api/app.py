@@ -101,7 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
                 log.info("submits are answered once on disk (%s)", mode)
             # How this API serves, for `conveyor keys create` to read (app/api/authmode.py).
             recorder = await start_recording(redis, keys, settings.auth)
-            app.state.batches = BatchStore(redis, keys, ttl_s=settings.batch_file_ttl_s)  # Batch API
+            app.state.batches = BatchStore(redis, keys, ttl_s=settings.batch.file_ttl_s)  # Batch API
             feeder = BatchFeeder(settings, jobs, app.state.batches)
             feeding = asyncio.create_task(feeder.run())
             yield
@@ -124,7 +124,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     errors.install(app)
     # A batch input file has its own limit (and multipart's few hundred bytes around it).
-    uploads = {"/v1/files": settings.batch_file_max_bytes + 64 * 1024}
+    uploads = {"/v1/files": settings.batch.file_max_bytes + 64 * 1024}
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, paths=uploads)
     # Another Host is refused before the body is read (DNS rebinding: app/api/hosts.py).
     app.add_middleware(HostMiddleware, allowed=settings.allowed_hosts)

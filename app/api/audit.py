@@ -119,7 +119,7 @@ class AuditMiddleware:
             at=at,
             duration_s=duration_s,
             status=status,
-            with_prompt=settings.audit_prompts,
+            with_prompt=settings.audit.prompts,
         )
         AUDIT.info(json.dumps(line, separators=(",", ":"), ensure_ascii=False))
         redis = getattr(state, "redis", None)
@@ -129,9 +129,9 @@ class AuditMiddleware:
             stream = {k: v if isinstance(v, str) else json.dumps(v) for k, v in line.items()}
             keys = Keys(settings.namespace)
             if line["tenant"]:
-                name, maxlen = keys.audit(), settings.audit_maxlen
+                name, maxlen = keys.audit(), settings.audit.maxlen
             else:
-                name, maxlen = keys.audit_unauthenticated(), settings.audit_unauthenticated_maxlen
+                name, maxlen = keys.audit_unauthenticated(), settings.audit.unauthenticated_maxlen
             await redis.xadd(name, stream, maxlen=maxlen, approximate=True)
         except Exception as exc:  # the request has been answered; the JSON line above still holds it
             log.warning("audit entry not written to Redis: %s: %s", type(exc).__name__, exc)

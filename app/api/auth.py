@@ -97,7 +97,7 @@ class JwtVerifier:
     `settings`: `Settings.authenticator`."""
 
     def __init__(self, settings: AuthenticatorSettings) -> None:
-        algorithms = list(settings.jwt_algorithms)
+        algorithms = list(settings.jwt.algorithms)
         if not algorithms or any(a.lower() == "none" for a in algorithms):
             raise ValueError("CONVEYOR_JWT_ALGORITHMS must name signing algorithms, never 'none'")
         asymmetric = {a.startswith(ASYMMETRIC) for a in algorithms}
@@ -105,23 +105,23 @@ class JwtVerifier:
             raise ValueError(
                 "CONVEYOR_JWT_ALGORITHMS mixes HMAC and public-key algorithms; one key cannot serve both"
             )
-        text = settings.jwt_key
-        if text is None and settings.jwt_key_file is not None:
-            text = read_key_file(settings.jwt_key_file)
+        text = settings.jwt.key
+        if text is None and settings.jwt.key_file is not None:
+            text = read_key_file(settings.jwt.key_file)
         if not text:
             raise ValueError("no JWT key: set CONVEYOR_JWT_KEY or CONVEYOR_JWT_KEY_FILE")
-        if not settings.jwt_audience:
+        if not settings.jwt.audience:
             raise ValueError(
                 "CONVEYOR_JWT_AUDIENCE is required with a JWT key: tokens must name this API in `aud`, "
                 "or a token issued for any other service of the identity provider would be accepted"
             )
         self.key: Any = _public_key(text) if asymmetric == {True} else _secret(text)
         self.algorithms = algorithms
-        self.audience = settings.jwt_audience
-        self.issuer = settings.jwt_issuer
-        self.leeway = settings.jwt_leeway_s
-        self.max_lifetime = settings.jwt_max_lifetime_s
-        self.claims = list(settings.jwt_tenant_claims)
+        self.audience = settings.jwt.audience
+        self.issuer = settings.jwt.issuer
+        self.leeway = settings.jwt.leeway_s
+        self.max_lifetime = settings.jwt.max_lifetime_s
+        self.claims = list(settings.jwt.tenant_claims)
         self.required = ["exp", "iat", "aud"] + (["iss"] if self.issuer else [])
 
     def tenant(self, token: str) -> str:
@@ -188,7 +188,7 @@ class Authenticator:
         self.keys = keys
         self.open = settings.auth == "none"
         self.settings_keys = dict(settings.api_keys)
-        configured = settings.jwt_key is not None or settings.jwt_key_file is not None
+        configured = settings.jwt.key is not None or settings.jwt.key_file is not None
         if self.open and (self.settings_keys or configured):
             raise ValueError(
                 "CONVEYOR_AUTH=none serves everyone as 'anonymous', yet API keys or a JWT key are "

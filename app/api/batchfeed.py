@@ -168,7 +168,7 @@ class BatchFeeder:
         self._renew = self.redis.register_script(RENEW_LUA)
         self._release = self.redis.register_script(RELEASE_LUA)
         self._stopping = asyncio.Event()
-        self.retries = RetryQueue(self.redis, self.keys, max_per_tenant=settings.webhooks.tenant_max_retries)
+        self.retries = RetryQueue(self.redis, self.keys, max_per_tenant=settings.webhook.tenant_max_retries)
 
     async def run(self) -> None:
         """Pass after pass while this process holds the lease, until `stop`; never dies on one bad
@@ -181,7 +181,7 @@ class BatchFeeder:
                 except Exception:
                     log.warning("batch feeder pass failed", exc_info=True)
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.settings.batch_feed_interval_s)
+                    await asyncio.wait_for(self._stopping.wait(), self.settings.batch.feed_interval_s)
         finally:
             with suppress(Exception):
                 await asyncio.shield(self._release(keys=[self.keys.batch_feeder()], args=[self.owner]))
@@ -228,7 +228,7 @@ class BatchFeeder:
             public = BatchPublic.of(record).model_dump(mode="json")
             now = time.time()
             event = batch_end_event(public, at=now)
-            message = event.message(record["callback_url"], record["tenant"])
+            message = event.message(record["announce_url"], record["tenant"])
             if await self.retries.schedule_async(message, due=now):
                 await self.store.announced(batch_id)
             else:
@@ -236,7 +236,7 @@ class BatchFeeder:
 
     async def _room(self) -> int:
         depth = int(await self.redis.xlen(self.keys.intake("batch")))
-        return int(self.settings.queue_depth_limit * self.settings.batch_feed_share) - depth
+        return int(self.settings.queue_depth_limit * self.settings.batch.feed_share) - depth
 
     async def _step(self, batch: dict[str, str], room: int) -> int:
         """Advance one batch; the lines it fed."""
@@ -293,8 +293,8 @@ class BatchFeeder:
         numbered = [(n, t) for n, t in enumerate(text.splitlines(), 1) if t.strip()]
         if not numbered:
             return [], [{"code": "empty_file", "message": "the input file has no lines", "line": None}]
-        if len(numbered) > self.settings.batch_file_max_lines:
-            limit = self.settings.batch_file_max_lines
+        if len(numbered) > self.settings.batch.file_max_lines:
+            limit = self.settings.batch.file_max_lines
             return [], [{"code": "too_many_lines", "message": f"at most {limit} lines", "line": None}]
         for number, line in numbered:
             try:

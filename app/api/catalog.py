@@ -1,7 +1,7 @@
 """The models the API can accept jobs for: tokenizer, chat template and context length of each.
 
 A model is named exactly: a CONVEYOR_MODELS entry or a directory in the model home, by its own name
-(`find_model` in app/core/config.py), and, under `conveyor up`, one of the models it serves.
+(`find_model` in app/core/discovery.py), and, under `conveyor up`, one of the models it serves.
 Anything else is 404 `model_not_found` before a file is read, so the catalog holds at most one entry
 per known model: an alias (`name/`, `./name`, an absolute path) can neither load a second tokenizer
 nor queue jobs for a pipeline no worker reads.

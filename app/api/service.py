@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -17,6 +16,14 @@ from fastapi.concurrency import run_in_threadpool
 
 from app.api.auth import ANONYMOUS
 from app.api.catalog import Catalog, ModelInfo
+from app.api.checks import (
+    check_embeddings,
+    check_entitled,
+    check_messages,
+    checked_request,
+    digest,
+    idempotency_digest,
+)
 from app.api.events import EventHub
 from app.api.prompts import PromptEncoder
 from app.api.schemas import JobCreate
@@ -32,16 +39,12 @@ from app.core.errors import (
     JobFailed,
     JobFinished,
     JobNotFound,
-    MaxTokensExceeded,
-    ModelNotFound,
-    NotServed,
-    PriorityNotAllowed,
     SyncTimeout,
 )
 from app.core.follow import Event, follow, is_over
 from app.core.jobs import JobStatus
 from app.core.jobstore import JobRecord, JobRequest
-from app.core.keys import PRIORITIES, PRIORITY_ALIASES, Keys
+from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.core.sampling import SamplingParams
 from app.webhooks.intake import CallbackIntake
@@ -49,7 +52,6 @@ from app.webhooks.intake import CallbackIntake
 log = logging.getLogger(__name__)
 
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
-MAX_IDEMPOTENCY_KEY = 255
 # Drop an Idempotency-Key only if it still names the job it named when read (compare and delete).
 FORGET_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -87,16 +89,16 @@ class JobService:
         work (loading a tokenizer, tokenizing, resolving a callback's host), then admit
         (app/core/admission.py) and queue a job owned by `tenant`; with an Idempotency-Key (scoped
         to the tenant), the job that key already named (same body) instead of a new one."""
-        self._check_entitled(tenant, request.priority)
+        check_entitled(self.settings, tenant, request.priority)
         idempotency = None
         if idempotency_key is not None:
-            idempotency = (_key_digest(tenant, idempotency_key), _digest(request.model_dump_json()))
+            idempotency = (idempotency_digest(tenant, idempotency_key), digest(request.model_dump_json()))
             held = await self.redis.get(self.keys.idempotency(idempotency[0]))
             if held is not None:
                 replayed = await self._replay(held, idempotency, tenant)
                 if replayed is not None:
                     return replayed
-        max_tokens, stop = self._checked(request)
+        max_tokens, stop = checked_request(self.settings, request)
         quota = await self.ratelimit.take(tenant, tokens=max_tokens)
         try:
             written = await self._prepare_and_write(
@@ -113,36 +115,13 @@ class JobService:
             metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
         return Submitted(written, quota=quota)
 
-    def _checked(self, request: JobCreate) -> tuple[int, list[str]]:
-        """What costs nothing to check: timeout_s, max_tokens, min_tokens, the stop strings; the job's
-        max_tokens (the default filled in) and stop strings."""
-        if request.timeout_s is not None and request.timeout_s > self.settings.max_timeout_s:
-            raise InvalidRequest(
-                f"timeout_s is {request.timeout_s:g}, over the limit of {self.settings.max_timeout_s:g}",
-                limit=self.settings.max_timeout_s,
-            )
-        max_tokens = request.max_tokens or self.settings.default_max_tokens
-        if max_tokens > self.settings.max_tokens_limit:
-            raise MaxTokensExceeded(
-                f"max_tokens is {max_tokens}, over the limit of {self.settings.max_tokens_limit}",
-                limit=self.settings.max_tokens_limit,
-            )
-        if request.min_tokens > max_tokens:
-            raise InvalidRequest(
-                f"min_tokens is {request.min_tokens}, over max_tokens ({max_tokens})", limit=max_tokens
-            )
-        stop = request.stop_list()
-        self._check_stop(stop)
-        self.check_messages(len(request.messages or ()))
-        return max_tokens, stop
-
     async def submit_line(self, request: JobCreate, *, tenant: str, job_id: str, deadline: float) -> bool:
         """A batch's line as a job (app/api/batchfeed.py): the submit path, gates and write included,
         without the tenant's rate limits (a batch is bounded by its file, and fed as the batch class
         has room), with the id the line's place gives it and the batch's window as its deadline.
         False when a job with that id exists already (the line was fed before): nothing is written."""
-        self._check_entitled(tenant, request.priority)
-        max_tokens, stop = self._checked(request)
+        check_entitled(self.settings, tenant, request.priority)
+        max_tokens, stop = checked_request(self.settings, request)
         written = await self._prepare_and_write(
             request, tenant=tenant, max_tokens=max_tokens, stop=stop, idempotency=None, job=(job_id, deadline)
         )
@@ -383,38 +362,9 @@ class JobService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _check_entitled(self, tenant: str, priority: str) -> None:
-        """Refuse a class the tenant may not submit to (CONVEYOR_TENANT_PRIORITIES), before any work."""
-        allowed = self.settings.allowed_priorities(tenant)
-        wanted = PRIORITY_ALIASES.get(priority, priority)
-        if allowed is not None and wanted not in allowed:
-            raise PriorityNotAllowed(
-                f"tenant {tenant!r} may not submit {priority} jobs; allowed: "
-                f"{[p for p in PRIORITIES if p in allowed]}",
-                priority=priority,
-                allowed=[p for p in PRIORITIES if p in allowed],
-            )
-
     def check_messages(self, count: int) -> None:
         """Refuse a chat of more than `max_chat_messages` messages (422), before any work on them."""
-        if count > self.settings.max_chat_messages:
-            raise InvalidRequest(
-                f"the chat has {count} messages, over the limit of {self.settings.max_chat_messages}",
-                limit=self.settings.max_chat_messages,
-                messages=count,
-            )
-
-    def _check_stop(self, stop: list[str]) -> None:
-        if len(stop) > self.settings.max_stop_strings:
-            raise InvalidRequest(
-                f"at most {self.settings.max_stop_strings} stop strings are allowed",
-                limit=self.settings.max_stop_strings,
-            )
-        if any(not s or len(s) > self.settings.max_stop_length for s in stop):
-            raise InvalidRequest(
-                f"stop strings must be 1 to {self.settings.max_stop_length} characters long",
-                limit=self.settings.max_stop_length,
-            )
+        check_messages(self.settings, count)
 
     async def get(self, job_id: str, *, tenant: str | None) -> dict[str, str]:
         """The job's record. A job of another tenant is 404 job_not_found, exactly as an unknown one
@@ -455,7 +405,7 @@ class JobService:
         generated tokens). The job goes the way every job goes: admission, the intake, the batcher
         (which batches it with other embeddings jobs for the embeddings stage workers) and the
         monitor's stall recovery."""
-        self._check_embeddings(texts, model)
+        check_embeddings(self.settings, texts, model)
         await self.ratelimit.take_embedding(tenant, nbytes=padded_bytes(texts))  # the work, padded
         job_id = uuid.uuid4().hex
         await self._write_embedding(texts, tenant=tenant, job_id=job_id, priority="normal", deadline=None)
@@ -480,21 +430,10 @@ class JobService:
         """A batch's /v1/embeddings line as a `batch`-class embeddings job (as `submit_line`): False
         when a job with that id exists already. Its vectors stay on the record until the feeder has
         them (`AsyncJobStore.forget_embedding`)."""
-        self._check_embeddings(texts, model)
+        check_embeddings(self.settings, texts, model)
         return await self._write_embedding(
             texts, tenant=tenant, job_id=job_id, priority="batch", deadline=deadline
         )
-
-    def _check_embeddings(self, texts: list[str], model: str | None) -> None:
-        if self.settings.embedding_stages <= 0:
-            raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
-        if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
-            raise ModelNotFound(
-                f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
-            )
-        limit = self.settings.max_embedding_inputs
-        if not 1 <= len(texts) <= limit or not all(texts):
-            raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
 
     async def _write_embedding(
         self, texts: list[str], *, tenant: str, job_id: str, priority: str, deadline: float | None
@@ -551,20 +490,3 @@ class JobService:
                     await asyncio.wait_for(woke.wait(), min(remaining, POLL_FALLBACK_S))
                 except TimeoutError:
                     pass
-
-
-def _checked_key(key: str) -> str:
-    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
-        raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters")
-    return key
-
-
-def _key_digest(tenant: str, key: str) -> str:
-    """Idempotency-Keys are per tenant: two tenants' `order-1` are two keys. (The anonymous tenant's
-    digest is the bare key's, as before tenants existed.)"""
-    key = _checked_key(key)
-    return _digest(key if tenant == ANONYMOUS else f"{tenant}\n{key}")
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()

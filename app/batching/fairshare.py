@@ -2,7 +2,7 @@
 
 Without it a class is served in arrival order, so a tenant that queues 128 jobs ahead of another's
 8 takes the pipeline until its backlog is gone. With it, tenants that are both waiting take turns,
-each in proportion to its weight (`Settings.tenant_weights`, 1 by default), whatever their backlogs:
+each in proportion to its weight (`Settings.tenant.weights`, 1 by default), whatever their backlogs:
 
 - every tenant has a virtual time, `share[tenant]`: the work dispatched for it (a job's cost is its
   prompt plus its max_tokens, the tokens its pipeline may hold for it), divided by its weight;

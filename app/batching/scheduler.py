@@ -48,6 +48,8 @@ EMBEDDING_SHARE = Share(batches=1, sequences=None)
 # An urgent batch not started after this long (its worker is busy with a long step, or gone) no
 # longer holds the urgent jobs that arrived after it.
 URGENT_HOLD_MAX_S = 2.0
+# How often the batcher looks for stalled jobs (`stall_timeout_s` says when a job is stalled).
+MONITOR_INTERVAL_S = 1.0
 
 
 class Batcher:
@@ -138,7 +140,7 @@ class Batcher:
         self._take(
             intake.read(self.redis, self.keys, self.consumer, count=max(room, 1), block_ms=self._block_ms())
         )
-        if self.clock() - self.last_sweep >= self.settings.monitor_interval_s:
+        if self.clock() - self.last_sweep >= MONITOR_INTERVAL_S:
             self.last_sweep = self.clock()
             self.recover()
         self.expire_late()
@@ -376,7 +378,7 @@ def run_batcher(settings: Settings) -> None:
         else:
             send_embedding(celery, message, queue)
 
-    metrics.serve(settings.metrics_port, "batcher", settings.metrics_host)
+    metrics.serve(settings.metrics_port, "batcher", settings.api_host)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,7 +10,7 @@ Who calls what:
 
 A batch's status moves only along `MOVES`, each move one script that checks the status it leaves and
 stamps the time of the one it enters (`{status}_at`, OpenAI's field names); the final moves take the
-batch out of the open set in the same script, and put a batch with a `callback_url` in the set of
+batch out of the open set in the same script, and put a batch with a callback (`announce_url`) in the set of
 batches to announce (the feeder hands each to the webhook retry queue, then takes it out). A file
 counts against its tenant's byte quota from the script that stores it to the one that deletes it (or
 until it expires).
@@ -90,7 +90,7 @@ if #ARGV > 6 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 7 + n, #ARGV)) en
 if ARGV[5] == '1' then
   local id = string.match(KEYS[1], '[^:]+$')
   redis.call('ZREM', KEYS[2], id)
-  if redis.call('HEXISTS', KEYS[1], 'callback_url') == 1 then redis.call('SADD', KEYS[3], id) end
+  if redis.call('HEXISTS', KEYS[1], 'announce_url') == 1 then redis.call('SADD', KEYS[3], id) end
 end
 return 'ok'
 """
@@ -242,7 +242,7 @@ class BatchStore:
             "fed": "0",
         }
         if callback_url is not None:
-            record["callback_url"] = callback_url
+            record["announce_url"] = callback_url  # its field: a job's name would read as one
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping=record)
         pipe.expire(self.keys.batch(batch_id), self.ttl_s)

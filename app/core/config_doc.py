@@ -3,7 +3,8 @@
 `conveyor docs config` writes it; tests/unit/test_config_doc.py checks that the committed page equals
 what this module makes, so the page cannot drift from the code. Each field's description is the
 comment written above it (up to the previous field or blank line) and beside it in
-app/core/config.py: the reason for a default lives next to the default, and only there.
+app/core/config.py, or in app/core/sections.py for the settings of a section (`Settings.webhook`,
+`CONVEYOR_WEBHOOK_*`): the reason for a default lives next to the default, and only there.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from app.core import config
+from app.core import config, sections
 from app.core.config import Settings
+from app.core.sections import SECTIONS
 
 HEADER = """\
 # Configuration reference
@@ -49,12 +51,13 @@ class Row:
     description: str
 
 
-def env_name(name: str, field: FieldInfo) -> str:
-    """The variable a field is read from: its alias, else the prefix and its name in capitals."""
+def env_name(name: str, field: FieldInfo, section: str = "") -> str:
+    """The variable a field is read from: its alias, else the prefix, its section's name and its
+    own, in capitals."""
     if isinstance(field.validation_alias, str):
         return field.validation_alias
     prefix = str(Settings.model_config.get("env_prefix", ""))
-    return (prefix + name).upper()
+    return (prefix + (section + "_" if section else "") + name).upper()
 
 
 def default_text(field: FieldInfo) -> str:
@@ -86,12 +89,13 @@ def _comments(source: str) -> dict[int, str]:
     return found
 
 
-def _descriptions(source: str) -> dict[str, tuple[str, str]]:
-    """Field name -> (its annotation as written, its description from the comments)."""
+def _descriptions(source: str, name: str) -> dict[str, tuple[str, str]]:
+    """Field name of the class `name` in `source` -> (its annotation as written, its description
+    from the comments)."""
     tree = ast.parse(source)
     comments = _comments(source)
     lines = source.splitlines()
-    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == Settings.__name__)
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
     found = {}
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -110,9 +114,18 @@ def _descriptions(source: str) -> dict[str, tuple[str, str]]:
 
 
 def rows() -> list[Row]:
-    described = _descriptions(inspect.getsource(config))
+    """One row a setting, in the order of the source; a section's settings where `Settings` holds it."""
+    described = _descriptions(inspect.getsource(config), Settings.__name__)
+    source = inspect.getsource(sections)
     table = []
     for name, field in Settings.model_fields.items():
+        if name in SECTIONS:
+            model = SECTIONS[name]
+            inner = _descriptions(source, model.__name__)
+            for setting, info in model.model_fields.items():
+                annotation, description = inner.get(setting, ("", ""))
+                table.append(Row(env_name(setting, info, name), annotation, default_text(info), description))
+            continue
         annotation, description = described.get(name, ("", ""))
         table.append(Row(env_name(name, field), annotation, default_text(field), description))
     return table

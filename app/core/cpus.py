@@ -1,11 +1,6 @@
 """Which CPUs a process runs on: CPU lists as Linux writes them ("0-3,6"), and binding to one.
 
-With `CONVEYOR_CPU_BIND=workers`, `conveyor up` binds each stage worker it starts to CPUs of its
-own and itself (and so the api, the batcher, Redis and the other processes it starts) to the rest
-(`app.stack.bind_workers`), as vLLM's CPU backend binds its model's threads: the api, Redis and
-the clients then never run on the model's core. A worker started alone binds where `CONVEYOR_CPUS`
-says. On this project's 2-core machine it measured within the run-to-run spread
-(docs/benchmarks.md, "Against vLLM"), so it is not the default.
+A stage or embeddings worker binds where `CONVEYOR_CPUS` says, before its model's threads start.
 """
 
 from __future__ import annotations

@@ -121,14 +121,14 @@ class QueueFull(Refused):
 
 class TenantQueueFull(Refused):
     """The tenant already has its share of the job's priority class waiting
-    (`Settings.tenant_queue_share`); other tenants are still admitted while the class has room."""
+    (`Settings.tenant.queue_share`); other tenants are still admitted while the class has room."""
 
     code = "tenant_queue_full"
     status = 429
 
 
 class TenantQuotaExceeded(Refused):
-    """The tenant's jobs already hold its quota of Redis (`Settings.tenant_retained_bytes`): room comes
+    """The tenant's jobs already hold its quota of Redis (`Settings.tenant.retained_bytes`): room comes
     back as its oldest jobs' records expire (`ended_job_ttl_s` after they end)."""
 
     code = "tenant_quota_exceeded"
@@ -175,7 +175,7 @@ class StoreFull(Refused):
 
 
 class PriorityNotAllowed(ConveyorError):
-    """A job for a priority class its tenant is not entitled to (`Settings.tenant_priorities`)."""
+    """A job for a priority class its tenant is not entitled to (`Settings.tenant.priorities`)."""
 
     code = "priority_not_allowed"
     status = 403

@@ -55,10 +55,10 @@ class Thresholds:
     @classmethod
     def from_settings(cls, settings: Settings) -> Thresholds:
         return cls(
-            max_temperature_c=settings.health_max_temperature_c,
-            max_memory_fraction=settings.health_max_memory_fraction,
-            max_redis_rtt_ms=settings.health_max_redis_rtt_ms,
-            cooldown_s=settings.health_cooldown_s,
+            max_temperature_c=settings.health.max_temperature_c,
+            max_memory_fraction=settings.health.max_memory_fraction,
+            max_redis_rtt_ms=settings.health.max_redis_rtt_ms,
+            cooldown_s=settings.health.cooldown_s,
             fresh_s=settings.heartbeat_ttl_s,
         )
 

@@ -74,7 +74,7 @@ class Keys:
         """Hash: the job record (status, request, timings, text)."""
         return f"{self.namespace}:job:{job_id}"
 
-    @lives(ttl="job_ttl_s, as its job", cap="max_tokens_limit + EVENTS_BESIDE_TOKENS (jobstore.Lifetimes.of)")
+    @lives(ttl="job_ttl_s, as its job", cap="max_tokens_limit + EVENTS_BESIDE_TOKENS (Settings.lifetimes)")
     def events(self, job_id: str) -> str:
         """Stream: token / done / error events of one job, replayable by entry id."""
         return f"{self.namespace}:job:{job_id}:events"

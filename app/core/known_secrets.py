@@ -54,13 +54,13 @@ def known_secrets_in_use(settings: Settings) -> list[str]:
     found = []
     if KNOWN_API_KEY_DIGESTS & {digest.lower() for digest in settings.api_keys}:
         found.append("CONVEYOR_API_KEYS (the example key 'example-key-change-me')")
-    if settings.jwt_key is not None and settings.jwt_key.strip() in KNOWN_JWT_KEYS:
+    if settings.jwt.key is not None and settings.jwt.key.strip() in KNOWN_JWT_KEYS:
         found.append("CONVEYOR_JWT_KEY")
-    if settings.jwt_key_file is not None and _file_text(settings.jwt_key_file).strip() in KNOWN_JWT_KEYS:
-        found.append(f"CONVEYOR_JWT_KEY_FILE ({settings.jwt_key_file})")
-    if any(_webhook_key(s) in KNOWN_WEBHOOK_KEYS for s in settings.webhook_secrets):
+    if settings.jwt.key_file is not None and _file_text(settings.jwt.key_file).strip() in KNOWN_JWT_KEYS:
+        found.append(f"CONVEYOR_JWT_KEY_FILE ({settings.jwt.key_file})")
+    if any(_webhook_key(s) in KNOWN_WEBHOOK_KEYS for s in settings.webhook.secrets):
         found.append("CONVEYOR_WEBHOOK_SECRETS")
-    if settings.webhook_master_key and _webhook_key(settings.webhook_master_key) in KNOWN_WEBHOOK_KEYS:
+    if settings.webhook.master_key and _webhook_key(settings.webhook.master_key) in KNOWN_WEBHOOK_KEYS:
         found.append("CONVEYOR_WEBHOOK_MASTER_KEY")
     if settings.flower_basic_auth:
         passwords = {pair.partition(":")[2] for pair in settings.flower_basic_auth.split(",")}

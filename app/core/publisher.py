@@ -34,7 +34,7 @@ class Publisher:
         keys: Keys,
         jobs: JobStore,
         *,
-        life: Lifetimes,  # Lifetimes.of(settings)
+        life: Lifetimes,  # Settings.lifetimes
         outcomes: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
     ) -> None:
         self.redis = redis

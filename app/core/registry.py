@@ -24,7 +24,8 @@ from typing import Any
 
 from app.core import gguf as gguf_files
 from app.core import modelstore
-from app.core.config import Settings, valid_model_name
+from app.core.config import Settings
+from app.core.discovery import valid_model_name
 from app.core.errors import InvalidRequest, UnsupportedModel
 from app.core.modelstore import Echo, Manifest
 

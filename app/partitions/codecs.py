@@ -183,6 +183,11 @@ def _codec(name: str) -> Codec:
     return CODECS[name]
 
 
+# A stage's absolute error bound with codec zfp: a max error of 0.0028 on SmolLM2's activations at
+# 0.46 of raw's bytes (docs/benchmarks.md, "Stage messages and hops").
+ZFP_TOLERANCE = 1e-2
+
+
 @dataclass(frozen=True)
 class CodecSpec:
     """How tensors are sent: a codec, its parameters, and an optional narrower transport dtype.

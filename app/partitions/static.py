@@ -54,13 +54,11 @@ MAX_GRAPHS = 8  # captured layouts kept per stage (a batch's cache is reallocate
 
 
 def mode_for(setting: str, device: torch.device | str) -> str:
-    """The mode a stage on `device` runs its decode steps in for `CONVEYOR_COMPILE`.
-
-    `1` and `0` are accepted for `auto` and `off`. `graphs` needs a GPU: asking for it on a CPU is
-    refused, not silently served eagerly."""
-    setting = {"1": "auto", "0": "off", "true": "auto", "false": "off"}.get(setting.lower(), setting.lower())
+    """The mode a stage on `device` runs its decode steps in for `CONVEYOR_COMPILE`. `graphs` needs
+    a GPU: asking for it on a CPU is refused, not silently served eagerly."""
+    setting = setting.lower()
     if setting not in MODES:
-        raise ValueError(f"unknown compile mode {setting!r}; choose one of {', '.join(MODES)} (or 0/1)")
+        raise ValueError(f"unknown compile mode {setting!r}; choose one of {', '.join(MODES)}")
     is_cuda = torch.device(device).type == "cuda"
     if setting == "graphs" and not is_cuda:
         raise ValueError("compile mode 'graphs' needs a CUDA device; a CPU runs decode steps eagerly ('off')")

@@ -122,12 +122,14 @@ class Deliverer:
         *,
         guard: Guard,
         secrets: signing.SecretSource,
+        job_ttl_s: int,  # a job's delivery log lives as long as the job may
         clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.job_ttl_s = job_ttl_s
         self.guard = guard
         self.secrets = secrets
         self.clock = clock
@@ -253,7 +255,7 @@ class Deliverer:
             retry_in_s=round(retry_in_s, 3) if retry_in_s is not None else None,
             next_attempt_at=now + retry_in_s if retry_in_s is not None else None,
         )
-        job_id, ttl = message["job_id"], self.settings.job_ttl_s
+        job_id, ttl = message["job_id"], self.job_ttl_s
         log_key, outcomes = self.keys.webhook_deliveries(job_id), self.keys.webhook_outcomes(job_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.rpush(log_key, entry.encode())

@@ -67,11 +67,13 @@ class Dispatcher:
         settings: WebhookSettings,
         send: Callable[[dict[str, Any]], None],
         *,
+        job_ttl_s: int,  # a job's deliveries live as long as it may; the dispatcher follows it no longer
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.job_ttl_s = job_ttl_s
         self.send = send
         self.clock = clock
         self.me = uuid.uuid4().hex
@@ -148,7 +150,7 @@ class Dispatcher:
     def _refresh(self) -> None:
         """Follow newly registered jobs from their saved cursors; prune the set of expired ones."""
         now = self.clock()
-        expired = self.redis.zrangebyscore(self.keys.webhook_jobs(), "-inf", now - self.settings.job_ttl_s)
+        expired = self.redis.zrangebyscore(self.keys.webhook_jobs(), "-inf", now - self.job_ttl_s)
         if expired:
             self._drop([_text(j) for j in expired])
         registered = [_text(j) for j in self.redis.zrange(self.keys.webhook_jobs(), 0, MAX_FOLLOWED - 1)]
@@ -308,9 +310,9 @@ def run_dispatcher(settings: Settings) -> None:
     def send(message: dict[str, Any]) -> None:
         send_delivery(celery, message, queue)
 
-    metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.metrics_host)
+    metrics.serve(settings.metrics_port, "webhooks dispatcher", settings.api_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     log.info("webhook dispatcher following %s", keys.webhook_jobs())
-    Dispatcher(sync_client(url), keys, settings.webhooks, send).run(stop)
+    Dispatcher(sync_client(url), keys, settings.webhook, send, job_ttl_s=settings.job_ttl_s).run(stop)

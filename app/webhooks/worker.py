@@ -34,14 +34,14 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
     from app.core.redis import sync_client
 
     refuse_known_secrets(settings)
-    if settings.auth != "none" and not settings.webhook_master_key:
+    if settings.auth != "none" and not settings.webhook.master_key:
         raise SystemExit(
             "no webhook master key: with API keys or JWTs every tenant's deliveries are signed with its own "
             "secret, derived from CONVEYOR_WEBHOOK_MASTER_KEY (whsec_...; `conveyor up` makes one)"
         )
     url = settings.redis_url or ""
     keys = Keys(settings.namespace)
-    hooks = settings.webhooks
+    hooks = settings.webhook
     redis = sync_client(url)
     secrets = TenantSecrets(  # a malformed secret stops the worker here, loudly
         hooks.secrets,
@@ -54,10 +54,13 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
         raise SystemExit("no webhook secret: set CONVEYOR_WEBHOOK_SECRETS (`conveyor up` makes one)")
     app = create_celery_app(settings, url)
     guard = Guard(hooks.allow_cidrs)
-    register_deliver_task(app, Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets))
+    register_deliver_task(
+        app,
+        Deliverer(redis, keys, settings.webhook, guard=guard, secrets=secrets, job_ttl_s=settings.job_ttl_s),
+    )
     for name in ("celery.app.trace", "celery.worker.strategy", "httpx"):  # each attempt is logged in Redis
         logging.getLogger(name).setLevel(logging.WARNING)
-    metrics.serve(settings.metrics_port, "callbacks worker", settings.metrics_host)
+    metrics.serve(settings.metrics_port, "callbacks worker", settings.api_host)
     log.info("callbacks worker on %s, %d threads", keys.callbacks_queue(), hooks.concurrency)
     app.worker_main(
         [

@@ -59,7 +59,7 @@ def serve(
     from app.workers.device import device_stats as measured
     from app.workers.heartbeat import Heartbeat
 
-    metrics.serve(settings.metrics_port, hostname, settings.metrics_host)
+    metrics.serve(settings.metrics_port, hostname, settings.api_host)
 
     # One line per step would drown the log; Flower and the metrics show the tasks.
     for name in ("celery.app.trace", "celery.worker.strategy"):

@@ -16,11 +16,8 @@ ordinary item. It does not even wait for the step in progress: an item may be a 
 (`StageRuntime.run` suspends after every layer), and between two of an ordinary item's steps this
 thread's one loop runs the urgent items waiting, each whole, then resumes the suspended step where
 it was (its batch's state is its own). An urgent job's wait for the stage is one layer of the step
-in progress, not a whole decode step or a long prefill. A long ordinary item (a prefill, when
-`CONVEYOR_PREFILL_SLICE_MS` is set) also gives way to the decode steps waiting, once per slice of
-its run: a long prompt delays the running streams by a slice and a layer, not by its whole
-prefill, as vLLM's chunked prefill does with its token budget. Nothing runs inside anything else: the loop
-alone decides what runs next.
+in progress, not a whole decode step or a long prefill. Nothing runs inside anything else: the
+loop alone decides what runs next.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -43,7 +39,6 @@ class _Work:
     rank: int  # 0 urgent, 1 ordinary
     ticket: int  # arrival order within a rank
     fn: Callable[[], Any] = field(compare=False)
-    slice_s: float | None = field(compare=False, default=None)  # a long item: see `call`
     done: threading.Event = field(compare=False, default_factory=threading.Event)
     result: Any = field(compare=False, default=None)
     error: BaseException | None = field(compare=False, default=None)
@@ -60,18 +55,15 @@ class ComputeThread(threading.Thread):
         self._urgent = 0  # urgent items among _waiting (read without the lock between steps)
         self._stopping = False
 
-    def call(self, fn: Callable[[], T], *, urgent: bool = False, slice_s: float | None = None) -> T:
+    def call(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
         """Run `fn` on the compute thread and return what it returns (or raise what it raises).
 
         If `fn` returns a generator, the thread runs it step by step and returns what it returns;
-        urgent items waiting between two steps of an ordinary one run there. `slice_s` marks an
-        ordinary item as long (a prefill): once it has run that long since it last gave way, the
-        short ordinary items waiting (decode steps) run at its next suspension too, so running
-        streams are not held for a whole prefill."""
+        urgent items waiting between two steps of an ordinary one run there."""
         if threading.current_thread() is self:
             result = fn()  # already on it: queueing behind ourselves would never return
             return complete(result) if isinstance(result, Generator) else result
-        work = _Work(0 if urgent else 1, next(self._tickets), fn, None if urgent else slice_s)
+        work = _Work(0 if urgent else 1, next(self._tickets), fn)
         with self._ready:
             if self._stopping:
                 raise RuntimeError("the compute thread has stopped")
@@ -118,9 +110,7 @@ class ComputeThread(threading.Thread):
         work.done.set()
 
     def _steps(self, steps: Generator[Any, Any, Any], work: _Work) -> Any:
-        """Run an item's steps; between two steps of an ordinary item, the urgent items waiting,
-        and for a long one past its slice, the short ordinary ones waiting."""
-        gave_way = time.perf_counter()
+        """Run an item's steps; between two steps of an ordinary item, the urgent items waiting."""
         while True:
             try:
                 next(steps)
@@ -134,21 +124,6 @@ class ComputeThread(threading.Thread):
                         break
                     urgent = self._pop()
                 self._run(urgent)
-            if work.slice_s is not None and time.perf_counter() - gave_way >= work.slice_s:
-                if self._run_short():
-                    gave_way = time.perf_counter()
-
-    def _run_short(self) -> int:
-        """Run the short ordinary items waiting now, in arrival order; how many ran."""
-        with self._ready:
-            short = sorted(w for w in self._waiting if w.rank == 1 and w.slice_s is None)
-            if short:
-                taken = {id(w) for w in short}
-                self._waiting = [w for w in self._waiting if id(w) not in taken]
-                heapq.heapify(self._waiting)
-        for item in short:
-            self._run(item)
-        return len(short)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Run what is already queued, then end the thread; later calls raise."""

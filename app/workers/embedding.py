@@ -23,7 +23,7 @@ import torch
 
 from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import EVENTS_BESIDE_TOKENS, JobStore, Lifetimes
+from app.core.jobstore import EVENTS_BESIDE_TOKENS, JobStore
 from app.core.protocol import EMBED_TASK
 from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
@@ -219,7 +219,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
             keys,
             jobs,
             # An embeddings job's stream holds no tokens: its other events only.
-            life=replace(Lifetimes.of(settings), stream_maxlen=EVENTS_BESIDE_TOKENS),
+            life=replace(settings.lifetimes, stream_maxlen=EVENTS_BESIDE_TOKENS),
         ),
         send=lambda message, queue: send_embedding(celery, message, queue),
         next_queue=keys.embed_queue(stage + 1) if stage + 1 < num_stages else None,

@@ -12,19 +12,19 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from app.core import breaker
-from app.core.broker import create_celery_app, send_step
+from app.core.broker import VISIBILITY_TIMEOUT_S, create_celery_app, send_step
 from app.core.config import Settings
 from app.core.cpus import allowed, format_cpus
 from app.core.errors import ModelNotFound
 from app.core.health import Thresholds
-from app.core.jobstore import JobStore, Lifetimes
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
-from app.partitions.codecs import CodecSpec
+from app.partitions.codecs import ZFP_TOLERANCE, CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import check_servable
 from app.partitions.precision import dtype_name, resolve_dtype
@@ -139,7 +139,7 @@ def run_worker(
             redis,
             keys,
             jobs,
-            life=Lifetimes.of(settings),
+            life=settings.lifetimes,
             outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
         ),
         redis=redis,
@@ -148,30 +148,22 @@ def run_worker(
         hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
         eos_ids=eos_token_ids(str(path), partition.config),
         pad_id=_pad_id(partition.config),
-        continuous=settings.batching == "continuous",
         max_running=settings.max_running_sequences,
         max_kv_positions=settings.max_batch_kv_positions,
-        between_layers=settings.preempt_between_layers,
         latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
         codec=CodecSpec(
-            settings.stage_codec,
-            settings.stage_transport_dtype,
-            tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
+            settings.stage.codec,
+            settings.stage.transport_dtype,
+            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
         ),
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
-        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
+        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
     )
-
-    def slice_for(message: StepMessage) -> float | None:
-        """A prefill gives way to waiting decode steps every slice of its run."""
-        if message.kind != "prefill" or not settings.prefill_slice_ms:
-            return None
-        return settings.prefill_slice_ms / 1000
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        compute.call(lambda: runtime.run(message), urgent=message.urgent, slice_s=slice_for(message))
+        compute.call(lambda: runtime.run(message), urgent=message.urgent)
 
     health = HealthMonitor(
         redis,

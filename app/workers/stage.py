@@ -77,15 +77,11 @@ class StageRuntime:
     claims: ClaimCheck | None = None  # large tensors go by reference through Redis
     eos_ids: frozenset[int] = frozenset()
     pad_id: int = 0
-    continuous: bool = True  # let new batches join running ones at step boundaries
     max_running: int = 64  # sequences in one running batch, joiners included
     # A join pads every row to the longest: rows x positions of the merged batch stays under this,
     # so one long-context job cannot make a running batch's KV cache explode.
     max_kv_positions: int = 65536
     batches: Batches = field(default_factory=Batches)
-    # `run` suspends a step between two layers, where whoever drives it (the worker's compute thread)
-    # may run urgent work for other batches; False: steps run whole.
-    between_layers: bool = True
     # A batch not stepped for this long lost a stage (its jobs were recovered elsewhere): forget it.
     stale_after_s: float = 120.0
     # Prompt prefixes this stage computed, reused by later prompts that start with them; None: off.
@@ -166,8 +162,7 @@ class StageRuntime:
             except StopIteration as done:
                 return done.value, busy + time.perf_counter() - started
             busy += time.perf_counter() - started
-            if self.between_layers:
-                yield
+            yield  # between two layers: the compute thread may run urgent work for other batches
 
     def _begin(self, msg: StepMessage) -> tuple[StepMessage, Prefill, torch.Tensor]:
         """Prefill: the batch's rows as this stage receives them (its whole prompts: token ids on
@@ -310,7 +305,7 @@ class StageRuntime:
         alive = settle(sequences, rows, tokens, gone)
         if msg.kind == "prefill" and alive and self._join_running(msg, alive):
             return
-        if msg.kind == "prefill" and self.continuous:
+        if msg.kind == "prefill":
             # Prefilled: the batch no longer takes one of the pipeline's prefill slots; its
             # sequences count against the pipeline's sequence budget (the progress set) instead.
             self.publisher.batch_done(msg.model, msg.batch_id)
@@ -402,8 +397,6 @@ class StageRuntime:
 
     def _join_running(self, msg: StepMessage, alive: list[tuple[str, int]]) -> bool:
         """Park a just-prefilled batch on a running one (Orca's iteration-level batching)."""
-        if not self.continuous:
-            return False
         host = self.batches.host_for(
             msg.batch_id,
             msg.routes,

@@ -117,7 +117,7 @@ def queue(redis_url: str, settings: Settings, priority: str, n: int) -> list[str
 
 
 def test_a_stage_down_longer_than_the_grace_refuses(redis, redis_url, settings):  # type: ignore[no-untyped-def]
-    assert settings.stage_down_after_s is None  # the default: 2 x heartbeat_ttl_s = 20 s
+    assert settings.stage.down_after_s is None  # the default: 2 x heartbeat_ttl_s = 20 s
     check(redis_url, settings, now=T0)  # never seen a worker: marked down now, within the grace
     with pytest.raises(StageUnavailable) as refused:
         check(redis_url, settings, now=T0 + 21)
@@ -215,7 +215,7 @@ def test_a_failing_pipeline_opens_the_breaker(redis, redis_url, settings):  # ty
     pipe.execute()
     with pytest.raises(CircuitOpen) as refused:
         check(redis_url, settings, now=now)
-    assert refused.value.status == 503 and refused.value.retry_after_s == settings.breaker_interval_s
+    assert refused.value.status == 503 and refused.value.retry_after_s == settings.breaker.interval_s
     with pytest.raises(CircuitOpen):
         check(redis_url, settings, now=now + 10)
     beat(redis, settings, now + 31)

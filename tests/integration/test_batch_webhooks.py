@@ -105,11 +105,12 @@ def deliver_due(redis: Any, settings: Settings) -> int:
     deliverer = Deliverer(
         redis,
         keys,
-        settings.webhooks,
-        guard=Guard(settings.webhook_allow_cidrs),
+        settings.webhook,
+        guard=Guard(settings.webhook.allow_cidrs),
         secrets=SecretBook([SECRET]),
+        job_ttl_s=settings.job_ttl_s,
     )
-    dispatcher = Dispatcher(redis, keys, settings.webhooks, deliverer.deliver)
+    dispatcher = Dispatcher(redis, keys, settings.webhook, deliverer.deliver, job_ttl_s=settings.job_ttl_s)
     return dispatcher.send_due_retries()
 
 

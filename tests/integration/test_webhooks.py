@@ -318,7 +318,9 @@ def test_the_dispatcher_resumes_from_its_cursor_and_batches_tokens(redis, redis_
     _record(keys, redis, job_id, ["started", "token", "completed"])
     sent: list[dict[str, object]] = []
     now = [100.0]
-    first = Dispatcher(redis, keys, settings.webhooks, sent.append, clock=lambda: now[0])
+    first = Dispatcher(
+        redis, keys, settings.webhook, sent.append, job_ttl_s=settings.job_ttl_s, clock=lambda: now[0]
+    )
     t0 = _token(redis, keys, job_id, 0, "H")
     _token(redis, keys, job_id, 1, "i")
     first.step()
@@ -326,7 +328,9 @@ def test_the_dispatcher_resumes_from_its_cursor_and_batches_tokens(redis, redis_
     assert redis.hget(keys.webhook_cursors(), job_id) is None  # the held tokens are re-read after a restart
 
     # the first one died
-    restarted = Dispatcher(redis, keys, settings.webhooks, sent.append, clock=lambda: now[0])
+    restarted = Dispatcher(
+        redis, keys, settings.webhook, sent.append, job_ttl_s=settings.job_ttl_s, clock=lambda: now[0]
+    )
     restarted.step()
     assert [m["webhook_id"] for m in sent][-1] == f"msg_{job_id}_started"  # the same id: skipped on delivery
     now[0] += 0.5
@@ -340,7 +344,9 @@ def test_the_dispatcher_resumes_from_its_cursor_and_batches_tokens(redis, redis_
     t2 = _token(redis, keys, job_id, 2, "!")
     redis.xadd(keys.events(job_id), {"event": "done", "data": "{}"})
     count = len(sent)
-    again = Dispatcher(redis, keys, settings.webhooks, sent.append, clock=lambda: now[0])
+    again = Dispatcher(
+        redis, keys, settings.webhook, sent.append, job_ttl_s=settings.job_ttl_s, clock=lambda: now[0]
+    )
     again.step()
     tail = sent[count:]
     assert [m["type"] for m in tail] == ["token", "completed"]  # the rest only, the batch before the end

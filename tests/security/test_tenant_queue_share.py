@@ -46,7 +46,7 @@ def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str
         queue_depth_limit=DEPTH,
     )
     namespace = settings.namespace
-    assert settings.tenant_queue_share == 0.5 and settings.admission.tenant_queue_limit("acme") == DEPTH // 2
+    assert settings.tenant.queue_share == 0.5 and settings.admission.tenant_queue_limit("acme") == DEPTH // 2
     try:
         with TestClient(create_app(settings)) as client:
             yield client, {t: {"X-API-Key": k} for t, k in keys.items()}

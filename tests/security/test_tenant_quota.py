@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
-from app.api.service import _key_digest
+from app.api.checks import idempotency_digest
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.core.redis import start_embedded
@@ -86,7 +86,7 @@ def test_an_idempotency_key_expires_with_its_job(api):  # type: ignore[no-untype
     acme = {**tenants["acme"], "Idempotency-Key": "order-1"}
     job = client.post("/v1/jobs", json=JOB, headers=acme)
     assert job.status_code == 202, job.text
-    held = Keys(settings.namespace).idempotency(_key_digest("acme", "order-1"))
+    held = Keys(settings.namespace).idempotency(idempotency_digest("acme", "order-1"))
     redis = redis_lib.Redis.from_url(settings.redis_url or "")
     assert redis.ttl(held) > ENDED_TTL_S  # a live job's key: idempotency_ttl_s
     assert client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=acme).status_code == 200

@@ -143,9 +143,16 @@ def settings(redis, redis_url: str) -> Iterator[Settings]:  # type: ignore[no-un
 
 
 def deliverer(redis, settings: Settings) -> Deliverer:  # type: ignore[no-untyped-def]
-    guard = Guard(settings.webhook_allow_cidrs)
+    guard = Guard(settings.webhook.allow_cidrs)
     keys = Keys(settings.namespace)
-    return Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=SecretBook([SECRET]))
+    return Deliverer(
+        redis,
+        keys,
+        settings.webhook,
+        guard=guard,
+        secrets=SecretBook([SECRET]),
+        job_ttl_s=settings.job_ttl_s,
+    )
 
 
 def message(url: str, tenant: str) -> dict[str, object]:
@@ -236,7 +243,14 @@ def test_retries_wait_in_redis_and_survive_a_worker_restart(redis, settings, rec
     del first  # the worker that made the attempt is gone, and its memory with it
 
     restarted = deliverer(redis, settings)
-    dispatcher = Dispatcher(redis, keys, settings.webhooks, restarted.deliver, clock=lambda: time.time() + 60)
+    dispatcher = Dispatcher(
+        redis,
+        keys,
+        settings.webhook,
+        restarted.deliver,
+        job_ttl_s=settings.job_ttl_s,
+        clock=lambda: time.time() + 60,
+    )
     assert dispatcher.send_due_retries() == 1
     assert [r[2] for r in receiver.at("/fail-once/x")] == [500, 200]
     attempts = log_of(redis, settings, event["job_id"])

@@ -104,9 +104,10 @@ def test_a_410_disables_the_url_for_its_tenant_only(redis, settings) -> None:  #
     deliverer = Deliverer(
         redis,
         keys,
-        settings.webhooks,
-        guard=Guard(settings.webhook_allow_cidrs),
+        settings.webhook,
+        guard=Guard(settings.webhook.allow_cidrs),
         secrets=SecretBook([SECRET]),
+        job_ttl_s=settings.job_ttl_s,
     )
     try:
         first = message(receiver.url, "tenant-a")
@@ -127,7 +128,7 @@ def test_a_410_disables_the_url_for_its_tenant_only(redis, settings) -> None:  #
 
     async def submits() -> tuple[CallbackRefused | None, CallbackRefused | None]:
         client = aioredis.Redis.from_url(settings.redis_url or "")
-        intake = CallbackIntake(settings.webhooks, client, keys)
+        intake = CallbackIntake(settings.webhook, client, keys)
         answers: list[CallbackRefused | None] = []
         for tenant in ("tenant-a", "tenant-d"):
             try:

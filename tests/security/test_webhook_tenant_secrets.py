@@ -87,10 +87,12 @@ def setup(redis, redis_url: str) -> Iterator[tuple[Settings, Keys]]:  # type: ig
 
 def deliver(redis, settings: Settings, keys: Keys, url: str, tenant: str | None) -> None:  # type: ignore[no-untyped-def]
     secrets = signing.TenantSecrets(
-        settings.webhook_secrets, master=settings.webhook_master_key, redis=redis, keys=keys, overlap_s=0
+        settings.webhook.secrets, master=settings.webhook.master_key, redis=redis, keys=keys, overlap_s=0
     )
-    guard = Guard(settings.webhook_allow_cidrs)
-    deliverer = Deliverer(redis, keys, settings.webhooks, guard=guard, secrets=secrets)
+    guard = Guard(settings.webhook.allow_cidrs)
+    deliverer = Deliverer(
+        redis, keys, settings.webhook, guard=guard, secrets=secrets, job_ttl_s=settings.job_ttl_s
+    )
     job_id = uuid.uuid4().hex
     body = json.dumps({"type": "job.completed", "timestamp": "2026-01-01T00:00:00Z", "data": {"id": job_id}})
     message = {

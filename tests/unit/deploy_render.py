@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from app.core.config import Settings
+from app.core.config_doc import rows
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -32,7 +32,7 @@ def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
 
 
 def setting_names() -> set[str]:
-    return {name.upper() for name in Settings.model_fields}
+    return {row.env.removeprefix("CONVEYOR_") for row in rows()}
 
 
 # --- Kustomize, the subset these overlays use ---------------------------------------------------

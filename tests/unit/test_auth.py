@@ -23,7 +23,8 @@ from starlette.datastructures import Headers
 
 from app.api import audit
 from app.api.auth import Authenticator, JwtVerifier, key_digest, new_api_key
-from app.cli import api_command, uvicorn_options
+from app.cli import uvicorn_options
+from app.cli_up import api_command
 from app.core.config import Settings
 from app.core.errors import RateLimited, Unauthorized
 from app.core.keys import Keys
@@ -111,7 +112,7 @@ def test_tokens_that_must_be_refused(signer, settings, attack):  # type: ignore[
     token = {
         "alg_none": lambda: unsigned({"alg": "none", "typ": "JWT"}, claims()) + ".",
         # The algorithm-confusion attack: the public key (which anyone may hold) used as an HMAC secret.
-        "hs256_signed_with_the_rs256_public_key": lambda: hs256_with(settings.jwt_key.encode(), claims()),
+        "hs256_signed_with_the_rs256_public_key": lambda: hs256_with(settings.jwt.key.encode(), claims()),
         "expired": lambda: rs256(exp=now - 3600, iat=now - 7200),
         "not_yet_valid": lambda: rs256(nbf=now + 3600),
         "wrong_audience": lambda: rs256(aud="someone-else"),

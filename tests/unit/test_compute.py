@@ -197,9 +197,9 @@ def test_a_generator_handed_over_from_the_compute_thread_itself_runs_whole(compu
     assert compute.call(lambda: compute.call(steps)) == "done"
 
 
-def test_a_long_item_past_its_slice_lets_the_waiting_short_items_run_between_its_steps(compute):  # type: ignore[no-untyped-def]
-    """A prefill (a long item, `slice_s`) gives way at its next suspension to the decode steps that
-    wait (short items), not to another waiting prefill; with no slice it runs whole."""
+def test_an_ordinary_item_runs_whole_and_the_items_waiting_follow_in_arrival_order(compute):  # type: ignore[no-untyped-def]
+    """A prefill runs whole, its steps included: the decode steps and the prefill that arrived
+    meanwhile run after it, in the order they arrived."""
     order: list[str] = []
     started, proceed = threading.Event(), threading.Event()
 
@@ -213,22 +213,15 @@ def test_a_long_item_past_its_slice_lets_the_waiting_short_items_run_between_its
 
         return steps
 
-    for slice_s, expected in [
-        (0.0, ["p layer 1", "decode a", "decode b", "p layer 2", "q layer 1", "q layer 2"]),
-        (None, ["p layer 1", "p layer 2", "decode a", "q layer 1", "q layer 2", "decode b"]),
-    ]:
-        order.clear()
-        started.clear()
-        proceed.clear()
-        first = threading.Thread(target=compute.call, args=(prefill("p"),), kwargs={"slice_s": slice_s})
-        first.start()
-        assert started.wait(5)
-        callers = queue_in_order(compute, [("decode a", False)], order)
-        second = threading.Thread(target=compute.call, args=(prefill("q"),), kwargs={"slice_s": slice_s})
-        second.start()
-        until(lambda: compute.waiting() == 2)
-        callers += queue_in_order(compute, [("decode b", False)], order)
-        proceed.set()
-        for caller in (first, second, *callers):
-            caller.join(5)
-        assert order == expected, slice_s
+    first = threading.Thread(target=compute.call, args=(prefill("p"),))
+    first.start()
+    assert started.wait(5)
+    callers = queue_in_order(compute, [("decode a", False)], order)
+    second = threading.Thread(target=compute.call, args=(prefill("q"),))
+    second.start()
+    until(lambda: compute.waiting() == 2)
+    callers += queue_in_order(compute, [("decode b", False)], order)
+    proceed.set()
+    for caller in (first, second, *callers):
+        caller.join(5)
+    assert order == ["p layer 1", "p layer 2", "decode a", "q layer 1", "q layer 2", "decode b"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from app.core import jobstore
+from app.core import jobscripts as scripts
 from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, TERMINAL, TRANSITIONS, WAITING, JobStatus
 from app.core.jobstore import JobRecord, JobRequest
 from app.core.sampling import SamplingParams
@@ -130,24 +130,29 @@ def sources(target: JobStatus) -> set[str]:
 
 
 def test_the_scripts_move_jobs_only_from_states_the_table_allows() -> None:
-    assert lua_set(jobstore.STEP_LUA, "streaming") == sources(JobStatus.SUCCEEDED) == {"running"}
-    assert lua_set(jobstore.STEP_LUA, "live") == {str(s) for s in JobStatus if s not in TERMINAL}
-    recoverable = lua_set(jobstore.RECOVER_LUA, "recoverable")
+    assert lua_set(scripts.STEP_LUA, "streaming") == sources(JobStatus.SUCCEEDED) == {"running"}
+    assert lua_set(scripts.STEP_LUA, "live") == {str(s) for s in JobStatus if s not in TERMINAL}
+    recoverable = lua_set(scripts.RECOVER_LUA, "recoverable")
     both = sources(JobStatus.RECOVERING) & sources(JobStatus.FAILED)
     assert recoverable == both == {"scheduled", "running"}
     # A job counts in its tenant's waiting set exactly while it waits in an intake stream.
-    assert lua_set(jobstore.WAITING_FUNCTION, "waiting_states") == {str(s) for s in WAITING}
+    assert lua_set(scripts.WAITING_FUNCTION, "waiting_states") == {str(s) for s in WAITING}
     assert {str(s) for s in WAITING} == {"queued", "recovering"}
     # Every lifecycle name in the scripts' templates was filled in.
-    for script in (jobstore.STEP_LUA, jobstore.RECOVER_LUA, jobstore.END_LUA, jobstore.ADMIT_LUA):
+    for script in (scripts.STEP_LUA, scripts.RECOVER_LUA, scripts.END_LUA, scripts.ADMIT_LUA):
         assert "$" not in script
-    for script in (jobstore.TRANSITION_LUA, jobstore.END_LUA, jobstore.RECOVER_LUA, jobstore.ADMIT_LUA):
-        assert jobstore.WAITING_FUNCTION in script  # each may move a job into or out of WAITING
+    for script in (
+        scripts.TRANSITION_LUA,
+        scripts.END_LUA,
+        scripts.RECOVER_LUA,
+        scripts.ADMIT_LUA,
+    ):
+        assert scripts.WAITING_FUNCTION in script  # each may move a job into or out of WAITING
 
 
 def test_one_final_event_per_final_status() -> None:
     assert set(FINAL_EVENT) == TERMINAL
     assert len(FINAL_EVENTS) == len(TERMINAL)
     assert FAILED_EVENTS == FINAL_EVENTS - {FINAL_EVENT[JobStatus.SUCCEEDED]}
-    assert f"'event', '{FINAL_EVENT[JobStatus.SUCCEEDED]}'" in jobstore.STEP_LUA
-    assert f"'event', '{FINAL_EVENT[JobStatus.FAILED]}'" in jobstore.RECOVER_LUA
+    assert f"'event', '{FINAL_EVENT[JobStatus.SUCCEEDED]}'" in scripts.STEP_LUA
+    assert f"'event', '{FINAL_EVENT[JobStatus.FAILED]}'" in scripts.RECOVER_LUA

@@ -10,7 +10,8 @@ from pathlib import Path
 
 APP = Path(__file__).resolve().parents[2] / "app"
 RANK = {"core": 0, "partitions": 1, "batching": 2, "workers": 2, "webhooks": 2, "api": 3}
-TOP = {"cli", "cli_docs", "cli_batch", "stack", "launcher"}  # the command line: imported by nothing below it
+# the command line: imported by nothing below it
+TOP = {"cli", "cli_common", "cli_up", "cli_models", "cli_keys", "cli_docs", "cli_batch", "stack", "launcher"}
 # (module, imported) -> why it is still there. An entry no longer needed fails the test too.
 ALLOWED: dict[tuple[str, str], str] = {}
 

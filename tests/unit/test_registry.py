@@ -14,7 +14,8 @@ from transformers import BertConfig
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.core.config import Settings, valid_model_name
+from app.core.config import Settings
+from app.core.discovery import valid_model_name
 from app.core.errors import InvalidRequest, UnsupportedModel
 from app.core.gguf import read_gguf_header
 from app.core.modelstore import Manifest, registered_dtype
@@ -194,7 +195,7 @@ def test_the_cli_lists_the_models(tmp_path, tiny_dir, monkeypatch):  # type: ign
 def test_up_serves_the_named_models_once_each_and_refuses_unknown_ones(settings, tiny_dir):  # type: ignore[no-untyped-def]
     import typer
 
-    from app.cli import served_models
+    from app.cli_up import served_models
 
     add_model(settings, str(tiny_dir), family=family, echo=lambda _: None)
     configured = settings.model_copy(update={"models": {"other": tiny_dir}, "default_model": "other"})

@@ -1,19 +1,23 @@
-"""The sections of the settings (`Settings.batcher`, `Settings.webhooks`, ...): each is built once from
-the flat fields, and a copy of the settings derives its own instead of carrying the original's."""
+"""The sections of the settings. A component's (`Settings.batcher`, `Settings.admission`, ...) is built
+once from the fields, and a copy of the settings derives its own instead of carrying the original's;
+a section of settings (`Settings.webhook`, CONVEYOR_WEBHOOK_*) reads its variables as flat ones did."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.sections import SECTIONS
 
 
 def test_a_copy_derives_its_sections_from_its_own_fields() -> None:
     settings = Settings(stages=1, job_ttl_s=600)
-    assert settings.batcher.stages == 1 and settings.webhooks.job_ttl_s == 600  # built, and cached
+    assert settings.batcher.stages == 1 and settings.lifetimes.ttl_s == 600  # built, and cached
     copied = settings.model_copy(update={"stages": 3, "job_ttl_s": 60, "home": Path("/elsewhere")})
     assert copied.batcher.stages == 3 and copied.batcher.life.ttl_s == 60
-    assert copied.webhooks.job_ttl_s == 60 and str(copied.model_home) == "/elsewhere/models"
+    assert copied.lifetimes.ttl_s == 60 and str(copied.model_home) == "/elsewhere/models"
     assert settings.batcher.stages == 1 and settings.batcher is settings.batcher  # the original's stays
 
 
@@ -76,4 +80,29 @@ def test_the_job_service_carries_the_sections_of_what_it_builds() -> None:
     # unset: every class but realtime, which is given by name only
     assert Settings().job_service.allowed_priorities("anyone") == {"high", "normal", "batch"}
     assert section.admission is settings.admission and section.rate_limiter is settings.rate_limiter
-    assert section.prompt_encoder is settings.prompt_encoder and section.webhooks is settings.webhooks
+    assert section.prompt_encoder is settings.prompt_encoder and section.webhooks is settings.webhook
+
+
+def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CONVEYOR_WEBHOOK_TIMEOUT_S", "3")
+    monkeypatch.setenv("CONVEYOR_WEBHOOK_SECRETS", '["whsec_a"]')
+    monkeypatch.setenv("CONVEYOR_JWT_ALGORITHMS", '["HS256"]')
+    monkeypatch.setenv("CONVEYOR_BATCH_FEED_SHARE", "0.2")
+    monkeypatch.setenv("CONVEYOR_BATCHER_MAX_PENDING", "7")  # a setting of its own, not of `batch`
+    monkeypatch.setenv("CONVEYOR_FLOWER_PORT", "1234")  # nor of `flower`
+    settings = Settings()
+    assert (settings.webhook.timeout_s, settings.webhook.secrets) == (3.0, ["whsec_a"])
+    assert settings.jwt.algorithms == ["HS256"] and settings.batch.feed_share == 0.2
+    assert (settings.batcher_max_pending, settings.flower_port) == (7, 1234)
+    # By keyword as by variable, over what the environment gives the same section.
+    given = Settings(webhook_timeout_s=9, jwt_key="k", health_cooldown_s=1.0)
+    assert (given.webhook.timeout_s, given.webhook.secrets, given.jwt.key) == (9.0, ["whsec_a"], "k")
+    assert given.health.cooldown_s == 1.0 and given.authenticator.jwt is given.jwt
+
+
+def test_no_setting_outside_a_section_is_named_as_one_of_its_variables() -> None:
+    """CONVEYOR_WEBHOOK_X is read as `webhook.x`: a setting `webhook_x` beside the section would
+    never be read."""
+    assert [name for name in Settings.model_fields if name.split("_", 1)[0] in SECTIONS and "_" in name] == []

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.core.config import Settings
-from app.stack import Only, Part, bind_workers, processes, torch_threads
+from app.stack import Only, Part, processes, torch_threads
 
 ME = ["python", "-m", "app.cli"]
 
@@ -95,33 +95,3 @@ def test_a_host_running_part_of_the_stack_shares_its_cores_among_its_own_workers
     env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, here, cores=9)}
     assert env["stage1"] == {"CONVEYOR_TORCH_THREADS": "8"}  # the one worker here: every core but one
     assert env["stage0"] == {}  # another host's: not started here
-
-
-def bound(
-    settings: Settings, cpus: list[int], only: list[str] | None = None
-) -> tuple[dict[str, str], list[int] | None]:
-    planned = processes(settings, ["tiny"], ME, Only.parse(only or []), cores=len(cpus))
-    rest = bind_workers(planned, Only.parse(only or []), cpus)
-    return {child.name: child.env.get("CONVEYOR_CPUS", "") for _, child in planned}, rest
-
-
-def test_each_stage_worker_gets_cpus_of_its_own_and_the_rest_run_on_the_others():
-    one = Settings(stages=1, replicas=1, embedding_stages=1)
-    cpus, rest = bound(one, [0, 1])  # this project's 2-core machine
-    assert cpus == {"batcher": "", "webhooks": "", "callbacks": "", "stage0": "0", "embed0": ""}
-    assert rest == [1]  # `conveyor up` itself, so the api, Redis and the others it starts
-    cpus, rest = bound(Settings(stages=2, replicas=1, embedding_stages=0), [4, 5, 6, 7, 8, 9, 10, 11, 12])
-    assert (cpus["stage0"], cpus["stage1"], rest) == ("4-7", "8-11", [12])
-    cpus, rest = bound(Settings(stages=2, replicas=1, embedding_stages=0), [0, 1, 2], ["stage:1"])
-    assert (cpus["stage0"], cpus["stage1"], rest) == ("", "0-1", [2])  # stage 0 runs on another host
-
-
-def test_workers_that_do_not_fit_beside_a_spare_cpu_or_chose_their_threads_are_not_bound():
-    cpus, rest = bound(Settings(stages=2, replicas=1, embedding_stages=0), [0, 1])  # 1 thread each, 1 core
-    assert rest is None and not any(cpus.values())
-    cpus, rest = bound(Settings(stages=1, replicas=1, torch_threads=1), [0, 1])
-    assert rest is None and not any(cpus.values())
-    cpus, rest = bound(Settings(stages=1, replicas=1), [0])
-    assert rest is None and not any(cpus.values())
-    cpus, rest = bound(Settings(stages=1, replicas=1), [0, 1], ["api,batcher"])  # no worker here
-    assert rest is None

@@ -59,7 +59,7 @@ async def upload_file(
     """Store a batch input file (at most `batch_file_max_bytes`, else 413, `batch_file_max_lines` lines),
     counted against the tenant's `batch_tenant_file_bytes` (429 file_quota_exceeded past it). Its
     lines are checked when a batch is created from it."""
-    limit = settings.batch_file_max_bytes
+    limit = settings.batch.file_max_bytes
     content = await file.read(limit + 1)
     if len(content) > limit:
         raise BodyTooLarge(limit)
@@ -67,12 +67,12 @@ async def upload_file(
         lines = content.decode().count("\n") + (not content.endswith(b"\n"))
     except UnicodeDecodeError:
         raise InvalidRequest("the file is not UTF-8 text (JSONL)") from None
-    if lines > settings.batch_file_max_lines:
-        limit = settings.batch_file_max_lines
+    if lines > settings.batch.file_max_lines:
+        limit = settings.batch.file_max_lines
         raise InvalidRequest(f"the file has {lines} lines, over the limit of {limit}", limit=limit)
     name = (file.filename or "input.jsonl")[:256]
     stored = await store.put_file(
-        tenant=tenant, filename=name, purpose=purpose, content=content, quota=settings.batch_tenant_file_bytes
+        tenant=tenant, filename=name, purpose=purpose, content=content, quota=settings.batch.tenant_file_bytes
     )
     return FileObject.of(stored)
 

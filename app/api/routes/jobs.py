@@ -12,9 +12,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.api import audit
 from app.api.auth import current_tenant
+from app.api.checks import MAX_IDEMPOTENCY_KEY
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobUrls
-from app.api.service import MAX_IDEMPOTENCY_KEY, JobService, Submitted
+from app.api.service import JobService, Submitted
 from app.api.streams import Slot
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
