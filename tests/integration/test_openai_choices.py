@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.api.app import create_app
 from app.core.keys import Keys
 from tests.stageharness import Pipeline, build
+from tests.tiny import make_tiny_model
 from tests.tinyapi import forget_namespace, tiny_settings
 
 PROMPT = "The quick brown fox"
@@ -30,25 +31,42 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 MAX_TOKENS = 6
 
 
-@pytest.fixture(params=[1, 2], ids=["one-stage", "two-stages-prefix-cache"])
-def served(
-    request: pytest.FixtureRequest, redis_url: str, tiny_model: Path
-) -> Iterator[tuple[TestClient, Pipeline]]:
+def serve(redis_url: str, model: Path, stages: int) -> Iterator[tuple[TestClient, Pipeline]]:
     """The API and, in the same namespace, the pipeline that generates what it submits: one stage,
     or two stages each with a prefix cache."""
-    settings = tiny_settings(redis_url, tiny_model, auth="none")
+    settings = tiny_settings(redis_url, model, auth="none")
     redis = redis_lib.Redis.from_url(redis_url)
-    stages = int(request.param)
     for stage in range(stages):
         redis.zadd(Keys(settings.namespace).workers("tiny", stage), {f"w{stage}": time.time() + 600})
     pipeline = build(
-        redis, tiny_model, namespace=settings.namespace, stages=stages, prefix_cache_mb=8 if stages > 1 else 0
+        redis, model, namespace=settings.namespace, stages=stages, prefix_cache_mb=8 if stages > 1 else 0
     )
     try:
         with TestClient(create_app(settings)) as client:
             yield client, pipeline
     finally:
         forget_namespace(redis_url, settings.namespace)
+
+
+@pytest.fixture(params=[1, 2], ids=["one-stage", "two-stages-prefix-cache"])
+def served(
+    request: pytest.FixtureRequest, redis_url: str, tiny_model: Path
+) -> Iterator[tuple[TestClient, Pipeline]]:
+    yield from serve(redis_url, tiny_model, int(request.param))
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with the context a prompt of tools takes in its byte-level tokens (the tools'
+    system prompt alone is most of the 512 positions of `tiny_model`)."""
+    return make_tiny_model(tmp_path_factory.mktemp("choices") / "tiny", context=4096)
+
+
+@pytest.fixture(params=[1, 2], ids=["one-stage", "two-stages-prefix-cache"])
+def served_long(
+    request: pytest.FixtureRequest, redis_url: str, long_tiny: Path
+) -> Iterator[tuple[TestClient, Pipeline]]:
+    yield from serve(redis_url, long_tiny, int(request.param))
 
 
 def answer(served: tuple[TestClient, Pipeline], path: str, body: dict[str, Any], jobs: int) -> Any:
@@ -61,26 +79,32 @@ def answer(served: tuple[TestClient, Pipeline], path: str, body: dict[str, Any],
         body_ = {"max_tokens": MAX_TOKENS, "ignore_eos": True, **body}
         if body.get("stream"):
             with client.stream("POST", path, json=body_) as response:
+                result["status"] = response.status_code
                 lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-            assert lines[-1] == "data: [DONE]"
-            result["chunks"] = [json.loads(line[6:]) for line in lines[:-1]]
+                result["text"] = "\n".join(lines)
+            if response.status_code == 200 and lines and lines[-1] == "data: [DONE]":
+                result["chunks"] = [json.loads(line[6:]) for line in lines[:-1]]
         else:
             response = client.post(path, json=body_)
-            assert response.status_code == 200, response.text
-            result["json"] = response.json()
+            result["status"], result["text"] = response.status_code, response.text
+            if response.status_code == 200:
+                result["json"] = response.json()
 
     thread = threading.Thread(target=post)
     thread.start()
     deadline = time.monotonic() + 30
     queued: list[str] = []
-    while len(queued) < jobs and time.monotonic() < deadline:
+    while len(queued) < jobs and time.monotonic() < deadline and thread.is_alive():
         found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
         queued = [j for j in found if pipeline.record(j).get("status") == "queued"]
-    assert len(queued) == jobs, f"the API made {len(queued)} jobs, not {jobs}"
+    if len(queued) < jobs:  # the API answered (an error) before it made them, or made fewer
+        thread.join(5)
+    assert len(queued) == jobs, f"the API made {len(queued)} jobs, not {jobs}: {result}"
     pipeline.dispatch(sorted(queued, key=lambda j: float(pipeline.record(j)["created_at"])))
     pipeline.pump()
     thread.join(30)
     assert not thread.is_alive()
+    assert result["status"] == 200 and ("json" in result or "chunks" in result), result
     return result.get("json", result.get("chunks"))
 
 
@@ -309,11 +333,15 @@ def test_each_choice_is_charged_and_a_request_over_the_budget_leaves_no_job(queu
     assert eventually(lambda: set(statuses(keys, redis).values()) == {"cancelled"}), statuses(keys, redis)
 
 
-def test_each_choice_of_a_forced_tool_call_is_a_call(served):  # type: ignore[no-untyped-def]
-    """n=2 with a named function: each choice's answer is that call, with an id of its own."""
+def test_each_choice_of_a_forced_tool_call_is_a_call(served_long):  # type: ignore[no-untyped-def]
+    """n=2 with a named function that takes no arguments: the grammar leaves each choice one answer,
+    that call (whatever a random model at temperature 1 samples), each with an id of its own."""
     tool = {
         "type": "function",
-        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+        "function": {
+            "name": "ping",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
     }
     body = {
         "model": "tiny",
@@ -323,10 +351,10 @@ def test_each_choice_of_a_forced_tool_call_is_a_call(served):  # type: ignore[no
         "seed": 3,
         "tools": [tool],
         "tool_choice": {"type": "function", "function": {"name": "ping"}},
-        "max_tokens": 52,  # the tools' system prompt takes 460 of the tiny model's 512 positions
+        "max_tokens": 64,  # the call is 52 byte-level tokens; it ends there, with its grammar
         "ignore_eos": False,
     }
-    choices = answer(served, "/v1/chat/completions", body, jobs=2)["choices"]
+    choices = answer(served_long, "/v1/chat/completions", body, jobs=2)["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     for choice in choices:
         assert choice["finish_reason"] == "tool_calls", choice
