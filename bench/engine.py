@@ -16,7 +16,7 @@ the same steps' CPU time, the ratio of each fused engine to its separate one; th
 where a bf16 step's milliseconds go at the smallest and largest batch (torch profiler: the host line
 is the Python and dispatch work per step), and the greedy agreement of each pair.
 
-    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--rounds 3] [--threads 1]
+    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--rounds 3] [--rows unpadded]
 
 Writes bench/results/engine.md (and its data, engine.json).
 """
@@ -241,6 +241,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="padded,unpadded", help="padded, unpadded or both")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
@@ -258,7 +259,13 @@ def main() -> None:
 
     engines = [Engine(name, partition(dtype, pack, fuse)) for name, dtype, pack, fuse in ENGINES]
     by_name = {e.name: e for e in engines}
-    cases = [(b, padded) for b in batches for padded in (True, False)]
+    kinds = args.rows.split(",")
+    cases = [
+        (b, padded)
+        for b in batches
+        for padded in (True, False)
+        if ("padded" if padded else "unpadded") in kinds
+    ]
     steps: dict[tuple[int, bool], dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
     prefill_cpu: dict[tuple[int, bool], dict[str, list[float]]] = {
         c: {e.name: [] for e in engines} for c in cases
@@ -297,7 +304,7 @@ def main() -> None:
         say(f"profile {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     meta = {
         "command": f"python -m bench.engine --batches {args.batches} --steps {args.steps} "
-        f"--rounds {args.rounds} --threads {args.threads}",
+        f"--rounds {args.rounds} --rows {args.rows} --threads {args.threads}",
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": str(args.threads),
