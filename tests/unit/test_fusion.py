@@ -59,14 +59,18 @@ def test_a_fused_stage_computes_what_the_separate_one_does_with_the_same_bytes(
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_bf16_on_a_cpu_fuses_by_default_and_fp32_does_not(tiny: Path) -> None:
-    bf16 = StagePartition.load(tiny, LayerRange(0, 1), dtype=torch.bfloat16)
+def test_bf16_on_a_cpu_fuses_by_default_with_the_same_numbers_and_fp32_does_not(tiny: Path) -> None:
+    bf16 = StagePartition.load(tiny, dtype=torch.bfloat16)
     fp32 = StagePartition.load(tiny, LayerRange(0, 1), dtype=torch.float32)
     assert any(isinstance(m, fusion.Fused) for m in bf16.modules())
     assert not any(isinstance(m, fusion.Fused | fusion.GatedMLP) for m in fp32.modules())
     if packing.supported(torch.bfloat16, torch.device("cpu")):  # the fused weights are packed too
         assert isinstance(bf16.layers[0].self_attn.qkv_proj.linear, packing.PackedLinear)
         assert isinstance(bf16.layers[0].mlp.gate_up_proj, packing.PackedLinear)
+    separate = StagePartition.load(tiny, dtype=torch.bfloat16, fuse=False)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    for a, b in zip(steps(bf16, prompts), steps(separate, prompts), strict=True):
+        assert torch.equal(a, b)  # each output column is the same product over the same inputs
 
 
 def test_a_member_called_with_another_input_runs_the_product_again() -> None:
