@@ -1,21 +1,22 @@
-"""What one stage does per decode step: its milliseconds, by precision, attention path and weights.
+"""What one stage does per step: decode and prefill milliseconds, by precision, before and after a change.
 
-SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill, then
-decode steps, "padded" (prompts of 100-160 tokens left-padded: a mask is passed) and "unpadded" (all
-of 128 tokens: no mask). Four engines take turns, a step each, so a slow spell hits all alike:
+SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill (timed:
+at B = 1 unpadded, one 128-token prefill), then decode steps, "padded" (prompts of 100-160 tokens
+left-padded: a mask is passed) and "unpadded" (all of 128 tokens: no mask). The engines take turns,
+a step each, so a slow spell hits all alike, and the whole run repeats `--rounds` times:
 
-    fp32            float32, transformers' SDPA attention (what fp32 serves with)
-    bf16 before     bfloat16, transformers' SDPA attention, `nn.Linear` weights
-    bf16 narrow     bfloat16, `app.partitions.attention.grouped_attention` over the cache's live
-                    columns and linear weights packed for oneDNN (`app.partitions.packing`)
-    bf16            the same, a step of 4 rows or more attending over the cache's whole buffers
-                    with two matrix products (`StagePartition._wide_slabs`): what bf16 serves with
+    fp32            float32, separate q/k/v and gate/up projections: what fp32 serves with
+    fp32 fused      float32, q/k/v and gate/up each one product (`app.partitions.fusion`)
+    bf16 before     bfloat16, separate projections, linear weights packed for oneDNN
+                    (`app.partitions.packing`)
+    bf16            bfloat16, fused projections, packed: what bf16 serves with
 
-For each batch size: the median step, tokens/s (B / step), and the ratios of bf16 to the others;
-then where a bf16 step's milliseconds go at the largest batch (torch profiler), and the greedy
-agreement of bf16 with bf16 before (an argmax may flip where two logits tie at bf16 precision).
+For each batch size: the median step over the rounds' medians, its spread (lowest-highest round),
+the same steps' CPU time, the ratio of each fused engine to its separate one; the prefill; then
+where a bf16 step's milliseconds go at the smallest and largest batch (torch profiler: the host line
+is the Python and dispatch work per step), and the greedy agreement of each pair.
 
-    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--threads 1]
+    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--rounds 3] [--rows unpadded]
 
 Writes bench/results/engine.md (and its data, engine.json).
 """
@@ -25,36 +26,36 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.report import git_commit, median_ms, table, timed, write_results
+from bench.report import git_commit, median_ms, table, write_results
 from bench.systems import MODEL_DIR, say
 
-ENGINES = (  # name, dtype, attention, linear weights packed, wide decode steps
-    ("fp32", torch.float32, "sdpa", False, False),
-    ("bf16 before", torch.bfloat16, "sdpa", False, False),
-    ("bf16 narrow", torch.bfloat16, attention.IMPLEMENTATION, True, False),
-    ("bf16", torch.bfloat16, attention.IMPLEMENTATION, True, True),
+ENGINES = (  # name, dtype, linear weights packed, projections fused
+    ("fp32", torch.float32, False, False),
+    ("fp32 fused", torch.float32, False, True),
+    ("bf16 before", torch.bfloat16, True, False),
+    ("bf16", torch.bfloat16, True, True),
 )
-OTHERS = ("fp32", "bf16 before", "bf16 narrow")  # what bf16 is compared with
+PAIRS = (("fp32 fused", "fp32"), ("bf16", "bf16 before"))  # (after, before)
 
 
 @dataclass
 class Engine:
     name: str
     partition: StagePartition
-    implementation: str
     state: BatchState | None = None
-    timings: list[float] = field(default_factory=list)
+    timings: list[float] = field(default_factory=list)  # seconds a decode step, wall clock
+    cpu: list[float] = field(default_factory=list)  # the same steps' CPU seconds (this thread's)
+    prefill: list[tuple[float, float]] = field(default_factory=list)  # (wall, CPU) s, one per batch run
     tokens: list[list[int]] = field(default_factory=list)  # greedy choices, step by step
-
-    def use(self) -> None:
-        self.partition.config._attn_implementation = self.implementation
 
 
 def prompts(batch: int, padded: bool, seed: int = 0) -> list[list[int]]:
@@ -63,19 +64,33 @@ def prompts(batch: int, padded: bool, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
 
 
+def clocked(fn: Callable[[], object]) -> tuple[float, float]:
+    """Seconds one call of `fn` took: wall clock, and CPU time of this thread. With one torch thread
+    every kernel runs on it, so the second is what the step cost, whatever else the machine ran."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
 @torch.inference_mode()
 def start(engine: Engine, batch: int, padded: bool = True) -> torch.Tensor:
-    engine.use()
     ids, mask = left_pad(prompts(batch, padded), 0)
     engine.state = BatchState(engine.partition.config, [str(i) for i in range(batch)], mask)
-    engine.timings, engine.tokens = [], []
-    return engine.partition(engine.state, ids).argmax(-1)  # [B]
+    engine.timings, engine.cpu, engine.tokens = [], [], []
+    logits: torch.Tensor | None = None
+
+    def forward() -> None:
+        nonlocal logits
+        logits = engine.partition(engine.state, ids)
+
+    engine.prefill.append(clocked(forward))
+    assert logits is not None
+    return logits.argmax(-1)  # [B]
 
 
 @torch.inference_mode()
 def step(engine: Engine, tokens: torch.Tensor) -> torch.Tensor:
     assert engine.state is not None
-    engine.use()
     engine.state.extend(1)
     logits: torch.Tensor | None = None
 
@@ -83,7 +98,9 @@ def step(engine: Engine, tokens: torch.Tensor) -> torch.Tensor:
         nonlocal logits
         logits = engine.partition(engine.state, tokens[:, None])  # [B, 1, V]
 
-    engine.timings.append(timed(forward))
+    wall, cpu = clocked(forward)
+    engine.timings.append(wall)
+    engine.cpu.append(cpu)
     assert logits is not None
     chosen = logits.argmax(-1)
     engine.tokens.append(chosen.tolist())
@@ -112,8 +129,10 @@ def profile(engine: Engine, batch: int, steps: int) -> dict[str, float]:
             feed = step(engine, feed)
         wall = time.perf_counter() - started
     kinds: dict[str, float] = {"linear layers (mm)": 0.0, "attention": 0.0, "other kernels": 0.0}
+    ops = 0
     for event in prof.key_averages():
         name, self_ms = event.key, event.self_cpu_time_total / 1000
+        ops += event.count if name.startswith("aten::") else 0
         if name in ("aten::mm", "aten::addmm") or "linear_pointwise" in name:
             kinds["linear layers (mm)"] += self_ms
         elif "scaled_dot_product" in name or name in ("aten::bmm", "aten::_softmax", "aten::masked_fill_"):
@@ -123,6 +142,7 @@ def profile(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     per_step = {kind: ms / steps for kind, ms in kinds.items()}
     per_step["host (Python, dispatch, profiler)"] = max(0.0, wall * 1000 / steps - sum(per_step.values()))
     per_step["step (wall)"] = wall * 1000 / steps
+    per_step["aten ops (count)"] = ops / steps
     return per_step
 
 
@@ -134,48 +154,81 @@ def agreement(a: Engine, b: Engine) -> tuple[int, int]:
     return same, total
 
 
+def spread(samples: list[float]) -> str:
+    """A median over rounds with its lowest-highest, in ms."""
+    return f"{statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f})"
+
+
+Times = dict[str, list[float]]  # engine -> ms, one per round
+
+
 def markdown(
-    rows: list[tuple[int, str, dict[str, float]]], prof: dict[str, float], meta: dict[str, str]
+    rows: list[tuple[int, str, Times, Times, Times, Times]],
+    profs: dict[str, dict[str, float]],
+    meta: dict[str, str],
 ) -> str:
     names = [name for name, *_ in ENGINES]
+    mid = statistics.median
+    columns = (
+        " | ".join([f"{n} ms>" for n in names] + [f"{n} CPU ms>" for n in names])
+        + " | "
+        + " | ".join(f"{a} vs {b}> | (CPU)>" for a, b in PAIRS)
+    )
+
+    def cells(wall: Times, cpu: Times) -> list[str]:
+        ratios = [f"{mid(t[b]) / mid(t[a]):.2f}×" for a, b in PAIRS for t in (wall, cpu)]
+        return [*(spread(wall[n]) for n in names), *(spread(cpu[n]) for n in names), *ratios]
+
     lines = [
-        "# Engine: one decode step, by precision and attention path",
+        "# Engine: one step, decode and prefill, before and after",
         "",
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}, torch threads {meta['threads']}, "
         f"load average {meta['load']}. SmolLM2-135M-Instruct, one stage, prompts of 100-160 tokens "
-        "left-padded to the longest; the engines take turns step by step; medians.",
+        "left-padded to the longest (padded) or all of 128 (unpadded); the engines take turns step by "
+        f"step, {meta['rounds']} rounds. ms: wall clock, the median of the rounds' median steps "
+        "(lowest-highest round); CPU ms: the same steps' CPU time on the one torch thread (what a step "
+        "costs, whatever else the machine runs).",
+        "",
+        "Decode steps:",
         "",
         *table(
-            "batch> | rows | "
-            + " | ".join(
-                [f"{n} ms>" for n in names]
-                + [f"{n} tok/s>" for n in names]
-                + [f"bf16 vs {o}>" for o in OTHERS]
-            ),
+            "batch> | rows | " + columns,
+            ([batch, kind, *cells(ms, cpu)] for batch, kind, ms, cpu, _, _ in rows),
+        ),
+        "",
+        "Prefill (the whole batch's prompts in one step; unpadded rows: B × 128 tokens):",
+        "",
+        *table(
+            "batch> | tokens> | " + columns,
             (
-                [
-                    batch,
-                    kind,
-                    *(f"{ms[n]:.1f}" for n in names),
-                    *(f"{batch / ms[n] * 1000:.0f}" for n in names),
+                [batch, batch * 128, *cells(pre, pre_cpu)]
+                for batch, kind, _, _, pre, pre_cpu in rows
+                if kind == "unpadded"
+            ),
+        ),
+        "",
+        "Where one decode step's milliseconds go (padded rows, torch profiler; its own overhead lands in "
+        "the host line, and every aten op counts, nested ones too):",
+        "",
+        *table(
+            "work | " + " | ".join(f"{name} ms> | share>" for name in profs),
+            (
+                [kind]
+                + [
+                    cell
+                    for prof in profs.values()
+                    for cell in (
+                        f"{prof[kind]:.1f}" if "count" not in kind else f"{prof[kind]:.0f}",
+                        ""
+                        if kind in ("step (wall)", "aten ops (count)")
+                        else f"{prof[kind] / prof['step (wall)']:.0%}",
+                    )
                 ]
-                + [f"{ms[other] / ms['bf16']:.2f}×" for other in OTHERS]
-                for batch, kind, ms in rows
+                for kind in next(iter(profs.values()))
             ),
         ),
         "",
-        f"Where one decode step's milliseconds go ({meta['profiled']}, torch profiler; its own overhead "
-        "lands in the host line):",
-        "",
-        *table(
-            "work | ms per step> | share>",
-            (
-                (kind, f"{ms:.1f}", "" if kind == "step (wall)" else f"{ms / prof['step (wall)']:.0%}")
-                for kind, ms in prof.items()
-            ),
-        ),
-        "",
-        f"Greedy agreement, bf16 vs bf16 before over every decode step: {meta['agreement']}.",
+        f"Greedy agreement over every decode step: {meta['agreement']}.",
         "",
     ]
     return "\n".join(lines)
@@ -187,6 +240,8 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="padded,unpadded", help="padded, unpadded or both")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
@@ -196,38 +251,70 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     load = f"{os.getloadavg()[0]:.1f}"
 
-    def partition(dtype: torch.dtype, pack: bool, wide: bool) -> StagePartition:
-        stage = StagePartition.load(MODEL_DIR, dtype=dtype, pack=pack)
-        stage.wide_decode = wide
+    def partition(dtype: torch.dtype, pack: bool, fuse: bool) -> StagePartition:
+        stage = StagePartition.load(MODEL_DIR, dtype=dtype, pack=pack, fuse=fuse)
+        assert stage.config._attn_implementation == attention.IMPLEMENTATION
         stage.warmup()
         return stage
 
-    engines = [Engine(name, partition(dtype, pack, wide), impl) for name, dtype, impl, pack, wide in ENGINES]
-    rows = []
-    same = total = 0
-    for batch in batches:
-        for padded in (True, False):
+    engines = [Engine(name, partition(dtype, pack, fuse)) for name, dtype, pack, fuse in ENGINES]
+    by_name = {e.name: e for e in engines}
+    kinds = args.rows.split(",")
+    cases = [
+        (b, padded)
+        for b in batches
+        for padded in (True, False)
+        if ("padded" if padded else "unpadded") in kinds
+    ]
+    steps: dict[tuple[int, bool], dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
+    prefill_cpu: dict[tuple[int, bool], dict[str, list[float]]] = {
+        c: {e.name: [] for e in engines} for c in cases
+    }
+    cpu: dict[tuple[int, bool], dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
+    prefill: dict[tuple[int, bool], dict[str, list[float]]] = {
+        c: {e.name: [] for e in engines} for c in cases
+    }
+    agree = {pair: [0, 0] for pair in PAIRS}
+    for round_ in range(args.rounds):
+        for batch, padded in cases:
             run_batch(engines, batch, padded, args.steps)
-            ms = {e.name: median_ms(e.timings) for e in engines}
-            kind = "padded" if padded else "unpadded"
-            say(f"batch {batch} {kind}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
-            rows.append((batch, kind, ms))
-            s, t = agreement(engines[1], engines[3])
-            same, total = same + s, total + t
-    profiled = max(batches)
-    prof = profile(engines[3], profiled, max(4, args.steps // 3))
-    say("profile: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
+            for e in engines:
+                steps[batch, padded][e.name].append(median_ms(e.timings))
+                cpu[batch, padded][e.name].append(median_ms(e.cpu))
+                prefill[batch, padded][e.name].append(e.prefill[-1][0] * 1000)
+                prefill_cpu[batch, padded][e.name].append(e.prefill[-1][1] * 1000)
+            say(
+                f"round {round_ + 1} batch {batch} {'padded' if padded else 'unpadded'}: "
+                + ", ".join(f"{e.name} {median_ms(e.timings):.1f} ms" for e in engines)
+            )
+            for pair in PAIRS:
+                s, t = agreement(by_name[pair[0]], by_name[pair[1]])
+                agree[pair][0] += s
+                agree[pair][1] += t
+    rows = [
+        (b, "padded" if p else "unpadded", steps[b, p], cpu[b, p], prefill[b, p], prefill_cpu[b, p])
+        for b, p in cases
+    ]
+    profs = {
+        f"{name}, batch {batch}": profile(by_name[name], batch, max(4, args.steps // 3))
+        for batch in sorted({min(batches), max(batches)})
+        for name in ("bf16 before", "bf16")
+    }
+    for name, prof in profs.items():
+        say(f"profile {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
     meta = {
         "command": f"python -m bench.engine --batches {args.batches} --steps {args.steps} "
-        f"--threads {args.threads}",
+        f"--rounds {args.rounds} --rows {args.rows} --threads {args.threads}",
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": str(args.threads),
+        "rounds": str(args.rounds),
         "load": f"{load} before, {os.getloadavg()[0]:.1f} after",
-        "profiled": f"bf16, batch {profiled}",
-        "agreement": f"{same}/{total} tokens ({same / max(total, 1):.1%})",
+        "agreement": "; ".join(
+            f"{a} vs {b} {s}/{t} tokens ({s / max(t, 1):.1%})" for (a, b), (s, t) in agree.items()
+        ),
     }
-    text = markdown(rows, prof, meta)
+    text = markdown(rows, profs, meta)
     print(text)
     if not args.no_write:
         write_results(
@@ -235,8 +322,11 @@ def main() -> None:
             text,
             {
                 "meta": meta,
-                "steps": [{"batch": b, "rows": k, "ms": ms} for b, k, ms in rows],
-                "profile": prof,
+                "steps": [
+                    {"batch": b, "rows": k, "ms": ms, "cpu_ms": c, "prefill_ms": pre, "prefill_cpu_ms": pc}
+                    for b, k, ms, c, pre, pc in rows
+                ],
+                "profile": profs,
             },
         )
 

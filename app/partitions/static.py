@@ -37,15 +37,17 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from app.partitions.batchstate import BatchState
 from app.partitions.families import SLIDING
 from app.partitions.kvcache import SlabLayer
 
-if TYPE_CHECKING:
-    from app.partitions.layers import BatchState, StagePartition
+# The stage whose steps are captured: a `StagePartition` (app/partitions/layers.py, which imports
+# this module, so it is named here by what it is, not imported).
+StagePartition = Any
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,15 @@ from transformers.generation.logits_process import (
 )
 
 from app.core.errors import UnsupportedModel
+from app.partitions import fusion
 from app.partitions.families import FAMILIES, family_for
 from app.partitions.layers import BatchState, LayerRange, StagePartition, left_pad
 from app.partitions.loading import rebuild_buffers
 from app.workers.sampling import SamplingParams, sample
 
 STEPS = 16
+ALREADY_FUSED = ("phi3-window", "gpt2")  # their checkpoints hold q/k/v (and gate/up) as one weight
+FUSED = (fusion.Fused, fusion.GatedMLP)
 SAMPLED = ["cohere", "granite", "gemma2"]  # families whose outer forward changes the logits
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24]]
 JOINER = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
@@ -65,8 +68,10 @@ def _generate(model: Any, prompt: list[int], steps: int) -> tuple[list[int], lis
 class Pipeline:
     """Stages loaded from the checkpoint as workers load them, driven as the stage runtime drives them."""
 
-    def __init__(self, path: Path, stages: int) -> None:
-        self.parts = [StagePartition.load(path, LayerRange.even_split(6, stages, s)) for s in range(stages)]
+    def __init__(self, path: Path, stages: int, fuse: bool = False) -> None:
+        self.parts = [
+            StagePartition.load(path, LayerRange.even_split(6, stages, s), fuse=fuse) for s in range(stages)
+        ]
         self.config = self.parts[0].config
 
     def start(self, prompts: list[list[int]], ids: list[str]) -> tuple[list[BatchState], torch.Tensor]:
@@ -86,13 +91,18 @@ class Pipeline:
         return self.run(states, tokens[:, None])
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_stages_decode_exactly_as_generate(
-    saved: dict[str, tuple[Path, Any]], name: str, stages: int
+    saved: dict[str, tuple[Path, Any]], name: str, stages: int, fuse: bool
 ) -> None:
+    """Fused: q/k/v and gate/up projections as one product each (`app.partitions.fusion`; bf16 on a
+    CPU fuses by default, fp32 only when asked), the same tokens and logits."""
     path, model = saved[name]
-    pipeline = Pipeline(path, stages)
+    pipeline = Pipeline(path, stages, fuse)
+    fused = [m for part in pipeline.parts for m in part.modules() if isinstance(m, FUSED)]
+    assert bool(fused) == (fuse and name not in ALREADY_FUSED)
     ids = ["a", "b", "c"]
     states, logits = pipeline.start(PROMPTS, ids)
     got: dict[str, list[torch.Tensor]] = {i: [row] for i, row in zip(ids, logits, strict=True)}

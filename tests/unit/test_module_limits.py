@@ -14,15 +14,9 @@ APP = Path(__file__).resolve().parents[2] / "app"
 MAX_LINES = 500
 MAX_SETTINGS = 126  # 124, then the Host and Origin allow-lists (CONVEYOR_ALLOWED_HOSTS, _ORIGINS)
 # module -> why it is still longer than MAX_LINES.
-LONGER: dict[str, str] = {
-    "partitions/layers.py": "the layer-range stage, being split in a change of its own",
-}
+LONGER: dict[str, str] = {}
 # modules of a circle -> why it is still there.
-CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"app.partitions.layers", "app.partitions.static"}): (
-        "static.py names layers' BatchState and StagePartition in its types; goes with the split of layers.py"
-    ),
-}
+CIRCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path) -> str:
