@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -34,7 +35,7 @@ from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
-from app.workers.stage import StageIdentity, StageRuntime
+from app.workers.stage import Send, StageIdentity, StageRuntime
 
 log = logging.getLogger(__name__)
 
@@ -124,43 +125,21 @@ def run_worker(
 
     redis_url = settings.redis_url or ""
     redis = sync_client(redis_url)
-    jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
     celery = create_celery_app(settings, redis_url)
 
     def send(message: StepMessage, queue: str) -> None:
         send_step(celery, message, queue)
 
-    runtime = StageRuntime(
-        identity=identity,
-        partition=partition,
-        tokenizer=tokenizer,
-        jobs=jobs,
-        publisher=Publisher(
-            redis,
-            keys,
-            jobs,
-            life=Lifetimes.of(settings),
-            outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
-        ),
+    runtime = stage_runtime(
+        settings,
+        identity,
+        partition,
+        tokenizer,
+        path=path,
+        layers=layers,
         redis=redis,
-        keys=keys,
         send=send,
         hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
-        eos_ids=eos_token_ids(str(path), partition.config),
-        pad_id=_pad_id(partition.config),
-        continuous=settings.batching == "continuous",
-        max_running=settings.max_running_sequences,
-        max_kv_positions=settings.max_batch_kv_positions,
-        between_layers=settings.preempt_between_layers,
-        latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
-        codec=CodecSpec(
-            settings.stage_codec,
-            settings.stage_transport_dtype,
-            tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
-        ),
-        stale_after_s=4 * settings.stall_timeout_s,
-        prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
-        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
     )
 
     def slice_for(message: StepMessage) -> float | None:
@@ -208,6 +187,59 @@ def run_worker(
         health=health,
     )
     compute.stop()
+
+
+def stage_runtime(
+    settings: Settings,
+    identity: StageIdentity,
+    partition: StagePartition,
+    tokenizer: Any,
+    *,
+    path: Path,
+    layers: LayerRange,
+    redis: Any,
+    send: Send,
+    hand_off: Send,
+) -> StageRuntime:
+    """The runtime of one stage replica as `settings` configure it; messages leave through `send`
+    (a stage's shared queue) and `hand_off` (a replica's lane). The in-process test stack builds
+    its stages here too."""
+    keys = Keys(settings.namespace)
+    jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
+    return StageRuntime(
+        identity=identity,
+        partition=partition,
+        tokenizer=tokenizer,
+        jobs=jobs,
+        publisher=Publisher(
+            redis,
+            keys,
+            jobs,
+            life=Lifetimes.of(settings),
+            outcomes=breaker.recorder(redis, keys, identity.model),  # the breaker counts what ends here
+        ),
+        redis=redis,
+        keys=keys,
+        send=send,
+        hand_off=hand_off,
+        eos_ids=eos_token_ids(str(path), partition.config),
+        pad_id=_pad_id(partition.config),
+        continuous=settings.batching == "continuous",
+        max_running=settings.max_running_sequences,
+        max_kv_positions=settings.max_batch_kv_positions,
+        between_layers=settings.preempt_between_layers,
+        latency=StepLatency(
+            redis, keys, identity.model, identity.stage, (layers.start, layers.stop), identity.worker
+        ),
+        codec=CodecSpec(
+            settings.stage_codec,
+            settings.stage_transport_dtype,
+            tolerance=settings.stage_zfp_tolerance if settings.stage_codec == "zfp" else None,
+        ),
+        stale_after_s=4 * settings.stall_timeout_s,
+        prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
+        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, settings.claim_ttl_s),
+    )
 
 
 def load_partition(
