@@ -379,6 +379,12 @@ def start_harness(
     for flag, name in (("--stages", "CONVEYOR_STAGES"), ("--replicas", "CONVEYOR_REPLICAS")):
         if flag in args:
             env[name] = args[args.index(flag) + 1]
+    if "--plan" in args:  # one worker per stage of the plan, as `up --plan`
+        from app.partitions.planner import Plan
+
+        plan = Path(args[args.index("--plan") + 1])
+        env["CONVEYOR_PLAN_FILE"] = str(plan.resolve())
+        env["CONVEYOR_STAGES"] = str(len(Plan.from_json(plan.read_text()).stages))
     env["CONVEYOR_SERVED_MODELS"] = json.dumps(list(dict.fromkeys(served)) or [default_model])
     env.setdefault("CONVEYOR_DEFAULT_MODEL", default_model)
     if served:
