@@ -58,8 +58,8 @@ def settings_from_env(env: dict[str, str]) -> Settings:
 
 class Bus:
     """The broker's stage queues and the replicas' lanes, in memory. A replica takes the next
-    message of its lane or of its stage's shared queue: an urgent one first, then the queue's by
-    priority class (as the worker's BRPOP over the priority lists), then the first to arrive."""
+    message of its lane or of its stage's shared queue (see `take`); the queue gives its messages
+    by priority class, as the worker's BRPOP over the priority lists does, the lane in order."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -78,13 +78,19 @@ class Bus:
             self.cond.notify_all()
 
     def take(self, queue: str, lane: str, timeout_s: float = 0.5) -> StepMessage | None:
+        """The next message for the replica that consumes `queue` and `lane`: an urgent one first;
+        else the lane's or the queue's, whichever has waited longest, the queue's by priority class."""
         with self.cond:
             deadline = time.monotonic() + timeout_s
             while not self.closed:
-                waiting = [(q, e) for q in (lane, queue) for e in self.queues.get(q, [])]
-                if waiting:
-                    q, entry = min(waiting, key=lambda w: (not w[1][2].urgent, w[1][0], w[1][1]))
-                    self.queues[q].remove(entry)
+                heads = []
+                for name in (lane, queue):
+                    if waiting := self.queues.get(name):
+                        best = min(waiting, key=lambda e: (e[0], e[1]))
+                        heads.append((not best[2].urgent, min(e[1] for e in waiting), name, best))
+                if heads:
+                    *_, name, entry = min(heads, key=lambda h: (h[0], h[1]))
+                    self.queues[name].remove(entry)
                     return entry[2]
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -201,9 +201,9 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
 def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # type: ignore[no-untyped-def]
     tmp_path, redis_url, tiny_model, stages, transport
 ):
-    from conftest import start_stack
+    from harness import start_harness
 
-    two = start_stack(
+    two = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},
@@ -226,6 +226,7 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # ty
         assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, prompt, 16)
 
 
+@pytest.mark.e2e  # `conveyor up --plan` and the layers each worker process reports loading
 def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     """`conveyor plan --out` then `conveyor up --plan`: uneven cuts, still token-exact."""
     import json

@@ -25,6 +25,7 @@ from app.core.keys import Keys
 PROMPTS = ["one two three", "the quick brown fox", "0 1 2 3 4 5", "hello hello"]
 
 
+@pytest.mark.e2e  # `up --model` twice: which worker processes it starts
 def test_two_models_in_one_stack_answer_concurrently_and_are_listed(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     second = make_tiny_model(tmp_path / "tiny2", seed=1)
     unstarted = make_tiny_model(tmp_path / "tiny3", seed=2)

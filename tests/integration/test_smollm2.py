@@ -38,6 +38,7 @@ def reference(path: Path) -> tuple[list[list[int]], int]:
     return expected, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.e2e  # the real model through `conveyor up`; what each worker process holds
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2])
 def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir, stages):  # type: ignore[no-untyped-def]
@@ -71,6 +72,7 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir, 
         assert max(held) <= 0.65 * whole, (held, whole)
 
 
+@pytest.mark.e2e  # the real model through `conveyor up`; what each worker process holds
 @pytest.mark.slow
 def test_smollm2_in_bf16_through_the_stack_answers_paris(tmp_path, redis_url, smollm2_dir):  # type: ignore[no-untyped-def]
     """The bf16 stack end to end (2 stages, bf16 hand-offs); /readyz says the dtype."""
