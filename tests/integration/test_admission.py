@@ -286,7 +286,7 @@ def cancel_all(client: httpx.Client, *jobs: dict[str, Any]) -> None:
 def job_from_key(stack: Harness, key: str) -> str:
     digest = hashlib.sha256(key.encode()).hexdigest()
     r = redis_lib.Redis.from_url(stack.redis_url or "")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         held = r.get(Keys(stack.namespace).idempotency(digest))
         if held:
