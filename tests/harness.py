@@ -184,9 +184,9 @@ class Harness:
 
         from app.core.keys import Keys
         from app.core.modelstore import registered_dtype
-        from app.partitions.precision import dtype_name, resolve_dtype
+        from app.partitions.precision import resolve_dtype
         from app.workers.heartbeat import Heartbeat
-        from app.workers.main import load_partition, stage_layers, stage_runtime
+        from app.workers.main import load_partition, served_info, stage_layers, stage_runtime
         from app.workers.stage import StageIdentity
 
         settings, keys = self.settings, Keys(self.settings.namespace)
@@ -226,17 +226,7 @@ class Harness:
                         hand_off=self.bus.put_lane,
                     )
                     self.runtimes[(model, stage, replica)] = runtime
-                    info = {
-                        "model": model,
-                        "stage": stage,
-                        "layers": [layers.start, layers.stop],
-                        "family": partition.family.name,
-                        "dtype": dtype_name(dtype),
-                        "device": "cpu",
-                        "decode_steps": "eager",
-                        "param_bytes": partition.param_bytes(),
-                        "prefix_cache_mb": settings.prefix_cache_mb,
-                    }
+                    info = served_info(settings, model, stage, layers, partition, dtype, "cpu")
                     beat = Heartbeat(
                         redis,
                         keys.workers(model, stage),

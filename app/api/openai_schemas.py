@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -113,7 +114,7 @@ class JsonSchemaFormat(BaseModel):
     schema_: dict[str, Any] = Field(
         alias="schema", description="A JSON schema; the answer is JSON that follows it."
     )
-    strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced.")
+    strict: StrictBool | None = Field(default=None, description="Accepted; the schema is always enforced.")
 
 
 class ResponseFormat(BaseModel):

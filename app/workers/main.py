@@ -92,19 +92,7 @@ def run_worker(
 
     partition, dtype = compute.call(load)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
-    info = {
-        "model": model,
-        "stage": stage,
-        "layers": [layers.start, layers.stop],
-        "family": partition.family.name,
-        "dtype": dtype_name(dtype),
-        "device": device,
-        "decode_steps": "graphs"
-        if partition.static is not None and partition.static.refused is None
-        else "eager",
-        "param_bytes": partition.param_bytes(),
-        "prefix_cache_mb": settings.prefix_cache_mb,
-    }
+    info = served_info(settings, model, stage, layers, partition, dtype, device)
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
         "on CPUs %s, decode steps %s, prefix cache %d MiB",
@@ -187,6 +175,31 @@ def run_worker(
         health=health,
     )
     compute.stop()
+
+
+def served_info(
+    settings: Settings,
+    model: str,
+    stage: int,
+    layers: LayerRange,
+    partition: StagePartition,
+    dtype: torch.dtype,
+    device: str,
+) -> dict[str, Any]:
+    """What a stage worker says it serves, with each heartbeat (shown by /readyz to admins)."""
+    return {
+        "model": model,
+        "stage": stage,
+        "layers": [layers.start, layers.stop],
+        "family": partition.family.name,
+        "dtype": dtype_name(dtype),
+        "device": device,
+        "decode_steps": "graphs"
+        if partition.static is not None and partition.static.refused is None
+        else "eager",
+        "param_bytes": partition.param_bytes(),
+        "prefix_cache_mb": settings.prefix_cache_mb,
+    }
 
 
 def stage_runtime(
