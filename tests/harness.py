@@ -3,7 +3,7 @@
 - the api: the real app (`create_app`), served by uvicorn on a thread over a loopback port, so the
   tests' clients (httpx, the official `openai` client, a WebSocket) speak real HTTP to it, streams
   included, and a client that hangs up is a disconnect the app sees;
-- the batcher: the real `Batcher`, its loop on a thread (or ticked by the test: `run_batcher=False`
+- the batcher: the real `Batcher`, its loop on a thread (or ticked by the test: `batcher="tick"`
   and `tick()`);
 - the stage workers: the real `StageRuntime` of every stage and replica of every served model, on the
   tiny models, built from the settings as a worker process builds them (`stage_runtime`); the
@@ -41,6 +41,7 @@ import redis as redis_lib
 
 from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.protocol import StepMessage, broker_priority
+from tests.tinyapi import forget_namespace
 
 log = logging.getLogger(__name__)
 
@@ -143,21 +144,21 @@ class Harness:
         return OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), **kwargs)
 
     def tick(self) -> None:
-        """One round of the batcher (with `run_batcher=False`)."""
+        """One round of the batcher (with `batcher="tick"`)."""
         self.batcher.tick()
 
     # --- start -------------------------------------------------------------------------------------
 
     def start(
-        self, *, api: bool, batcher: bool, workers: bool, webhooks: bool, ready_timeout_s: float
+        self, *, api: bool, batcher: str, workers: bool, webhooks: bool, ready_timeout_s: float
     ) -> None:
         from app.core.redis import sync_client
 
         redis = sync_client(self.settings.redis_url or "")
         if workers:
             self._start_workers(redis)
-        if batcher or not api:
-            self._start_batcher(redis, run=batcher)
+        if batcher != "off":
+            self._start_batcher(redis, run=batcher == "thread")
         if webhooks:
             self._start_webhooks(redis)
         if api:
@@ -346,14 +347,15 @@ def start_harness(
     args: tuple[str, ...] = (),
     namespace: str | None = None,
     api: bool = True,
-    run_batcher: bool = True,
+    batcher: str = "thread",
     workers: bool = True,
     webhooks: bool = True,
     ready_timeout_s: float = 120.0,
 ) -> Harness:
     """`conftest.start_stack`'s arguments, in process: the settings `conveyor up` would give its
-    children (open to anonymous clients unless `extra_env` configures auth), `--model`, `--stages`
-    and `--replicas` in `args`. `run_batcher=False`: the test ticks the batcher (`Harness.tick`)."""
+    children (open to anonymous clients unless `extra_env` configures auth), `--model`, `--stages`,
+    `--replicas` and `--plan` in `args`. `batcher`: "thread" (its loop runs), "tick" (the test runs
+    its rounds: `Harness.tick`) or "off" (jobs stay queued)."""
     env = {
         "REDIS_URL": redis_url,
         "CONVEYOR_HOME": str(tmp / "home"),
@@ -406,7 +408,7 @@ def start_harness(
     harness = Harness(settings, env)
     try:
         harness.start(
-            api=api, batcher=run_batcher, workers=workers, webhooks=webhooks, ready_timeout_s=ready_timeout_s
+            api=api, batcher=batcher, workers=workers, webhooks=webhooks, ready_timeout_s=ready_timeout_s
         )
     except BaseException:
         harness.stop()
@@ -427,6 +429,4 @@ def harness(tmp: Path, **kwargs: Any) -> Iterator[Harness]:
 
 def forget(running: Harness) -> None:
     """Delete every key of the harness's namespace."""
-    client = running.redis
-    for key in client.scan_iter(match=f"{running.namespace}:*", count=1000):
-        client.delete(key)
+    forget_namespace(running.settings.redis_url or "", running.namespace)
