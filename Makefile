@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench bench-full lint docs chromium clean
+.PHONY: install run test test-fast test-e2e test-bench test-deploy test-all bench bench-full lint docs chromium clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,21 +33,41 @@ run: $(STAMP)
 	CONVEYOR_TENANT_PRIORITIES=$${CONVEYOR_TENANT_PRIORITIES:-'{"anonymous": ["realtime", "high", "normal", "batch"]}'} \
 	CONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up
 
-# The in-process tests run in TEST_WORKERS processes (pytest-xdist; each has its own embedded Redis
-# when REDIS_URL is unset); the whole-stack and slow ones after them, one at a time, since each starts
-# processes of its own and a busy machine would only stretch their waits.
+# The gate. The in-process tests (the stack itself in process: tests/harness.py) run in TEST_WORKERS
+# processes (pytest-xdist; each has its own embedded Redis when REDIS_URL is unset); then the e2e tier
+# (whole `conveyor up` stacks: SIGKILL, supervisor, --only hosts, Redis outage, README, browser) and the
+# slow tests (the real SmolLM2), one at a time, since each e2e test starts processes of its own. The
+# bench/ and deployment-manifest tests have targets of their own (test-bench, test-deploy).
 TEST_WORKERS ?= 2
-FAST := -m "not slow and not e2e"
+APART := not bench and not deploy
+FAST  := -m "not slow and not e2e and $(APART)"
+LATE  := -m "(slow or e2e) and $(APART)"
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
-	$(BIN)/python -m pytest -m "slow or e2e"
+	$(BIN)/python -m pytest $(LATE)
 
-# Everything but the whole-stack (e2e) and slow tests: the logic, in process, on a real Redis.
+# The in-process tier alone: the logic and the stack in process, on a real Redis.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
+
+# The whole-stack and real-model tier alone.
+test-e2e: $(STAMP) chromium
+	$(BIN)/python -m pytest $(LATE)
+
+# bench/'s own tests (its load library, report, suite and naive server): no model, no stack.
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -m bench
+
+# The deployment manifests (docker-compose.yml, deploy/k8s, the Prometheus rules, the dashboard),
+# validated offline against their schemas.
+test-deploy: $(STAMP)
+	$(BIN)/python -m pytest -m deploy
+
+# Everything: the gate, then the bench/ and deployment tests.
+test-all: test test-bench test-deploy
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

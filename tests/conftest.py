@@ -1,7 +1,9 @@
-"""Shared fixtures: a real Redis (REDIS_URL, or the embedded server), the tiny model, whole stacks.
+"""Shared fixtures: a real Redis (REDIS_URL, or the embedded server), the tiny model, stacks.
 
-Nothing here fakes Redis or Celery: integration and e2e tests run real processes started the way
-`conveyor up` starts them. The only fake is the model (a tiny random Llama, see tiny.py).
+Nothing here fakes Redis: the integration tests run the stack in process (tests/harness.py: the real
+app, batcher, stage runtimes and webhook workers on threads), and the e2e tests, explicitly marked
+`pytest.mark.e2e`, run whole stacks started the way `conveyor up` starts them (`start_stack`). The
+only fake is the model (a tiny random Llama, see tiny.py).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ import redis as redis_lib
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from harness import Harness, start_harness  # noqa: E402
 from keyaudit import unbounded_keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +167,10 @@ def start_stack(
     clients (CONVEYOR_AUTH=none, as `make run` starts it) unless `extra_env` configures auth.
     `namespace`: another stack's, to share its Redis keys and queues (a second host of it, started
     with `args=("--only", ...)`); `wait_ready=False` returns at once (a host without the api)."""
+    assert _E2E["marked"], (
+        "a test that starts a whole stack is marked `pytest.mark.e2e`; one that needs no process boundary "
+        "runs on tests/harness.py"
+    )
     namespace = namespace or f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
@@ -217,16 +223,12 @@ def start_stack(
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    """One stack on the real Redis with the tiny model, shared by the integration tests. At its end,
-    everything those tests left in Redis is held against the lifetimes `app/core/keys.py` declares."""
-    s = start_stack(
-        tmp_path_factory.mktemp("stack"),
-        redis_url=redis_url,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        extra_env={"CONVEYOR_TORCH_THREADS": "1"},
-    )
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Harness]:
+    """One in-process stack (tests/harness.py) on the real Redis with the tiny model, shared by the
+    integration tests. At its end, everything those tests left in Redis is held against the
+    lifetimes `app/core/keys.py` declares."""
+    tmp = tmp_path_factory.mktemp("stack")
+    s = start_harness(tmp, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny")
     yield s
     s.stop()
     wrong = unbounded_keys(redis_lib.Redis.from_url(redis_url), s.namespace)
@@ -244,13 +246,6 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
-
-
-def _starts_a_stack(func: object) -> bool:
-    try:
-        return "start_stack(" in inspect.getsource(func)  # type: ignore[arg-type]
-    except (OSError, TypeError):
-        return False
 
 
 # A test module that shares an expensive session fixture with other modules names a group:
@@ -285,17 +280,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByModuleGroup(config, log)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `e2e` every test that starts a whole stack (`conveyor up` and its processes), itself or
-    through a fixture: `make test-fast` leaves them out (`-m "not slow and not e2e"`)."""
-    seen: dict[object, bool] = {}
-    for item in items:
-        funcs = [getattr(item, "function", None)]
-        info = getattr(item, "_fixtureinfo", None)
-        for defs in info.name2fixturedefs.values() if info is not None else []:
-            funcs += [d.func for d in defs]
-        for f in funcs:
-            if f is not None and f not in seen:
-                seen[f] = _starts_a_stack(f)
-        if "/e2e/" in str(item.path) or any(seen.get(f) for f in funcs):
-            item.add_marker(pytest.mark.e2e)
+_E2E = {"marked": True}  # whether the test being set up is marked e2e (start_stack asks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The `e2e` tier is what starts whole stacks (`conveyor up`, its processes): a test that calls
+    `start_stack` without the marker fails, saying so, so `make test-fast` never boots one."""
+    _E2E["marked"] = item.get_closest_marker("e2e") is not None

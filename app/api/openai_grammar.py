@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from app.core.errors import InvalidRequest
 from app.core.grammar import Grammar, json_schema
@@ -22,7 +22,7 @@ class JsonSchemaFormat(BaseModel):
     schema_: dict[str, Any] = Field(
         alias="schema", description="A JSON schema; the answer is JSON that follows it."
     )
-    strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced.")
+    strict: StrictBool | None = Field(default=None, description="Accepted; the schema is always enforced.")
 
 
 class ResponseFormat(BaseModel):

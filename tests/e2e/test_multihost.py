@@ -20,6 +20,9 @@ from conftest import Stack, start_stack
 from integration.test_generation import reference_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+# `--only` hosts sharing one Redis
+pytestmark = pytest.mark.e2e
+
 # A short stall timeout makes the test quick. The killed worker's heartbeat must then lapse sooner
 # than the default 10 s: until it does, the monitor counts the dead worker as live and recovers the
 # job into a pipeline that cannot run it yet, spending its attempts before the new worker is up.

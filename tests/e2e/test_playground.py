@@ -20,9 +20,13 @@ from conftest import ROOT, start_stack
 CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
 CHROMIUM = CHROMIUM or shutil.which("chromium") or shutil.which("chromium-browser")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no Chromium found (/usr/bin/chromium): apt-get install chromium"
-)
+# the playground in Chromium against a whole stack
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="no Chromium found (/usr/bin/chromium): apt-get install chromium"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,9 @@ import pytest
 from conftest import ROOT, start_stack
 from typer.testing import CliRunner
 
+# the README's commands
+pytestmark = pytest.mark.e2e
+
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 PAGES = (README, QUICKSTART)

@@ -13,6 +13,9 @@ import pytest
 from clients import events, submit, tokens, wait
 from conftest import start_stack
 
+# SIGKILL of stage workers
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [f"job {i}: " + "abcdefgh"[: 1 + i % 8] * (1 + i % 3) for i in range(16)]
 BODY = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
 

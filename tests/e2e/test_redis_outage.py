@@ -7,10 +7,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from clients import submit, wait
 from conftest import free_port, start_stack
 
 from app.core.redis import start_embedded
+
+# Redis going away under a whole stack
+pytestmark = pytest.mark.e2e
 
 JOB = {"prompt": "outage", "max_tokens": 4, "temperature": 0}
 

@@ -11,6 +11,9 @@ import pytest
 from clients import events, submit, tokens, wait
 from conftest import SMOLLM2, start_stack
 
+# whole-stack smoke tests
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def embedded_stack(tmp_path_factory, tiny_model):  # type: ignore[no-untyped-def]

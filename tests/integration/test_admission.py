@@ -22,7 +22,7 @@ import pytest
 import redis as redis_lib
 import redis.asyncio
 from clients import events, submit, tokens, wait
-from conftest import Stack, start_stack
+from harness import Harness, start_harness
 from tiny import make_tiny_model
 
 from app.core import admission as adm
@@ -231,11 +231,11 @@ LONG = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Harness]:
     """One job at a time (one batch of one sequence in flight), small queues, a long context."""
     tmp = tmp_path_factory.mktemp("admission")
     model = make_tiny_model(tmp / "tiny-long", context=4096)
-    stack = start_stack(
+    stack = start_harness(
         tmp,
         redis_url=redis_url,
         models={"tiny": model},
@@ -256,13 +256,13 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
 
 
 @pytest.fixture()
-def client(one_at_a_time: Stack) -> Iterator[httpx.Client]:
+def client(one_at_a_time: Harness) -> Iterator[httpx.Client]:
     with one_at_a_time.client() as c:
         yield c
     assert_drained(one_at_a_time)
 
 
-def assert_drained(stack: Stack, timeout_s: float = 60) -> None:
+def assert_drained(stack: Harness, timeout_s: float = 60) -> None:
     """Every test leaves the pipeline idle: nothing waiting in the intake."""
     keys, r = Keys(stack.namespace), redis_lib.Redis.from_url(stack.redis_url or "")
     deadline = time.monotonic() + timeout_s
@@ -283,10 +283,10 @@ def cancel_all(client: httpx.Client, *jobs: dict[str, Any]) -> None:
         client.post(f"/v1/jobs/{job['id']}/cancel")
 
 
-def job_from_key(stack: Stack, key: str) -> str:
+def job_from_key(stack: Harness, key: str) -> str:
     digest = hashlib.sha256(key.encode()).hexdigest()
     r = redis_lib.Redis.from_url(stack.redis_url or "")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         held = r.get(Keys(stack.namespace).idempotency(digest))
         if held:
@@ -295,7 +295,7 @@ def job_from_key(stack: Stack, key: str) -> str:
     raise AssertionError("no job for that Idempotency-Key")
 
 
-def simultaneously(stack: Stack, bodies: list[dict[str, Any]], **kwargs: Any) -> list[httpx.Response]:
+def simultaneously(stack: Harness, bodies: list[dict[str, Any]], **kwargs: Any) -> list[httpx.Response]:
     """POST every body to /v1/jobs at the same moment: one thread and connected client per body,
     released together by a barrier, so the API really handles them at once."""
     barrier = threading.Barrier(len(bodies))

@@ -24,6 +24,9 @@ from clients import submit, wait
 from conftest import Stack, start_stack
 from tiny import make_tiny_model
 
+# hosts of one stack started with `--only`, one taken down
+pytestmark = pytest.mark.e2e
+
 ROUTES = {"auto": {"max_prompt_chars": 100}, "quick": {"small": "tiny", "large": "big", "max_tokens": 4}}
 SHORT = "What is the capital of France?"
 LONG = "Tell me about the sea and the ships on it. " * 4  # 172 characters, plain

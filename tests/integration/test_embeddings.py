@@ -45,6 +45,7 @@ def embedding_stack(tmp_path_factory, redis_url, tiny_model):  # type: ignore[no
     stack.stop()
 
 
+@pytest.mark.e2e  # the embeddings workers, each a process of its own
 def test_partitioned_pipeline_matches_the_unsplit_model(embedding_stack):  # type: ignore[no-untyped-def]
     with embedding_stack.client() as client:
         answer = client.post("/v1/embeddings", json={"input": TEXTS}, timeout=120)
@@ -61,6 +62,7 @@ def test_partitioned_pipeline_matches_the_unsplit_model(embedding_stack):  # typ
     assert log.count("MiB of the model's 86.1 MiB") == 2  # each worker loaded its piece only
 
 
+@pytest.mark.e2e  # the embeddings workers, each a process of its own
 def test_the_official_client_gets_the_json_floats_in_either_encoding(embedding_stack):  # type: ignore[no-untyped-def]
     with embedding_stack.client() as client:
         answer = client.post("/v1/embeddings", json={"input": TEXTS}, timeout=120)
@@ -80,6 +82,7 @@ def test_the_official_client_gets_the_json_floats_in_either_encoding(embedding_s
     assert default.usage.prompt_tokens == answer.json()["usage"]["prompt_tokens"] > 0
 
 
+@pytest.mark.e2e  # the embeddings workers, each a process of its own
 def test_an_embeddings_batch_answers_as_its_requests(embedding_stack):  # type: ignore[no-untyped-def]
     """A /v1/embeddings batch (OpenAI's Batch API): each output line's body is what the endpoint
     answers for its request alone, within the pipeline's float tolerance, in the encoding it asked."""
@@ -125,6 +128,7 @@ def test_an_embeddings_batch_answers_as_its_requests(embedding_stack):  # type: 
         ({"input": "x", "encoding_format": "int8"}, 422, "invalid_request"),
     ],
 )
+@pytest.mark.e2e  # the embeddings workers, each a process of its own
 def test_bad_embedding_requests(embedding_stack, body, status, code):  # type: ignore[no-untyped-def]
     with embedding_stack.client() as client:
         answer = client.post("/v1/embeddings", json=body)

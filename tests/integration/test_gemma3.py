@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from clients import events, submit, tokens, wait
-from conftest import ROOT, SMOLLM2, start_stack
+from conftest import ROOT, SMOLLM2
+from harness import start_harness
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.core.config import Settings
@@ -86,7 +87,7 @@ def test_gemma3_is_added_from_its_package(gemma_dir):  # type: ignore[no-untyped
 def test_greedy_completions_equal_generate(tmp_path, redis_url, request, name, stages):  # type: ignore[no-untyped-def]
     path = model_dir(request, name)
     expected = greedy(path, tuple(PROMPTS))
-    stack = start_stack(
+    stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={name: path},
@@ -115,7 +116,7 @@ def test_greedy_completions_equal_generate(tmp_path, redis_url, request, name, s
 
 @pytest.mark.slow
 def test_smollm2_and_gemma3_in_one_stack(tmp_path, redis_url, smollm2_dir, gemma_dir):  # type: ignore[no-untyped-def]
-    stack = start_stack(
+    stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={SMOLLM2: smollm2_dir, GEMMA: gemma_dir},

@@ -201,9 +201,9 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
 def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # type: ignore[no-untyped-def]
     tmp_path, redis_url, tiny_model, stages, transport
 ):
-    from conftest import start_stack
+    from harness import start_harness
 
-    two = start_stack(
+    two = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},
@@ -227,38 +227,23 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # ty
 
 
 def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
-    """`conveyor plan --out` then `conveyor up --plan`: uneven cuts, still token-exact."""
+    """`conveyor plan --out` then `conveyor up --plan`: uneven cuts, still token-exact. (The commands
+    run in process: their process boundary is not the point.)"""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT, start_stack
+    from harness import start_harness
+    from typer.testing import CliRunner
+
+    from app.cli import cli
 
     plan = tmp_path / "plan.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "plan",
-            "--model",
-            str(tiny_model),
-            "--stages",
-            "3",
-            "--dtype",
-            "float32",
-            "--out",
-            str(plan),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    args = ["plan", "--model", str(tiny_model), "--stages", "3", "--dtype", "float32", "--out", str(plan)]
+    made = CliRunner().invoke(cli, args)
+    assert made.exit_code == 0, made.output
     from app.partitions.planner import Plan
 
     ranges = Plan.from_json(plan.read_text()).ranges()
-    stack = start_stack(
+    stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},
@@ -268,28 +253,24 @@ def test_a_plan_file_sets_every_stage_layers(tmp_path, redis_url, tiny_model):  
     )
     try:
         with stack.client() as client:
-            assert len(client.get("/readyz").json()["checks"]["workers"]["live_per_stage"]) == 3
+            checks = client.get("/readyz").json()["checks"]
+            assert len(checks["workers"]["live_per_stage"]) == 3
             job, stream = run_greedy(client, PROMPTS[1], 12)
         # The workers reported their step latency; `--rebalance` proposes cuts from it.
         env = {
-            **os.environ,
             "REDIS_URL": redis_url,
             "CONVEYOR_NAMESPACE": stack.namespace,
             "CONVEYOR_DEFAULT_MODEL": "tiny",
             "CONVEYOR_MODELS": json.dumps({"tiny": str(tiny_model)}),
         }
-        proposal = subprocess.run(
-            [sys.executable, "-m", "app.cli", "plan", "--model", str(tiny_model), "--rebalance", str(plan)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
+        proposal = CliRunner().invoke(
+            cli, ["plan", "--model", str(tiny_model), "--rebalance", str(plan)], env=env
         )
     finally:
         stack.stop()
-    assert proposal.returncode == 0, proposal.stderr
-    assert "measured: stage 0" in proposal.stdout and "stage 2" in proposal.stdout
+    assert proposal.exit_code == 0, proposal.output
+    assert "measured: stage 0" in proposal.output and "stage 2" in proposal.output
     assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, PROMPTS[1], 12)
-    log = stack.log.read_text()
+    served = {info["stage"]: info for info in checks["stages"].values()}  # what each worker loaded
     for stage, (start, stop) in enumerate(ranges):
-        assert f"stage {stage}/3 of tiny (llama): layers {start}-{stop - 1}" in log
+        assert (served[stage]["family"], served[stage]["layers"]) == ("llama", [start, stop])

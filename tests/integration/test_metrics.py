@@ -13,6 +13,9 @@ from clients import submit, wait
 from conftest import Stack, free_ports, start_stack
 from prometheus_client.parser import text_string_to_metric_families
 
+# every process's own metrics port
+pytestmark = pytest.mark.e2e
+
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 

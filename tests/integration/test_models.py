@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio
 from clients import submit, wait
-from conftest import start_stack
 from fastapi.testclient import TestClient
+from harness import start_harness
 from tiny import make_tiny_model
 
 from app.api.app import create_app
@@ -29,7 +29,7 @@ PROMPTS = ["one two three", "the quick brown fox", "0 1 2 3 4 5", "hello hello"]
 def test_two_models_in_one_stack_answer_concurrently_and_are_listed(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     second = make_tiny_model(tmp_path / "tiny2", seed=1)
     unstarted = make_tiny_model(tmp_path / "tiny3", seed=2)
-    stack = start_stack(
+    stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model, "tiny2": second, "tiny3": unstarted},
@@ -40,7 +40,10 @@ def test_two_models_in_one_stack_answer_concurrently_and_are_listed(tmp_path, re
     try:
         with stack.client() as client, ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
             # readyz waits for every stage of both pipelines
-            assert set(client.get("/readyz").json()["checks"]["models"]) == {"tiny", "tiny2"}
+            checks = client.get("/readyz").json()["checks"]
+            assert set(checks["models"]) == {"tiny", "tiny2"}
+            # workers for the models named, none for the one only configured
+            served = {info["model"] for info in checks["stages"].values()}
             listed = client.get("/v1/models").json()["data"]
             # two generation models served: the `auto` route between them is listed after them
             kinds = [(m["id"], m["kind"]) for m in listed]
@@ -61,8 +64,7 @@ def test_two_models_in_one_stack_answer_concurrently_and_are_listed(tmp_path, re
     assert [job["model"] for job in done] == [model for model, _ in work]
     by_model = {m: [job["text"] for job in done if job["model"] == m] for m in ("tiny", "tiny2")}
     assert by_model["tiny"] != by_model["tiny2"], "two different models answered"
-    log = stack.log.read_text()
-    assert "[tiny:stage0]" in log and "[tiny2:stage0]" in log and "[tiny3:" not in log
+    assert served == {"tiny", "tiny2"}
 
 
 def test_v1_models_without_up_lists_the_models_with_live_workers(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 from clients import events, submit, tokens, wait
-from conftest import start_stack
+from harness import start_harness
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.api.catalog import ModelInfo
@@ -48,7 +48,7 @@ def eos_model(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pat
 
 @pytest.fixture(scope="module")
 def eos_stack(tmp_path_factory, redis_url, eos_model):  # type: ignore[no-untyped-def]
-    stack = start_stack(
+    stack = start_harness(
         tmp_path_factory.mktemp("eos-stack"),
         redis_url=redis_url,
         models={"eos": eos_model},

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 
 from clients import events, submit, wait
-from conftest import start_stack
+from harness import start_harness
 
 from app.core.keys import BATCHER_GROUP, Keys
 
 
 def test_classes_drain_in_priority_order(tmp_path, redis_url, redis, tiny_model):  # type: ignore[no-untyped-def]
     # One batch at a time, one job per batch, no joining: the order of dispatch is the order of service.
-    stack = start_stack(
+    stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},

@@ -198,12 +198,13 @@ class City(BaseModel):
 
 @pytest.mark.slow
 def test_the_official_client_parses_smollm2s_answers(tmp_path, redis_url, smollm2_dir):  # type: ignore[no-untyped-def]
-    """`client.beta.chat.completions.parse(response_format=<pydantic model>)` against a whole stack on
-    SmolLM2 returns a parsed object for every prompt."""
+    """`client.beta.chat.completions.parse(response_format=<pydantic model>)` against the stack (in
+    process) on SmolLM2 returns a parsed object for every prompt."""
     import openai
-    from conftest import SMOLLM2, start_stack
+    from conftest import SMOLLM2
+    from harness import start_harness
 
-    stack = start_stack(tmp_path, redis_url=redis_url, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
+    stack = start_harness(tmp_path, redis_url=redis_url, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
     try:
         with openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
             for city in ("Paris", "Tokyo", "Lagos"):

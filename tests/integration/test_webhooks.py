@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Stack, start_stack
+from harness import Harness, start_harness
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from app.core.config import Settings
@@ -94,8 +94,8 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture(scope="module")
 def hooks_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path
-) -> Iterator[Stack]:
-    s = start_stack(
+) -> Iterator[Harness]:
+    s = start_harness(
         tmp_path_factory.mktemp("webhooks"),
         redis_url=redis_url,
         models={"tiny": tiny_model},
@@ -113,7 +113,7 @@ def hooks_stack(
     s.stop()
 
 
-def submit(stack: Stack, **body: object) -> dict[str, object]:
+def submit(stack: Harness, **body: object) -> dict[str, object]:
     with stack.client() as client:
         answer = client.post("/v1/jobs", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, **body})
     assert answer.status_code == 202, answer.text
@@ -129,14 +129,14 @@ def wait_for(predicate, timeout_s: float = 30.0, what: str = "") -> None:  # typ
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def deliveries(stack: Stack, job_id: str) -> dict[str, object]:
+def deliveries(stack: Harness, job_id: str) -> dict[str, object]:
     with stack.client() as client:
         answer = client.get(f"/v1/jobs/{job_id}/deliveries")
     assert answer.status_code == 200, answer.text
     return answer.json()  # type: ignore[no-any-return]
 
 
-def test_deliveries_verify_with_the_reference_library(hooks_stack: Stack, receiver: Receiver) -> None:
+def test_deliveries_verify_with_the_reference_library(hooks_stack: Harness, receiver: Receiver) -> None:
     path = f"/ok/{uuid.uuid4().hex}"
     job = submit(
         hooks_stack,
@@ -192,7 +192,7 @@ def test_deliveries_verify_with_the_reference_library(hooks_stack: Stack, receiv
 
 
 def test_a_failing_receiver_gets_the_event_again_with_growing_backoff(
-    hooks_stack: Stack, receiver: Receiver
+    hooks_stack: Harness, receiver: Receiver
 ) -> None:
     path = f"/flaky/{uuid.uuid4().hex}"
     job = submit(hooks_stack, callback_url=receiver.base + path, callback_events=["completed"])
@@ -218,7 +218,7 @@ def test_a_failing_receiver_gets_the_event_again_with_growing_backoff(
     assert all(gap >= delay - 0.05 for gap, delay in zip(gaps, delays, strict=True)), (gaps, delays)
 
 
-def test_a_410_disables_the_endpoint(hooks_stack: Stack, receiver: Receiver) -> None:
+def test_a_410_disables_the_endpoint(hooks_stack: Harness, receiver: Receiver) -> None:
     path = f"/gone/{uuid.uuid4().hex}"
     url = receiver.base + path
     job = submit(
@@ -261,7 +261,7 @@ def test_a_410_disables_the_endpoint(hooks_stack: Stack, receiver: Receiver) -> 
         ("ftp://example.com/", "scheme"),
     ],
 )
-def test_internal_callback_urls_are_refused_at_submit(hooks_stack: Stack, url: str, reason: str) -> None:
+def test_internal_callback_urls_are_refused_at_submit(hooks_stack: Harness, url: str, reason: str) -> None:
     with hooks_stack.client() as client:
         answer = client.post("/v1/jobs", json={"prompt": "Hello", "max_tokens": 4, "callback_url": url})
     assert answer.status_code == 422, answer.text
@@ -270,7 +270,7 @@ def test_internal_callback_urls_are_refused_at_submit(hooks_stack: Stack, url: s
     assert error["message"]
 
 
-def test_callback_events_without_a_url_is_invalid(hooks_stack: Stack) -> None:
+def test_callback_events_without_a_url_is_invalid(hooks_stack: Harness) -> None:
     with hooks_stack.client() as client:
         answer = client.post("/v1/jobs", json={"prompt": "Hello", "callback_events": ["completed"]})
         unknown = client.post(

@@ -21,6 +21,7 @@ from clients import submit, wait
 from conftest import ROOT, free_port, start_stack
 
 
+@pytest.mark.e2e  # the embedded Redis `up` starts, and its children's environment
 def test_embedded_redis_refuses_unauthenticated_clients_and_the_stack_works(
     tmp_path: Path, tiny_model: Path
 ) -> None:

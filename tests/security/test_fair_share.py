@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_lib
-from conftest import Stack, start_stack
+from harness import Harness, start_harness
 
 from app.api.auth import key_digest, new_api_key
 from app.core.keys import Keys
@@ -36,8 +36,8 @@ WINDOW_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    stack = start_stack(
+def shared(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Harness]:
+    stack = start_harness(
         tmp_path_factory.mktemp("fair"),
         redis_url=redis_url,
         models={"tiny": tiny_model},
@@ -55,11 +55,11 @@ def shared(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model:
     stack.stop()
 
 
-def client(stack: Stack, key: str) -> httpx.Client:
+def client(stack: Harness, key: str) -> httpx.Client:
     return stack.client(headers={"Authorization": f"Bearer {key}"})
 
 
-def submit_many(stack: Stack, key: str, n: int) -> list[str]:
+def submit_many(stack: Harness, key: str, n: int) -> list[str]:
     with client(stack, key) as c, ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: c.post("/v1/jobs", json=JOB), range(n)))
     assert all(a.status_code == 202 for a in answers), {a.status_code for a in answers}
@@ -88,20 +88,20 @@ def wait_for_tokens(
     raise AssertionError(f"fewer than {at_least} tokens in 180 s: {seen}")
 
 
-def drain(stack: Stack, key: str, ids: list[str]) -> None:
+def drain(stack: Harness, key: str, ids: list[str]) -> None:
     with client(stack, key) as c:
         for job_id in ids:
             c.post(f"/v1/jobs/{job_id}/cancel")
 
 
-def test_a_lone_tenant_gets_the_whole_pipeline(shared: Stack, redis: redis_lib.Redis) -> None:
+def test_a_lone_tenant_gets_the_whole_pipeline(shared: Harness, redis: redis_lib.Redis) -> None:
     keys = Keys(shared.namespace)
     jobs = {"heavy": submit_many(shared, HEAVY, 24), "light": []}
     assert wait_for_tokens(redis, keys, jobs, 24 * 8) == {"heavy": 24 * 8, "light": 0}
 
 
 def test_two_backlogged_tenants_each_get_half_whatever_their_backlogs(
-    shared: Stack, redis: redis_lib.Redis
+    shared: Harness, redis: redis_lib.Redis
 ) -> None:
     keys = Keys(shared.namespace)
     heavy = submit_many(shared, HEAVY, 400)  # first, and nearly seven times as many
@@ -123,7 +123,7 @@ def test_two_backlogged_tenants_each_get_half_whatever_their_backlogs(
     assert still_waiting > 0, "the light tenant ran out of work: the window was not contended throughout"
 
 
-def test_a_tenant_submits_only_to_the_classes_it_is_entitled_to(shared: Stack) -> None:
+def test_a_tenant_submits_only_to_the_classes_it_is_entitled_to(shared: Harness) -> None:
     with client(shared, LIGHT) as light, client(shared, HEAVY) as heavy:
         refused = light.post("/v1/jobs", json={**JOB, "priority": "realtime"})
         assert refused.status_code == 403, refused.text

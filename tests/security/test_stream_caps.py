@@ -113,7 +113,7 @@ def test_a_tenant_past_its_stream_cap_is_refused_and_others_are_not(api, redis_u
             assert response.status_code == 200  # another tenant's cap is its own
 
     with httpx.Client(base_url=base, timeout=10) as client:  # acme's streams have closed
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:
             with sse(client, f"/v1/jobs/{jobs[CAP]}/events", acme) as response:
                 if response.status_code == 200 or time.monotonic() > deadline:

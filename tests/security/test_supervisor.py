@@ -19,6 +19,7 @@ import pytest
 from conftest import free_ports, start_stack
 
 
+@pytest.mark.e2e  # the supervisor and its children
 def test_sigkill_of_the_supervisor_leaves_no_child(tmp_path: Path, tiny_model: Path) -> None:
     stack = start_stack(
         tmp_path,
@@ -70,6 +71,7 @@ def held_port() -> Iterator[int]:
         ("CONVEYOR_METRICS_PORT", "metrics of"),
     ],
 )
+@pytest.mark.e2e  # the supervisor and its children
 def test_a_port_in_use_is_named_before_anything_starts(tmp_path, tiny_model, setting, what):  # type: ignore[no-untyped-def]
     with held_port() as port:
         started = time.monotonic()

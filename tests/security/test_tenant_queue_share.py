@@ -209,7 +209,7 @@ def test_a_job_whose_record_expired_while_it_waited_stops_counting(redis_url, st
     assert admit(redis_url, short, "acme", job) == "ok"
     assert admit(redis_url, short, "acme") == "tenant_queue_full"
     keys = Keys(settings.namespace)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while client.exists(keys.job(job)) and time.monotonic() < deadline:  # no move: its TTL passes
         time.sleep(0.05)
     assert not client.exists(keys.job(job))

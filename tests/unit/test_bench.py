@@ -44,6 +44,9 @@ from bench.report import (  # noqa: E402
     throughput,
 )
 
+# bench/'s own tests: `make test-bench`, out of the default gate
+pytestmark = pytest.mark.bench
+
 TOKENIZER = make_tokenizer()
 PROMPTS = make_prompts(TOKENIZER, 64)
 

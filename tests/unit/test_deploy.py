@@ -47,6 +47,9 @@ from app.core.broker import PRIORITY_STEPS
 from app.core.config import DEFAULT_MODEL, Settings
 from app.core.keys import Keys
 
+# the deployment manifests: `make test-deploy`, out of the default gate
+pytestmark = pytest.mark.deploy
+
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:

@@ -31,6 +31,9 @@ from typer.main import get_command
 from app.cli import cli
 from app.core.config import Settings
 
+# the deployment manifests: `make test-deploy`, out of the default gate
+pytestmark = pytest.mark.deploy
+
 # Every metric the rules and the dashboard may use: the application's, Prometheus' own `up`, and the
 # defaults of prometheus_client. A name outside this list is a typo or a metric nobody exports.
 HISTOGRAMS = {

@@ -17,7 +17,12 @@ from fastapi import FastAPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
+import pytest
+
 from bench.naive_server import Engine, create_app  # noqa: E402
+
+# bench/'s own tests: `make test-bench`, out of the default gate
+pytestmark = pytest.mark.bench
 
 WAITING = 64  # more than the 40 tokens of anyio's default thread pool
 

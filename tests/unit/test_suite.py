@@ -7,6 +7,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 from tiny import make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
@@ -31,6 +32,9 @@ from bench.report import (  # noqa: E402
     wait_stats,
 )
 from bench.suite import CONVEYOR_1, CONVEYOR_2, NAIVE, RAY, TARGETS, cdf_points, ratios  # noqa: E402
+
+# bench/'s own tests: `make test-bench`, out of the default gate
+pytestmark = pytest.mark.bench
 
 PROMPTS = make_prompts(make_tokenizer(), 16)
 
