@@ -262,18 +262,20 @@ class Harness:
         from app.webhooks.signing import TenantSecrets
         from app.webhooks.ssrf import Guard
 
-        keys, hooks = Keys(self.settings.namespace), self.settings.webhooks
+        keys, hooks, ttl = Keys(self.settings.namespace), self.settings.webhook, self.settings.job_ttl_s
         secrets = TenantSecrets(
             hooks.secrets, master=hooks.master_key, redis=redis, keys=keys, overlap_s=hooks.secret_overlap_s
         )
-        deliverer = Deliverer(redis, keys, hooks, guard=Guard(hooks.allow_cidrs), secrets=secrets)
+        deliverer = Deliverer(
+            redis, keys, hooks, guard=Guard(hooks.allow_cidrs), secrets=secrets, job_ttl_s=ttl
+        )
         self.deliveries = ThreadPoolExecutor(hooks.concurrency, thread_name_prefix="callbacks")
         pool = self.deliveries
 
         def send(message: dict[str, Any]) -> None:
             pool.submit(self._deliver, deliverer, message)
 
-        self._thread("webhooks", Dispatcher(redis, keys, hooks, send).run, self.stopping)
+        self._thread("webhooks", Dispatcher(redis, keys, hooks, send, job_ttl_s=ttl).run, self.stopping)
 
     @staticmethod
     def _deliver(deliverer: Any, message: dict[str, Any]) -> None:
@@ -393,9 +395,9 @@ def start_harness(
         from app.webhooks.signing import ensure_secret_file
 
         updates: dict[str, Any] = {}
-        if not settings.webhook_secrets:
+        if not settings.webhook.secrets:
             updates["webhook_secrets"] = [ensure_secret_file(settings.home / "webhook_secret")]
-        if not settings.webhook_master_key:
+        if not settings.webhook.master_key:
             updates["webhook_master_key"] = ensure_secret_file(settings.home / "webhook_master_key")
         if updates:
             env.update(
