@@ -204,6 +204,11 @@ class Batcher:
         counted = self.census.in_flight()  # every scheduled or running sequence, per model
         running = {m: counted[m] for m in models}
         room = {m: b.sequences - counted[m] for m, b in budgets.items() if b.sequences is not None}
+        reserve = {
+            m: windows.batch_reserve(b.sequences, self.limits)
+            for m, b in budgets.items()
+            if b.sequences is not None
+        }
         now = self.clock()
         weights = self.settings.tenant_weights
         self.tenant_clock = fairshare.settle(self.tenant_clock, {it.tenant for it in self.pending})
@@ -218,6 +223,7 @@ class Batcher:
             hold=self._held(now),
             share=self.tenant_clock,
             weights=weights,
+            reserve=reserve,
         ):
             self._dispatch(batch)
             self.tenant_clock = fairshare.charge(self.tenant_clock, batch.items, weights)

@@ -9,11 +9,16 @@ Rules (one call to `plan` per batcher wake-up):
   the window);
 - buckets are served in order of their most urgent job: its effective priority class, then its
   tenant's fair-share tag (app/batching/fairshare.py), then its arrival. A job's effective class is
-  its class minus one per whole `aging_s` seconds waited, so a job of class c waits behind newer
-  work for at most c x aging_s (nothing starves). Within a class, tenants that are all waiting take
+  its class minus one per whole `aging_s` seconds waited, so a job of an interactive class c
+  (realtime, high, normal) waits behind newer work for at most c x aging_s (nothing starves). The
+  `batch` class does not age: it runs on what the interactive classes leave, so however long a batch
+  line has waited, a fresh interactive job goes before it. Within a class, tenants that are all waiting take
   turns by weight, whatever their backlogs; one tenant alone is served in arrival order;
 - a job that was recovered more than once (it may be what kills workers) runs alone, so a poison
   pill takes no batch-mates down with it;
+- the batch class leaves `reserve` seats of a pipeline's room to the interactive classes: an
+  interactive job never waits for batch lines to finish before it has a seat (the batch class still
+  takes every seat beyond that, and has the pipeline when nothing else is waiting);
 - a job still waiting at its deadline is not dispatched: `expired` names it;
 - a bucket led by a realtime or high job goes at once, without waiting for its window or its
   `min_batch_size`, and may take as many batch slots again as the pipeline has (its prefills are
@@ -32,9 +37,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.batching import fairshare
+from app.core.keys import PRIORITIES
 from app.core.protocol import URGENT_CLASSES
 
 URGENT = URGENT_CLASSES  # realtime and high: no window, and a reserve beyond the pipeline's bounds
+BATCH = PRIORITIES.index("batch")  # the batch class: served with what the interactive classes leave
 UNBOUNDED = 1 << 30
 
 
@@ -63,7 +70,10 @@ class Item:
 
 
 def effective_class(priority: int, waited: float, aging_s: float) -> int:
-    """One class up per whole aging_s waited, realtime (0) at most."""
+    """One class up per whole aging_s waited, realtime (0) at most; the batch class stays the batch
+    class (aging orders the interactive classes, it never lifts batch work over them)."""
+    if priority >= BATCH:
+        return priority
     aged = math.floor(max(waited, 0.0) / aging_s) if aging_s > 0 else 0
     return max(priority - aged, 0)
 
@@ -163,6 +173,7 @@ def plan(
     hold: Collection[str] = (),
     share: fairshare.Share | None = None,
     weights: Mapping[str, float] | None = None,
+    reserve: Mapping[str, int] | None = None,
 ) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
 
@@ -175,6 +186,7 @@ def plan(
     realtime and high may use as many batch slots again and one batch of sequences beyond the
     budget, so a saturated pipeline still starts them within a step.
     `share`/`weights`: the tenants' virtual times (fairshare.settle) and weights; None: one tenant.
+    `reserve`: seats of a pipeline's `room` the batch class leaves free for the interactive classes.
     """
     late = {id(it) for it in expired(pending, now)}
     live = [it for it in pending if id(it) not in late]
@@ -207,6 +219,12 @@ def plan(
             take = within_tokens(items[:size], limits.max_prefill_tokens)
             if urgent and (free[model] <= 0 or seats[model] < len(take)):  # on the reserve: urgent only
                 take = [it for it in take if it.priority < URGENT]
+            # batch lines rank after every interactive job: they fill only the seats beyond the reserve
+            interactive = sum(it.priority < BATCH for it in take)
+            spare = seats[model] - interactive - (reserve or {}).get(model, 0)
+            take = take[: interactive + max(spare, 0)]
+            if not take:
+                break
             chosen = {id(it) for it in take}
             items = [it for it in items if id(it) not in chosen]
             batches.append(Batch(model, bucket, tuple(take)))
@@ -214,6 +232,13 @@ def plan(
             seats[model] -= len(take)
             idle.discard(model)
     return batches
+
+
+def batch_reserve(sequences: int, limits: Limits) -> int:
+    """The seats of a pipeline's sequence budget that the batch class leaves to the interactive classes:
+    one batch (`max_batch_size`), half the budget at most, so batch work still runs on a small one.
+    Batched decoding gains little past one batch on a CPU, so the batch class loses little by it."""
+    return min(limits.max_batch_size, sequences // 2)
 
 
 def within_tokens(items: Sequence[Item], max_tokens: int | None) -> list[Item]:

@@ -192,8 +192,9 @@ class Settings(BaseSettings):
 
     health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
 
-    # Scheduling and recovery (the batcher). A waiting job rises one priority class per aging_s
-    # seconds, so a `batch` job outranks a fresh `realtime` one after 3 x aging_s: nothing starves.
+    # Scheduling and recovery (the batcher). A waiting interactive job rises one priority class per
+    # aging_s seconds, so a `normal` job outranks a fresh `realtime` one after 2 x aging_s: nothing
+    # starves. The `batch` class does not age: it runs on what the interactive classes leave.
     aging_s: float = 30.0
     # A scheduled or running job with no progress (prefill start, a token) for this long is
     # recovered: prefilled again from its prompt and the tokens it had streamed, on live workers.

@@ -1,4 +1,13 @@
-from app.batching.windows import Item, Limits, expired, length_bucket, next_deadline, plan, within_tokens
+from app.batching.windows import (
+    Item,
+    Limits,
+    batch_reserve,
+    expired,
+    length_bucket,
+    next_deadline,
+    plan,
+    within_tokens,
+)
 
 LIMITS = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64, 128, 256))
 
@@ -63,17 +72,49 @@ def test_next_deadline_is_the_oldest_window():
 
 def test_aging_lifts_a_waiting_job_one_class_per_aging_period():
     limits = Limits(1, 0.0, (64,), aging_s=10.0)
-    old_batch_job = item(0, priority=3, arrived=0.0)
-    new_realtime = item(1, priority=0, arrived=25.0)
-    # At t=26 the batch job has aged 2.6 classes (3 -> 0.4): the fresh realtime job still wins.
-    assert ids(
-        plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=26.0)
-    ) == [["j1"]]
-    # From 3 x aging_s on, it ranks as realtime and its earlier arrival puts it first: it cannot starve
+    old_normal = item(0, priority=2, arrived=0.0)
+    new_realtime = item(1, priority=0, arrived=15.0)
+    # At t=16 the normal job has aged 1.6 classes (2 -> 0.4): the fresh realtime job still wins.
+    assert ids(plan([old_normal, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=16.0)) == [
+        ["j1"]
+    ]
+    # From 2 x aging_s on, it ranks as realtime and its earlier arrival puts it first: it cannot starve
     # (the realtime job still goes, on the urgent classes' reserve slot).
-    assert ids(
-        plan([old_batch_job, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=30.0)
-    ) == [["j0"], ["j1"]]
+    assert ids(plan([old_normal, new_realtime], inflight={}, capacity={"m": 1}, limits=limits, now=20.0)) == [
+        ["j0"],
+        ["j1"],
+    ]
+
+
+def test_a_batch_line_never_ages_over_an_interactive_job():
+    limits = Limits(1, 0.0, (64,), aging_s=10.0)
+    old_line = item(0, priority=3, arrived=0.0)
+    for now in (15.0, 35.0, 1000.0):
+        fresh = item(1, priority=2, arrived=now)
+        assert ids(plan([old_line, fresh], inflight={}, capacity={"m": 1}, limits=limits, now=now)) == [
+            ["j1"]
+        ]
+
+
+def test_the_batch_class_leaves_the_reserve_to_interactive_jobs():
+    limits = Limits(max_batch_size=4, max_wait_s=0.05, length_buckets=(64,))
+    lines = [item(i, priority=3) for i in range(20)]
+    # 10 seats, 4 reserved: the batch lines take 6 however many wait
+    batches = plan(lines, inflight={}, capacity={"m": 8}, limits=limits, now=1.0, room={"m": 10},
+                   running={"m": 0}, reserve={"m": 4})  # fmt: skip
+    assert [len(b.items) for b in batches] == [4, 2]
+    # a normal job that arrives then has its seat at once, ahead of the lines still waiting
+    normal = item(99, priority=2, arrived=1.0)
+    batches = plan([*lines[6:], normal], inflight={"m": 2}, capacity={"m": 8}, limits=limits, now=1.05,
+                   room={"m": 4}, running={"m": 6}, reserve={"m": 4})  # fmt: skip
+    assert ids(batches) == [["j99"]]
+    # with the interactive work gone and seats free beyond the reserve, the lines fill them
+    batches = plan(lines[6:], inflight={"m": 0}, capacity={"m": 8}, limits=limits, now=2.0,
+                   room={"m": 64}, running={"m": 0}, reserve={"m": 4})  # fmt: skip
+    assert sum(len(b.items) for b in batches) == 14
+    assert (
+        batch_reserve(64, Limits(32, 0.05, (64,))) == 32 and batch_reserve(16, Limits(32, 0.05, (64,))) == 8
+    )
 
 
 def test_without_aging_the_order_is_strict():
