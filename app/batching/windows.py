@@ -37,11 +37,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.batching import fairshare
-from app.core.keys import PRIORITIES
-from app.core.protocol import URGENT_CLASSES
+from app.core.protocol import BATCH_CLASS, URGENT_CLASSES
 
 URGENT = URGENT_CLASSES  # realtime and high: no window, and a reserve beyond the pipeline's bounds
-BATCH = PRIORITIES.index("batch")  # the batch class: served with what the interactive classes leave
+BATCH = BATCH_CLASS  # the batch class: served with what the interactive classes leave
 UNBOUNDED = 1 << 30
 
 

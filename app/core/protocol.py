@@ -72,6 +72,11 @@ class StepMessage:
         """A realtime or high prefill: it goes before queued decode steps and less urgent prefills."""
         return self.kind == "prefill" and self.priority < URGENT_CLASSES
 
+    @property
+    def background(self) -> bool:
+        """A prefill of batch-class jobs only: it waits for every interactive prefill and decode step."""
+        return self.kind == "prefill" and self.priority >= BATCH_CLASS
+
 
 def embed_batch(batch_id: str, job_ids: list[str]) -> dict[str, Any]:
     """The batcher's message to embeddings stage 0: one batch of embeddings jobs, in row order (their
@@ -82,6 +87,9 @@ def embed_batch(batch_id: str, job_ids: list[str]) -> dict[str, Any]:
 
 # Classes 0 and 1 (realtime, high) are urgent: no batch window, a reserve slot, first in line.
 URGENT_CLASSES = 2
+# Class 3 (batch) runs on what the interactive classes leave: it never ages over them, the batcher
+# leaves them a reserve of seats, and a stage runs its prefills after every other waiting item.
+BATCH_CLASS = 3
 # Broker priority of a prefill by class (kombu on Redis: 0 is fetched first, steps 0/3/6/9).
 BROKER_PRIORITY = (0, 0, 3, 6)
 

@@ -12,12 +12,15 @@ their work and wait for the outcome.
 The queue is also the scheduling point between the two kinds of work. Work runs one item at a
 time, in arrival order, so a waiting prefill is not starved by the lane thread coming straight back
 with its next decode step; urgent work (a realtime or high prefill) goes before every waiting
-ordinary item. It does not even wait for the step in progress: an item may be a generator of steps
-(`StageRuntime.run` suspends after every layer), and between two of an ordinary item's steps this
-thread's one loop runs the urgent items waiting, each whole, then resumes the suspended step where
-it was (its batch's state is its own). An urgent job's wait for the stage is one layer of the step
-in progress, not a whole decode step or a long prefill. Nothing runs inside anything else: the
-loop alone decides what runs next.
+ordinary item. A background item (a prefill of batch-class jobs only) takes its place as if it had
+arrived BACKGROUND_LAG items later: an interactive prefill or decode step goes before the batch
+lines' prefills queued ahead of it, and a background item still runs after at most that many
+others (it is not starved). An urgent item does not even wait for the step in progress: an item
+may be a generator of steps (`StageRuntime.run` suspends after every layer), and between two of
+an ordinary item's steps this thread's one loop runs the urgent items waiting, each whole, then
+resumes the suspended step where it was (its batch's state is its own). An urgent job's wait for
+the stage is one layer of the step in progress, not a whole decode step or a long prefill. Nothing
+runs inside anything else: the loop alone decides what runs next.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ from typing import Any, TypeVar
 from app.core.steps import complete
 
 T = TypeVar("T")
+# A background item waits as if it had arrived this many items later: past the interactive prefills
+# and decode steps that come in meanwhile (a step or a few), never longer.
+BACKGROUND_LAG = 8
 
 
 @dataclass(order=True)
 class _Work:
-    rank: int  # 0 urgent, 1 ordinary
+    rank: int  # 0 urgent, 1 ordinary (background items too, their ticket pushed back)
     ticket: int  # arrival order within a rank
+    background: bool  # on a tie of tickets, the background item goes second
     fn: Callable[[], Any] = field(compare=False)
     done: threading.Event = field(compare=False, default_factory=threading.Event)
     result: Any = field(compare=False, default=None)
@@ -55,15 +62,17 @@ class ComputeThread(threading.Thread):
         self._urgent = 0  # urgent items among _waiting (read without the lock between steps)
         self._stopping = False
 
-    def call(self, fn: Callable[[], T], *, urgent: bool = False) -> T:
+    def call(self, fn: Callable[[], T], *, urgent: bool = False, background: bool = False) -> T:
         """Run `fn` on the compute thread and return what it returns (or raise what it raises).
+        `urgent` goes before every waiting item; `background` as if it came BACKGROUND_LAG items later.
 
         If `fn` returns a generator, the thread runs it step by step and returns what it returns;
         urgent items waiting between two steps of an ordinary one run there."""
         if threading.current_thread() is self:
             result = fn()  # already on it: queueing behind ourselves would never return
             return complete(result) if isinstance(result, Generator) else result
-        work = _Work(0 if urgent else 1, next(self._tickets), fn)
+        ticket = next(self._tickets) + (BACKGROUND_LAG if background else 0)
+        work = _Work(0 if urgent else 1, ticket, background, fn)
         with self._ready:
             if self._stopping:
                 raise RuntimeError("the compute thread has stopped")

@@ -132,7 +132,7 @@ def run_worker(
 
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        compute.call(lambda: runtime.run(message), urgent=message.urgent)
+        compute.call(lambda: runtime.run(message), urgent=message.urgent, background=message.background)
 
     health = HealthMonitor(
         redis,

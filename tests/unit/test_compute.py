@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import pytest
 
-from app.workers.compute import ComputeThread
+from app.workers.compute import BACKGROUND_LAG, ComputeThread
 
 
 @pytest.fixture
@@ -42,15 +42,17 @@ def occupy(compute: ComputeThread) -> tuple[threading.Event, threading.Thread]:
 
 
 def queue_in_order(
-    compute: ComputeThread, items: list[tuple[str, bool]], order: list[str]
+    compute: ComputeThread, items: list[tuple[str, bool]], order: list[str], background: Collection[str] = ()
 ) -> list[threading.Thread]:
     """Hand `items` (name, urgent) to the compute thread from threads of their own, one after the other:
-    each is waiting in its queue before the next arrives (the thread is busy with other work)."""
+    each is waiting in its queue before the next arrives (the thread is busy with other work). Those
+    named in `background` are handed over as background items."""
     callers = []
     for name, urgent in items:
         waiting = compute.waiting()
+        kwargs = {"urgent": urgent, "background": name in background}
         caller = threading.Thread(
-            target=compute.call, args=(lambda name=name: order.append(name),), kwargs={"urgent": urgent}
+            target=compute.call, args=(lambda name=name: order.append(name),), kwargs=kwargs
         )
         caller.start()
         callers.append(caller)
@@ -109,6 +111,29 @@ def test_an_urgent_prefill_goes_before_waiting_work_but_not_the_step_in_progress
     for caller in (step, *callers):
         caller.join(5)
     assert order == ["high prefill", "realtime prefill", "normal prefill", "decode step"]
+
+
+def test_batch_class_prefills_wait_for_interactive_work_but_not_forever(compute):  # type: ignore[no-untyped-def]
+    order: list[str] = []
+    release, step = occupy(compute)
+    lines = [f"batch prefill {i}" for i in range(3)]
+    later = [f"decode step {i}" for i in range(BACKGROUND_LAG + 1)]
+    items = [(name, False) for name in [*lines, "normal prefill", *later]]
+    callers = queue_in_order(compute, items, order, background=lines)
+    release.set()
+    for caller in (step, *callers):
+        caller.join(5)
+    # the interactive prefill goes first; each line then runs after the BACKGROUND_LAG items that came next
+    assert order == [
+        "normal prefill",
+        *later[:5],
+        lines[0],
+        later[5],
+        lines[1],
+        later[6],
+        lines[2],
+        *later[7:],
+    ]
 
 
 def test_a_stopped_compute_thread_finishes_what_was_queued_and_refuses_more():
