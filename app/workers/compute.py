@@ -35,9 +35,10 @@ from typing import Any, TypeVar
 from app.core.steps import complete
 
 T = TypeVar("T")
-# A background item waits as if it had arrived this many items later: past the interactive prefills
-# and decode steps that come in meanwhile (a step or a few), never longer.
-BACKGROUND_LAG = 8
+# A background item waits as if it had arrived this many items later: past the interactive prefill
+# and decode step that come in meanwhile, never longer. Kept small: a background item waiting here
+# holds a task thread, and with every task thread held a later prefill waits in the stage queue.
+BACKGROUND_LAG = 2
 
 
 @dataclass(order=True)

@@ -116,23 +116,18 @@ def test_an_urgent_prefill_goes_before_waiting_work_but_not_the_step_in_progress
 def test_batch_class_prefills_wait_for_interactive_work_but_not_forever(compute):  # type: ignore[no-untyped-def]
     order: list[str] = []
     release, step = occupy(compute)
-    lines = [f"batch prefill {i}" for i in range(3)]
     later = [f"decode step {i}" for i in range(BACKGROUND_LAG + 1)]
-    items = [(name, False) for name in [*lines, "normal prefill", *later]]
-    callers = queue_in_order(compute, items, order, background=lines)
+    items = [(name, False) for name in ["batch prefill", "normal prefill", *later]]
+    callers = queue_in_order(compute, items, order, background={"batch prefill"})
     release.set()
     for caller in (step, *callers):
         caller.join(5)
-    # the interactive prefill goes first; each line then runs after the BACKGROUND_LAG items that came next
+    # the interactive prefill goes first; the batch prefill runs once BACKGROUND_LAG later items ran
     assert order == [
         "normal prefill",
-        *later[:5],
-        lines[0],
-        later[5],
-        lines[1],
-        later[6],
-        lines[2],
-        *later[7:],
+        *later[: BACKGROUND_LAG - 1],
+        "batch prefill",
+        *later[BACKGROUND_LAG - 1 :],
     ]
 
 
