@@ -9,11 +9,11 @@ takes over within `LEASE_S` of the holder's death. A pass, every `batch_feed_int
   `url` equal to the batch's endpoint, a body the endpoint accepts, a known model); a batch with a
   bad line is `failed` with `errors`; otherwise its lines are stored and it is `in_progress`.
 - `in_progress`: lines are submitted, in order, while the batch class holds fewer than its share
-  (`batch_feed_share`) of `queue_depth_limit` waiting jobs; a refusal of admission (429, 503) leaves
-  the line for a later pass. A line's job id is derived from (batch id, line index)
-  (`batchstore.line_job_id`) and the job store writes an id once, so a feeder that dies between
-  writing a job and moving the batch's cursor (`fed`) past it writes no second job when the line is
-  fed again. A line refused for good (4xx: a prompt over the context...) is collected as an error.
+  (`batch_feed_share`) of `queue_depth_limit` waiting jobs, at most `FEED_PER_PASS` a pass; a refusal
+  of admission (429, 503) leaves the line for a later pass. A line's job id is derived from (batch
+  id, line index) (`batchstore.line_job_id`) and the job store writes an id once, so a feeder that
+  dies between writing a job and moving the batch's cursor (`fed`) past it writes no second job when
+  the line is fed again. A line refused for good (4xx: a prompt over the context...) is collected as an error.
 - every pass, the fed lines whose jobs have ended are collected (`BatchStore.collect`, once per
   line); when all are, the batch goes `finalizing`, then `completed` with its files.
 - `cancelling` (POST /v1/batches/{id}/cancel) and a window that has passed: feeding stops, the jobs
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 LEASE_S = 10.0  # another API process takes over this long after the holder stops renewing
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 COLLECT_PER_PASS = 2000  # job records read per batch per pass
+# Lines submitted per pass, over all batches: a submit's work (tokenizing, admission) runs in this API
+# process, so a pass is kept short, and each submit yields to the requests it serves meanwhile.
+FEED_PER_PASS = 64
 # Renew the lease only if this process still holds it.
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -203,7 +206,7 @@ class BatchFeeder:
     async def feed_pass(self) -> None:
         """One pass over every open batch, oldest first (the lease's holder calls it; tests call it)."""
         await self.announce()
-        room = await self._room()
+        room = min(await self._room(), FEED_PER_PASS)
         for batch_id in await self.store.open_ids():
             try:
                 batch = await self.store.batch(batch_id, tenant=None)
@@ -339,6 +342,7 @@ class BatchFeeder:
             if not await self._submit(batch, index, json.loads(line)):
                 break
             index += 1
+            await asyncio.sleep(0)  # an interactive request waiting on this process goes first
         if index > start:
             await self.store.fed(batch_id, index)
         return index - start
