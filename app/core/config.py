@@ -467,6 +467,11 @@ class Settings(BaseSettings):
     # recently used evicted; 0 turns it off. SmolLM2-135M in bf16 holds 23 KB a token: 256 MiB is
     # about 11,000 prompt tokens.
     prefix_cache_mb: int = Field(default=256, ge=0)
+    # CPU kernels a worker keeps compiled, in each of torch's two oneDNN caches (its primitive cache
+    # and ideep's): one a matmul shape, about 0.6 MB together for a small model. At oneDNN's default
+    # of 1,024 a CPU stage worker grows towards ~0.65 GB of them as new prompt shapes come, slowly;
+    # a decode step's shapes are a handful, so a smaller cache misses only on one-off prefill shapes.
+    cpu_kernel_cache: int = Field(default=256, ge=1)
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
     torch_threads: int | None = None

@@ -7,12 +7,24 @@ without it, torch still gives the memory. On the CPU there is nothing to report.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# Where torch's oneDNN (CPU) backend reads the capacity of its kernel caches: a primitive cache and
+# ideep's, one entry a matmul shape each, read from the environment once, at the first kernel.
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(entries: int) -> None:
+    """Cap each of oneDNN's kernel caches at `entries` (Settings.cpu_kernel_cache). A worker calls it
+    before its first kernel runs; later calls change nothing."""
+    for name in KERNEL_CACHES:
+        os.environ[name] = str(entries)
 
 
 def device_stats(device: str) -> dict[str, Any] | None:
