@@ -10,9 +10,10 @@ the load generator is not the bottleneck); what it has not seen end is polled th
 the end. Accepted and gone without ending: lost; not ended after the drain: stuck. Memory slopes
 (MiB/h, least squares after the warm-up) tell whether anything grows; the log is searched for
 tracebacks. Ended records live `--ended-ttl-s` (300 s, so Redis stops growing by design early);
-the warm-up is the longer of that TTL and a fifth of the run.
+the warm-up is the longer of that TTL and a fifth of the run, or `--warmup-min`: what fills to a
+cap (the prefix cache, the capped streams: `--env CONVEYOR_AUDIT_MAXLEN=...`) must be full by then.
 
-    python -m bench.soak [--model tiny|smollm2] [--minutes 30] [--load 0.7] [--calibrate-s 60]
+    python -m bench.soak [--model tiny|smollm2] [--minutes 30] [--load 0.7] [--warmup-min 10]
 
 Not part of `make test`. Writes bench/results/soak.md.
 """
@@ -356,7 +357,7 @@ def report(
     samples: Samples,
     traces: list[str],
 ) -> str:
-    warmup = max(args.ended_ttl_s, args.minutes * 60 / 5)
+    warmup = args.warmup_min * 60 if args.warmup_min is not None else max(args.ended_ttl_s, args.minutes * 12)
     after = lambda series: [s for s in series if s[0] >= warmup]  # noqa: E731
     rows = [("redis used_memory", samples.redis)] + sorted(samples.rss.items())
     unexpected = ", ".join(f"{c}: {n}" for c, n in sorted(tally.unexpected.items())) or 0
@@ -364,7 +365,9 @@ def report(
         "# Soak",
         "",
         f"`python -m bench.soak --model {args.model} --minutes {args.minutes:g} --load {args.load:g}"
-        f" --calibrate-s {args.calibrate_s:g}{''.join(f' --env {e}' for e in args.env)}` at commit"
+        f" --calibrate-s {args.calibrate_s:g}"
+        f"{'' if args.warmup_min is None else f' --warmup-min {args.warmup_min:g}'}"
+        f"{''.join(f' --env {e}' for e in args.env)}` at commit"
         f" {git_commit()},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 2 cores, load average at the end"
         f" {Path('/proc/loadavg').read_text().split()[0]}.",
@@ -420,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ended-ttl-s", type=int, default=300)
     parser.add_argument("--drain-s", type=float, default=300.0)
+    parser.add_argument("--warmup-min", type=float, help="minutes before the slopes (default: see above)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set in the stack's environment"

@@ -186,7 +186,9 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
     from app.core.keys import Keys
     from app.core.redis import sync_client
     from app.workers.celery_app import serve
+    from app.workers.device import bound_kernel_caches
 
+    bound_kernel_caches()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     keys = Keys(settings.namespace)

@@ -2,6 +2,7 @@
 
 Each beat also measures what the replica's health is judged on (app/core/health.py): its device's
 temperature and memory use (a GPU), and the beat's own Redis round trip; `observe` gets that report.
+Every `TRIM_EVERY_S` the thread also gives the C heap's free pages back (`device.trim_heap`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from app.core import metrics
 from app.core.health import Report
-from app.workers.device import device_stats
+from app.workers.device import TRIM_EVERY_S, device_stats, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,15 @@ class Heartbeat(threading.Thread):
             self.observe(Report.from_device(stats, redis_rtt_ms=rtt_ms, at=now))
 
     def run(self) -> None:
+        trimmed = time.monotonic()
         while not self._stopping.wait(self.interval_s):
             try:
                 self.beat()
             except Exception:  # Redis away for a moment: the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
+            if time.monotonic() - trimmed >= TRIM_EVERY_S:  # the heap's free pages back to the system
+                trim_heap()
+                trimmed = time.monotonic()
 
     def stop(self) -> None:
         self._stopping.set()

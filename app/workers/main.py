@@ -33,6 +33,7 @@ from app.partitions.prefix import PrefixCache
 from app.workers import lane
 from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
+from app.workers.device import bound_kernel_caches
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.stage import Send, StageIdentity, StageRuntime
@@ -84,6 +85,7 @@ def run_worker(
     compute.start()
 
     def load() -> tuple[StagePartition, torch.dtype]:
+        bound_kernel_caches()  # before the warm-up runs the first kernel
         if settings.torch_threads:  # before anything is measured or run on this thread
             torch.set_num_threads(settings.torch_threads)
         chosen = registered_dtype(path)  # `model add --dtype`; else the setting

@@ -71,6 +71,7 @@ def test_the_report_states_lost_stuck_and_each_slope() -> None:
         cancel=0.05,
         poison=0.05,
         ended_ttl_s=300,
+        warmup_min=None,
         env=[],
     )
     tally = soak.Tally(accepted={"j1": "tenant-a", "j2": "tenant-b"}, lost=["j2"])
@@ -85,3 +86,15 @@ def test_the_report_states_lost_stuck_and_each_slope() -> None:
     assert "| redis used_memory | 50.0 | 50.0 | +0.0 |" in text
     assert "| stage worker 42 |" in text and "+1.0 |" in text
     assert "Tracebacks: KeyError: 'x'" in text
+    assert "after the 6-minute warm-up" in text  # a fifth of the run
+
+
+def test_a_given_warm_up_sets_where_the_slopes_start() -> None:
+    args = argparse.Namespace(
+        model="tiny", minutes=30.0, load=0.7, calibrate_s=60.0, max_tokens=16, cancel=0.05, poison=0.05,
+        ended_ttl_s=300, warmup_min=20.0, env=[],
+    )  # fmt: skip
+    samples = soak.Samples(redis=[(t, 50.0 if t < 1200 else 60.0) for t in range(0, 1800, 15)])
+    text = soak.report(args, Model("tiny", soak.RESULTS_DIR), 10.0, 1900.0, soak.Tally(), samples, [])
+    assert "--warmup-min 20`" in text and "after the 20-minute warm-up" in text
+    assert "| redis used_memory | 60.0 | 60.0 | +0.0 |" in text  # the step before minute 20 is left out
