@@ -56,16 +56,13 @@ class Settings(BaseSettings):
 
     # Redis: broker, job store, token streams. Unset means "start the embedded server".
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
-    # `conveyor up` refuses a REDIS_URL without a password that points beyond this host: whoever
-    # reaches such a Redis can add API keys and read every prompt. True: a Redis protected otherwise
-    # (a private network of its own, a proxy that authenticates).
+    # `conveyor up` refuses a password-less REDIS_URL beyond this host (whoever reaches it can add API
+    # keys and read every prompt). True: a Redis protected otherwise (a private network, a proxy).
     allow_passwordless_redis: bool = False
     embedded_redis_port: int = 6390  # away from 6379 so a system Redis is never shadowed
-    # The embedded server's memory bound (Redis's `maxmemory`: bytes, or 100mb, 1gb...; 0: none).
-    # Its policy stays noeviction: evicting would drop queued jobs, intake entries or rate-limit
-    # state silently; at the bound Redis refuses writes instead, and the API answers them 503
-    # store_full with a Retry-After while reads (polls, streams) go on. A gigabyte holds about 80,000
-    # ended jobs' records and streams besides the queues; set your own server's in its config.
+    # The embedded server's `maxmemory` (bytes, or 100mb, 1gb...; 0: none), policy noeviction: at the
+    # bound writes are refused (submits 503 store_full, Retry-After) while reads go on; evicting would
+    # drop queued jobs silently. 1 GB holds about 80,000 ended jobs besides the queues.
     embedded_redis_maxmemory: str = Field(default="1gb", pattern=r"^\d+([kKmMgG][bB]?)?$")
     namespace: str = "conveyor"  # prefix of every Redis key and Celery queue; lets stacks share a Redis
 
@@ -76,30 +73,22 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"  # local only: turn auth (and TLS) on before binding elsewhere
     api_port: int = 8000  # the HTTP API (and its /metrics)
-    # Host header names the API answers (the port aside); any other gets 400 host_not_allowed, so a
-    # web page whose name an attacker points at this machine (DNS rebinding) cannot use an API it
-    # reaches as same-origin. `.example.com`: the name and its subdomains; `*`: any name. Health,
-    # readiness and /metrics answer whatever the Host (probes and scrapers address a pod by its IP).
-    # Add the names your clients use (deploy/ sets those of the compose and Kubernetes services).
+    # Host names the API answers (port aside; `.example.com`: it and its subdomains; `*`: any); others
+    # get 400 host_not_allowed, against DNS rebinding. Health, readiness and /metrics answer any Host.
     allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1", "::1"])
-    # Browser origins (`https://app.example.com`; `*`: any) allowed to open a job's WebSocket besides
-    # the API's own (an Origin naming the request's Host); other pages are refused with close code
-    # 4403, so a page the user happens to visit cannot follow jobs through the user's browser (an
-    # open API on a laptop answers anyone). Clients that send no Origin (the CLI, Python clients) are
-    # not browsers and are accepted.
+    # Browser origins (`https://app.example.com`; `*`: any) that may open a job's WebSocket besides the
+    # API's own; other pages get close code 4403. Clients that send no Origin (CLI, Python) are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
-    # Seconds a client has, from its connection's start and from the end of each answer, to send a
-    # request's headers before the API closes the connection (uvicorn itself waits for ever).
-    # Headers are a few hundred bytes; 10 s is generous to the slowest link, short for an attacker
-    # holding connections open (app/api/connections.py).
+    # Seconds a client has (from its connection's start, and from each answer's end) to send a
+    # request's headers before the API closes it (uvicorn waits for ever): generous to a slow link,
+    # short for an attacker holding connections open (app/api/connections.py).
     api_header_timeout_s: float = Field(default=10.0, gt=0)
     # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
     # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
     flower_port: int = 5555  # Flower's usual port
-    # Prometheus metrics of a process other than the api (which serves them at /metrics on its own
-    # port): this port, on api_host's address; None or 0: not served. `conveyor up` gives each child
-    # its own, upwards.
+    # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
+    # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
     metrics_port: int | None = 9100
     flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
     # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
@@ -119,8 +108,7 @@ class Settings(BaseSettings):
     # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
     # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
     max_prompt_chars_per_token: int = Field(default=16, ge=1)
-    # Threads that tokenize prompts for the API, off its event loop; past them prompts wait their turn
-    # instead of taking every core.
+    # Threads that tokenize prompts for the API, off its event loop; past them prompts wait their turn.
     tokenize_threads: int = Field(default=4, ge=1)
 
     # Batcher. Jobs per dispatched batch: 32 is where batched CPU decoding stops gaining (raw generate,

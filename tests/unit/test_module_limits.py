@@ -78,6 +78,11 @@ def test_no_module_of_app_is_over_500_lines() -> None:
     )
 
 
+def test_the_settings_module_stays_small() -> None:
+    """Settings are declared once (sections in app/core/sections.py): config.py holds no mirror."""
+    assert len((APP / "core" / "config.py").read_text().splitlines()) <= 450
+
+
 def test_no_circle_of_imports_in_app() -> None:
     found = circles(imports())
     assert found - CIRCLES.keys() == set(), "modules that import each other, directly or round about"
