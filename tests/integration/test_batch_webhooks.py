@@ -6,9 +6,7 @@ delivery code, a real receiver on loopback (allow-listed) and a real Redis."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,50 +26,17 @@ from app.webhooks.delivery import Deliverer
 from app.webhooks.dispatcher import Dispatcher
 from app.webhooks.signing import SecretBook
 from app.webhooks.ssrf import Guard
+from tests.receivers import Receiver, receiving
 from tests.tinyapi import forget_namespace, tiny_settings
 
 SECRET = "whsec_" + base64.b64encode(b"batch-webhooks-test-secret-32byt").decode()
 KEY = new_api_key()
 
 
-class Receiver(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.received: list[tuple[str, dict[str, str], str]] = []
-        self.lock = threading.Lock()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}{path}"
-
-    def at(self, path: str) -> list[tuple[str, dict[str, str], str]]:
-        with self.lock:
-            return [r for r in self.received if r[0] == path]
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = self.rfile.read(int(self.headers.get("content-length") or 0)).decode()
-        with self.server.lock:
-            self.server.received.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture()
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with receiving() as server:
+        yield server
 
 
 @pytest.fixture()
@@ -153,12 +118,12 @@ def test_a_batch_announces_its_end_once_signed(
     for path, batch_id, kind in ((failing, one.id, "batch.failed"), (cancelled, two.id, "batch.cancelled")):
         got = receiver.at(path)
         assert len(got) == 1, got
-        payload = Webhook(SECRET).verify(got[0][2], got[0][1])  # raises unless signed with the secret
+        payload = Webhook(SECRET).verify(got[0][1], got[0][0])  # raises unless signed with the secret
         assert payload["type"] == kind
         assert payload["data"]["id"] == batch_id and payload["data"]["object"] == "batch"
         assert payload["data"]["status"] == kind.removeprefix("batch.")
-        assert got[0][1]["webhook-id"] == f"msg_{batch_id}_{kind.removeprefix('batch.')}"
-    failed_data = Webhook(SECRET).verify(receiver.at(failing)[0][2], receiver.at(failing)[0][1])["data"]
+        assert got[0][0]["webhook-id"] == f"msg_{batch_id}_{kind.removeprefix('batch.')}"
+    failed_data = Webhook(SECRET).verify(receiver.at(failing)[0][1], receiver.at(failing)[0][0])["data"]
     assert failed_data["errors"]["data"][0]["code"] == "duplicate_custom_id"
 
 

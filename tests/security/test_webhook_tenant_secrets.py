@@ -10,10 +10,8 @@ CLI as an operator runs it."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import os
-import threading
 import uuid
 from collections.abc import Iterator
 
@@ -28,45 +26,16 @@ from app.core.keys import Keys
 from app.webhooks import signing
 from app.webhooks.delivery import Deliverer
 from app.webhooks.ssrf import Guard
+from tests.receivers import Receiver, receiving
 
 SHARED = "whsec_" + base64.b64encode(b"shared-secret-of-untenanted-jobs").decode()
 MASTER = signing.generate()
 
 
-class Receiver(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.received: list[tuple[dict[str, str], str]] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/hook"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: Receiver
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = self.rfile.read(int(self.headers.get("content-length") or 0)).decode()
-        self.server.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture()
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    # A short poll: `shutdown()` waits for the loop to look (0.5 s by default, per test).
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with receiving() as server:
+        yield server
 
 
 @pytest.fixture()
@@ -115,7 +84,7 @@ def test_a_delivery_for_tenant_a_verifies_with_a_secret_only(redis, setup, recei
     settings, keys = setup
     assert signing.rotate(redis, keys, "tenant-a") == 1
     assert signing.rotate(redis, keys, "tenant-b") == 1
-    deliver(redis, settings, keys, receiver.url, "tenant-a")
+    deliver(redis, settings, keys, receiver.url(), "tenant-a")
     ((headers, body),) = receiver.received
 
     payload = Webhook(secret_of("tenant-a", 1)).verify(body, headers)  # A's secret verifies
@@ -142,9 +111,9 @@ def test_a_tenant_without_a_record_is_signed_with_its_own_first_secret_never_the
     """A tenant named only by a JWT or CONVEYOR_API_KEYS (no `keys create`): its own generation-1
     secret, the one `rotate-webhook-secret` then gives it; only the open API's jobs get the shared one."""
     settings, keys = setup
-    deliver(redis, settings, keys, receiver.url, "jwt-tenant")  # no record
-    deliver(redis, settings, keys, receiver.url, "anonymous")  # the open API's tenant
-    deliver(redis, settings, keys, receiver.url, None)  # a job without a tenant
+    deliver(redis, settings, keys, receiver.url(), "jwt-tenant")  # no record
+    deliver(redis, settings, keys, receiver.url(), "anonymous")  # the open API's tenant
+    deliver(redis, settings, keys, receiver.url(), None)  # a job without a tenant
     (own_headers, own_body), *shared = receiver.received
     Webhook(secret_of("jwt-tenant", 1)).verify(own_body, own_headers)
     with pytest.raises(WebhookVerificationError):
@@ -204,7 +173,7 @@ def test_keys_create_shows_the_tenants_webhook_secret_once(redis, setup, receive
     (shown,) = [w for w in made.stderr.split() if w.startswith("whsec_")]
     second = conveyor("keys", "create", "--tenant", "tenant-a")  # another key: the secret stays
     assert "whsec_" not in second.stderr + second.stdout
-    deliver(redis, settings, keys, receiver.url, "tenant-a")
+    deliver(redis, settings, keys, receiver.url(), "tenant-a")
     headers, body = receiver.received[-1]
     Webhook(shown).verify(body, headers)
 
@@ -212,6 +181,6 @@ def test_keys_create_shows_the_tenants_webhook_secret_once(redis, setup, receive
     assert rotated.exit_code == 0, rotated.stderr
     new = rotated.stdout.strip()
     assert new.startswith("whsec_") and new != shown
-    deliver(redis, settings, keys, receiver.url, "tenant-a")
+    deliver(redis, settings, keys, receiver.url(), "tenant-a")
     headers, body = receiver.received[-1]
     Webhook(new).verify(body, headers)
