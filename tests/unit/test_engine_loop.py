@@ -1,0 +1,113 @@
+"""The engine loop (`app.workers.engine.loop`) on every supported family, cut into 1, 2 and 3 stages
+and loaded the way a worker loads them, in fp32: ragged steps over a paged cache give the tokens and
+logits of the whole model's own `generate`, through chunked prefills (a token budget smaller than
+the prompts), a sequence joining while others decode, sequences leaving at different lengths, and a
+pool too small for all of them at once (a preemption, resumed from its cached blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from families import CONFIGS
+
+from app.core.errors import UnsupportedModel
+from app.partitions import ragged
+from app.partitions.layers import LayerRange, StagePartition
+from app.workers.engine.loop import EngineLoop
+from app.workers.engine.scheduler import SchedulerConfig, Seq
+
+# (prompt, max_tokens, the step it arrives at)
+SEQUENCES = {
+    "a": ([5, 6, 7], 12, 0),
+    "b": ([8, 9, 10, 11, 12, 13, 14, 15, 16, 17], 5, 0),  # leaves early
+    "c": ([18, 19, 20, 21, 22, 23, 24], 12, 0),
+    "d": ([30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], 9, 4),  # joins running sequences
+}
+# 4 positions a block, 8 tokens a step: every prompt over 8 tokens is prefilled in chunks; the four
+# sequences need 19 blocks at their longest, the pool has 12: one at least is preempted
+CONFIG = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+
+_REFERENCES: dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
+
+
+def reference(name: str, model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """`generate` of one prompt alone: its tokens and raw logits per step."""
+    key = (name, tuple(prompt), steps)
+    if key not in _REFERENCES:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        _REFERENCES[key] = (out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.logits])
+    return _REFERENCES[key]
+
+
+def load(path: Path, stages: int) -> list[StagePartition]:
+    return [StagePartition.load(path, LayerRange.even_split(6, stages, s)) for s in range(stages)]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ragged_steps_decode_exactly_as_generate(
+    family_models: dict[str, tuple[Path, Any]], name: str, stages: int
+) -> None:
+    path, model = family_models[name]
+    loop = EngineLoop(load(path, stages), CONFIG)
+    seqs = {k: Seq(k, tuple(p), n) for k, (p, n, _) in SEQUENCES.items()}
+    got: dict[str, list[torch.Tensor]] = {k: [] for k in seqs}
+    mixed = 0  # steps with decode rows and a prefill chunk together
+    for step in range(200):
+        for k, (_, _, at) in SEQUENCES.items():
+            if at == step:
+                loop.add(seqs[k])
+        if not loop.has_work:
+            break
+        result = loop.step()
+        mixed += bool(result.plan.decodes and result.plan.chunks)
+        for seq_id, logits in result.logits.items():
+            got[seq_id].append(logits)
+    assert not loop.has_work
+    assert sum(s.preemptions for s in seqs.values()) >= 1
+    assert mixed >= 1
+    for k, seq in seqs.items():
+        prompt, n, _ = SEQUENCES[k]
+        tokens, expected = reference(name, model, prompt, n)
+        assert seq.output == tokens, k
+        assert len(got[k]) == n
+        for i, (ours, theirs) in enumerate(zip(got[k], expected, strict=True)):
+            torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-4, msg=f"{k} step {i}")
+
+
+def test_a_step_never_exceeds_its_token_budget(family_models: dict[str, tuple[Path, Any]]) -> None:
+    path, _ = family_models["llama"]
+    loop = EngineLoop(load(path, 1), CONFIG)
+    for k, (p, n, _) in SEQUENCES.items():
+        loop.add(Seq(k, tuple(p), n))
+    sizes = []
+    while loop.has_work:
+        sizes.append(loop.step().plan.num_tokens)
+    assert max(sizes) <= CONFIG.max_num_batched_tokens
+    assert max(sizes) == CONFIG.max_num_batched_tokens  # the budget is used when prompts wait
+
+
+def test_a_length_dependent_rope_is_refused(tmp_path: Path) -> None:
+    import transformers as tf
+    from families import COMMON
+    from transformers import AutoModelForCausalLM
+
+    config = tf.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    stage = StagePartition.load(tmp_path)
+    with pytest.raises(UnsupportedModel, match="per row"):
+        ragged.check(stage)
