@@ -248,12 +248,15 @@ class Harness:
         torch.set_num_threads(1)
         identity = runtime.identity
         while not self.stopping.is_set():
-            message = self.bus.take(identity.shared_queue, identity.lane)
+            busy = getattr(runtime, "busy", False)  # the step engine: a step between two messages
+            message = self.bus.take(identity.shared_queue, identity.lane, timeout_s=0.0 if busy else 0.5)
             if message is not None:
                 try:
                     runtime.handle(message)
                 except Exception:  # the worker's own boundary logs and goes on
                     log.exception("stage %d of %s failed a message", identity.stage, identity.model)
+            if getattr(runtime, "busy", False):
+                runtime.step_once()
 
     def _start_webhooks(self, redis: Any) -> None:
         from app.core.keys import Keys

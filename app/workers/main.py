@@ -34,6 +34,7 @@ from app.workers import lane
 from app.workers.celery_app import register_step_task, serve
 from app.workers.compute import ComputeThread
 from app.workers.device import bound_kernel_caches
+from app.workers.engine.runtime import EngineRuntime, Pump, scheduler_config
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.stage import Send, StageIdentity, StageRuntime
@@ -97,7 +98,7 @@ def run_worker(
     info = served_info(settings, model, stage, layers, partition, dtype, device)
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
-        "on CPUs %s, decode steps %s, prefix cache %d MiB",
+        "on CPUs %s, decode steps %s, prefix cache %d MiB, engine %s",
         stage,
         num_stages,
         model,
@@ -111,6 +112,7 @@ def run_worker(
         format_cpus(allowed()),
         info["decode_steps"],
         settings.prefix_cache_mb,
+        info["engine"],
     )
 
     redis_url = settings.redis_url or ""
@@ -132,9 +134,17 @@ def run_worker(
         hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
     )
 
+    # On the step engine a message only admits jobs: it runs between two of the loop's steps.
+    engine = isinstance(runtime, EngineRuntime)
+    if isinstance(runtime, EngineRuntime):
+        Pump(runtime, compute).start()
+
     def handle(wire: dict[str, object]) -> None:
         message = StepMessage.from_wire(wire)
-        compute.call(lambda: runtime.run(message), urgent=message.urgent, background=message.background)
+        urgent = message.urgent or engine
+        compute.call(
+            lambda: runtime.run(message), urgent=urgent, background=message.background and not engine
+        )
 
     health = HealthMonitor(
         redis,
@@ -195,6 +205,7 @@ def served_info(
         else "eager",
         "param_bytes": partition.param_bytes(),
         "prefix_cache_mb": settings.prefix_cache_mb,
+        "engine": settings.engine,
     }
 
 
@@ -215,7 +226,16 @@ def stage_runtime(
     its stages here too."""
     keys = Keys(settings.namespace)
     jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
-    return StageRuntime(
+    engine: dict[str, Any] = {}
+    kind: type[StageRuntime] = StageRuntime
+    if settings.engine == "step":
+        kind = EngineRuntime
+        engine["engine"] = scheduler_config(
+            kv_positions=settings.max_batch_kv_positions,
+            max_running=settings.max_running_sequences,
+            step_tokens=settings.max_prefill_tokens,
+        )
+    return kind(
         identity=identity,
         partition=partition,
         tokenizer=tokenizer,
@@ -246,6 +266,7 @@ def stage_runtime(
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
         claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
+        **engine,
     )
 
 

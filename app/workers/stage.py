@@ -41,7 +41,7 @@ from app.workers.batches import Batches, BatchGone, Join
 from app.workers.decode import Sequence, advance, held_tokens, settle
 from app.workers.grammar import GrammarError, Grammars, Matcher
 from app.workers.latency import StepLatency
-from app.workers.sampling import ban_tokens, constrain, make_generator, sample, token_logprobs
+from app.workers.sampling import Logprobs, ban_tokens, constrain, make_generator, sample, token_logprobs
 from app.workers.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -275,28 +275,12 @@ class StageRuntime:
         sequences = self.batches[msg.batch_id].sequences
         # A job that failed alone (`_fail_row`) is no longer in `sequences`: its row is skipped.
         index = [i for i, j in enumerate(msg.seq_ids) if j in sequences]
-        logits = logits.float().cpu()[index]  # [B', V]: sampling runs on the CPU, per-sequence generators
-        raw = logits  # what the model gave: the logprobs a job asks for are of these
         candidates = [sequences[msg.seq_ids[i]] for i in index]
-        held = held_tokens(candidates, self.eos_ids)
+        kept = self._choose(candidates, logits[index])
+        chosen = {seq.job_id for seq, _, _ in kept}
         for seq in candidates:
-            seq.reseed()
-        logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
-        logits = constrain(  # penalties, logit_bias, allowed and banned tokens
-            logits,
-            [s.params for s in candidates],
-            prompts=[s.prompt_ids for s in candidates],
-            outputs=[s.text.ids for s in candidates],
-        )
-        logits, stuck = self._mask_grammars(logits, candidates)  # structured outputs
-        sampled = self._follow_grammars(self._sample_rows(logits, candidates), stuck)
-        logprobs = token_logprobs(raw, [t or 0 for _, t in sampled], [s.params.logprobs for s in candidates])
-        for seq, token in sampled:
-            if token is None:
+            if seq.job_id not in chosen:
                 del sequences[seq.job_id]
-        kept = [
-            (seq, token, lp) for (seq, token), lp in zip(sampled, logprobs, strict=True) if token is not None
-        ]
         rows = [seq for seq, _, _ in kept]
         tokens = [token for _, token, _ in kept]
         outs = echo.attach([advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept], echoes)
@@ -310,6 +294,31 @@ class StageRuntime:
             # sequences count against the pipeline's sequence budget (the progress set) instead.
             self.publisher.batch_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
+
+    def _choose(
+        self, candidates: list[Sequence], logits: torch.Tensor
+    ) -> list[tuple[Sequence, int, Logprobs | None]]:
+        """Each row's next token from its logits [B, V] under its request's rules (min_tokens,
+        penalties, biases, its grammar, its seed), with the logprobs it asked for. A row whose
+        sampling or grammar fails is failed alone (`_fail_row`) and left out."""
+        logits = logits.float().cpu()  # sampling runs on the CPU, per-sequence generators
+        raw = logits  # what the model gave: the logprobs a job asks for are of these
+        held = held_tokens(candidates, self.eos_ids)
+        for seq in candidates:
+            seq.reseed()
+        logits = ban_tokens(logits, held)  # min_tokens: no end of sequence yet
+        logits = constrain(  # penalties, logit_bias, allowed and banned tokens
+            logits,
+            [s.params for s in candidates],
+            prompts=[s.prompt_ids for s in candidates],
+            outputs=[s.text.ids for s in candidates],
+        )
+        logits, stuck = self._mask_grammars(logits, candidates)  # structured outputs
+        sampled = self._follow_grammars(self._sample_rows(logits, candidates), stuck)
+        logprobs = token_logprobs(raw, [t or 0 for _, t in sampled], [s.params.logprobs for s in candidates])
+        return [
+            (seq, token, lp) for (seq, token), lp in zip(sampled, logprobs, strict=True) if token is not None
+        ]
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[Sequence, int | None]]:
         """Each row's next token; None for a row whose sampling raised (that job failed alone)."""

@@ -1,0 +1,225 @@
+"""The stage worker of a one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`).
+
+The batcher's windows arrive as they do for every stage worker (a prefill message per batch, from
+the stage's queue); here they only *admit* their jobs: each becomes a sequence of the engine loop's
+scheduler (`EngineLoop`), which from then on alone decides what every step runs: decode rows of the
+running sequences and chunks of the waiting prompts, ragged, over a paged KV cache. No batch runs
+inside another, no decode step goes through a lane, nothing joins or is padded.
+
+It is the stage runtime (`StageRuntime`) for everything around the model: reading jobs, their
+sampling rules, grammars and stop strings, publishing tokens, failing a job alone, metrics. A batch
+is reported done to the batcher (`Publisher.batch_done`) once each of its jobs has its first token
+or has left, as a prefilled batch is on the batch engine; from then its jobs count against the
+pipeline's sequence budget.
+
+Threads: admissions run on the compute thread as urgent items, so they run between two steps;
+`pump` is the ordinary item that runs steps while there is work (`Pump` starts it when an
+admission brings work to an idle loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.core import metrics
+from app.core.errors import InvalidRequest
+from app.core.jobs import JobStatus, Transition
+from app.core.keys import PRIORITIES
+from app.core.protocol import StepMessage
+from app.core.steps import Steps
+from app.workers.decode import Sequence, advance
+from app.workers.engine.loop import EngineLoop
+from app.workers.engine.scheduler import SchedulerConfig, Seq
+from app.workers.stage import StageRuntime
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16  # as the prefix cache's blocks (`app.partitions.digest.BLOCK`)
+PROGRESS_EVERY_S = 2.0  # waiting sequences' stall clocks restarted this often (the monitor's)
+
+
+def scheduler_config(*, kv_positions: int, max_running: int, step_tokens: int) -> SchedulerConfig:
+    """The engine's budgets from the worker's settings: the KV cache of `kv_positions` positions in
+    blocks, `max_running` sequences, `step_tokens` tokens a step (at least one per sequence)."""
+    return SchedulerConfig(
+        num_blocks=max(1, kv_positions // BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_running,
+        max_num_batched_tokens=max(step_tokens, max_running),
+    )
+
+
+@dataclass
+class EngineRuntime(StageRuntime):
+    """A one-stage pipeline's worker on the step engine (see the module's docstring)."""
+
+    engine: SchedulerConfig | None = None
+    loop: EngineLoop = field(init=False)
+    rows: dict[str, Sequence] = field(init=False, default_factory=dict)  # running jobs' sampling state
+    batch_of: dict[str, str] = field(init=False, default_factory=dict)  # job -> batch, until its first token
+    waits: dict[str, set[str]] = field(init=False, default_factory=dict)  # batch -> jobs without a token yet
+    wake: threading.Event = field(init=False, default_factory=threading.Event)
+    _progressed_at: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if not (self.partition.is_first and self.partition.is_last):
+            raise ValueError(
+                "the step engine serves one-stage pipelines; CONVEYOR_ENGINE=batch serves the others"
+            )
+        self.loop = EngineLoop(
+            [self.partition],
+            self.engine
+            or scheduler_config(
+                kv_positions=self.max_kv_positions, max_running=self.max_running, step_tokens=512
+            ),
+        )
+
+    @property
+    def busy(self) -> bool:
+        return self.loop.has_work
+
+    def run(self, msg: StepMessage) -> Steps[None]:
+        """Admit a batch's jobs (the only message a one-stage engine worker is sent)."""
+        if msg.kind != "prefill":
+            log.warning("batch %s: a %s message on the step engine, ignored", msg.batch_id, msg.kind)
+            return
+        try:
+            self._admit(msg)
+        except Exception as exc:  # the worker's error boundary: this batch fails, the loop goes on
+            log.exception("batch %s could not be admitted", msg.batch_id)
+            self._fail(msg, exc)
+        self.wake.set()
+        yield from ()
+
+    def _admit(self, msg: StepMessage) -> None:
+        # A job cancelled meanwhile, or rescheduled into another batch (a late redelivery), drops out.
+        moves = [Transition(j, JobStatus.RUNNING, when={"batch_id": msg.batch_id}) for j in msg.seq_ids]
+        started = set(self.jobs.apply(moves, strict=False))
+        job_ids = [j for j in msg.seq_ids if j in started]
+        self.jobs.progressed(job_ids, time.time())
+        sequences = self._load_sequences(msg.batch_id, job_ids)  # a broken request fails alone
+        records = dict(zip(job_ids, self.jobs.get_many(job_ids, "prompt_ids", "attempts"), strict=True))
+        waiting = set()
+        for job_id, seq in sequences.items():
+            try:
+                if seq.params.prompt_logprobs is not None and not seq.generated:
+                    raise InvalidRequest("prompt logprobs (echo) are served by CONVEYOR_ENGINE=batch only")
+                rank = PRIORITIES.index(seq.priority) if seq.priority in PRIORITIES else 2
+                self.loop.add(
+                    Seq(
+                        job_id,
+                        tuple(self._input_ids(job_id, records[job_id])),
+                        max(1, seq.max_tokens - seq.generated),
+                        rank=rank,
+                    )
+                )
+            except Exception as exc:  # too long for the KV cache, or not servable here: alone
+                self._fail_row(job_id, exc)
+                continue
+            self.rows[job_id] = seq
+            self.batch_of[job_id] = msg.batch_id
+            waiting.add(job_id)
+        if waiting:
+            self.waits[msg.batch_id] = waiting
+        else:
+            self.publisher.batch_done(msg.model, msg.batch_id)
+
+    def pump(self) -> Steps[None]:
+        """Run steps while there is work; admissions (urgent) run between two of them."""
+        while self.loop.has_work:
+            self.step_once()
+            yield
+
+    def step_once(self) -> None:
+        """Plan, run, sample and publish one step. A step that raises fails the jobs it held."""
+        try:
+            self._plan_and_run()
+        except Exception as exc:  # the worker's error boundary: the loop's jobs fail, the worker goes on
+            log.exception("an engine step of %s failed", self.identity.model)
+            held = list(self.rows)
+            when = {j: {"batch_id": self.rows[j].batch_id, "status": JobStatus.RUNNING} for j in held}
+            failed = self.publisher.fail(
+                held,
+                code="worker_error",
+                message=f"the engine step failed: {type(exc).__name__}: {exc}",
+                when=when,
+            )
+            metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
+            for job_id in held:
+                self._leave(job_id)
+
+    def _plan_and_run(self) -> None:
+        scheduler = self.loop.scheduler
+        plan = scheduler.schedule()
+        started = time.perf_counter()
+        logits = self.loop.run(plan) if plan.rows else torch.zeros(0)
+        took = time.perf_counter() - started
+        metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
+        if self.latency is not None:
+            self.latency.observe(took)
+        sampling = [r.seq_id for r in plan.rows if r.samples]
+        kept = self._choose([self.rows[j] for j in sampling], logits) if sampling else []
+        tokens = dict.fromkeys(sampling, 0) | {seq.job_id: token for seq, token, _ in kept}
+        scheduler.update(plan, tokens)
+        chosen = {seq.job_id for seq, _, _ in kept}
+        for job_id in sampling:
+            if job_id not in chosen:  # its sampling failed: failed alone already
+                self._leave(job_id)
+        outs = [advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept]
+        gone = self.publisher.tokens(outs) if outs else set()
+        self._observe([seq for seq, _, _ in kept], outs, gone)
+        for seq, _, _ in kept:
+            self._first_token(seq.job_id)
+            if seq.job_id in gone or seq.finish_reason is not None:
+                self._leave(seq.job_id)
+        self._keep_waiting_alive()
+
+    def _first_token(self, job_id: str) -> None:
+        """A job has its first token (or left): its batch is done once all of its jobs are."""
+        batch_id = self.batch_of.pop(job_id, None)
+        if batch_id is None:
+            return
+        waiting = self.waits.get(batch_id)
+        if waiting is not None:
+            waiting.discard(job_id)
+            if not waiting:
+                del self.waits[batch_id]
+                self.publisher.batch_done(self.identity.model, batch_id)
+
+    def _leave(self, job_id: str) -> None:
+        self.loop.abort(job_id)
+        self.rows.pop(job_id, None)
+        self._first_token(job_id)
+
+    def _keep_waiting_alive(self) -> None:
+        """Jobs admitted but not yet producing tokens restart their stall clocks now and then: the
+        recovery monitor must not take them for lost."""
+        now = time.monotonic()
+        if now - self._progressed_at < PROGRESS_EVERY_S or not self.batch_of:
+            return
+        self._progressed_at = now
+        self.jobs.progressed(list(self.batch_of), time.time())
+
+
+class Pump(threading.Thread):
+    """Starts the engine's `pump` on the compute thread whenever an admission brings it work."""
+
+    def __init__(self, runtime: EngineRuntime, compute: Any) -> None:
+        super().__init__(name="engine-pump", daemon=True)
+        self.runtime, self.compute = runtime, compute
+
+    def run(self) -> None:
+        while not self.compute.stopping:
+            self.runtime.wake.wait(1.0)
+            self.runtime.wake.clear()
+            if self.runtime.busy and not self.compute.stopping:
+                try:
+                    self.compute.call(self.runtime.pump)
+                except RuntimeError:  # the compute thread stopped meanwhile
+                    return

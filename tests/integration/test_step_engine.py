@@ -1,0 +1,111 @@
+"""A one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`), in process (tests/harness.py):
+jobs the batcher dispatches are admitted into one scheduler whose ragged steps give the tokens of
+`generate`, with prompts longer than a step's token budget (chunked prefill) and jobs arriving while
+others decode; a cancelled job leaves and the others go on; what the engine does not serve fails
+with a reason; a pipeline of several stages is refused at start."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from clients import events, submit, tokens, wait
+from harness import harness
+from integration.test_generation import reference_tokens
+
+# A step of at most 16 tokens, 4 sequences at once: the longer prompts arrive in chunks, and the
+# fifth and sixth jobs wait for a sequence to end.
+ENGINE = {
+    "CONVEYOR_ENGINE": "step",
+    "CONVEYOR_MAX_PREFILL_TOKENS": "16",
+    "CONVEYOR_MAX_RUNNING_SEQUENCES": "4",
+}
+PROMPTS = [
+    "one two three",
+    "the quick brown fox jumps over the lazy dog and then it runs far away into the forest",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "hello",
+    "numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "tell me a story",
+]
+
+
+def greedy(client, prompt: str, max_tokens: int):  # type: ignore[no-untyped-def]
+    job = submit(client, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    stream = events(client, job["urls"]["events"])
+    return stream[-1].data, [e.data["token_id"] for e in tokens(stream)]
+
+
+def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    lengths = [24, 9, 17, 30, 5, 12]  # they leave at different steps
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
+        ) as stack,
+        stack.client() as client,
+        ThreadPoolExecutor(len(PROMPTS)) as pool,
+    ):
+        results = list(pool.map(lambda a: greedy(client, *a), zip(PROMPTS, lengths, strict=True)))
+    for prompt, n, (job, got) in zip(PROMPTS, lengths, results, strict=True):
+        assert job["status"] == "succeeded", job
+        assert got == reference_tokens(tiny_model, prompt, n), prompt
+        assert job["usage"]["completion_tokens"] == len(got)
+
+
+def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
+        ) as stack,
+        stack.client() as client,
+    ):
+        long = submit(client, prompt="one two three", max_tokens=400, temperature=0, ignore_eos=True)
+        other = submit(client, prompt="hello there", max_tokens=12, temperature=0, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{long['id']}").json()["usage"]["completion_tokens"] < 2:
+            assert time.monotonic() < deadline, "the long job did not start"
+            time.sleep(0.05)
+        assert client.post(f"/v1/jobs/{long['id']}/cancel").status_code in (200, 202)
+        cancelled = wait(client, long["id"])
+        done = wait(client, other["id"])
+        runtime = next(iter(stack.runtimes.values()))
+        deadline = time.monotonic() + 30
+        while runtime.busy:  # the cancelled job's sequence leaves at its next step
+            assert time.monotonic() < deadline, "the cancelled job still holds the engine"
+            time.sleep(0.05)
+    assert cancelled["status"] == "cancelled", cancelled
+    assert cancelled["usage"]["completion_tokens"] < 400
+    assert done["status"] == "succeeded", done
+    assert done["usage"]["completion_tokens"] == 12
+
+
+def test_echo_on_the_step_engine_fails_with_a_reason(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
+        ) as stack,
+        stack.client() as client,
+    ):
+        response = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "one two", "max_tokens": 3, "echo": True, "logprobs": 1},
+        )
+        plain = submit(client, prompt="one two", max_tokens=3, temperature=0, ignore_eos=True)
+        assert wait(client, plain["id"])["status"] == "succeeded"
+    body = response.json()
+    assert response.status_code >= 400, body
+    assert "CONVEYOR_ENGINE=batch" in str(body)
+
+
+def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="one-stage pipelines"):
+        with harness(
+            tmp_path,
+            redis_url=redis_url,
+            models={"tiny": tiny_model},
+            default_model="tiny",
+            extra_env=ENGINE,
+            args=("--stages", "2"),
+        ):
+            pass
