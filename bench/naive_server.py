@@ -65,7 +65,7 @@ def generate_rows(
     model: Any, rows: Sequence[list[int]], pad_id: int, max_tokens: int, *, exact: bool, streamer: Any = None
 ) -> torch.Tensor:
     """One greedy `generate` call over token id rows, left-padded to one width: the new tokens
-    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). Raw `generate` (bench/raw.py)
+    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). Raw `generate` (bench/suite.py)
     and Ray Serve's batches (bench/rayserve_app.py) call it."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, S]

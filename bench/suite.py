@@ -34,20 +34,26 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
 
 from bench.load import (
     OUTPUT_MEDIAN,
     OUTPUT_SIGMA,
     OUTPUT_TOKENS,
+    JobResult,
+    Run,
     burst_arrivals,
     burst_run,
+    checked,
+    loadavg,
     offered_tokens_per_s,
     open_run,
     output_lengths,
@@ -55,8 +61,8 @@ from bench.load import (
     poisson_arrivals,
     sized,
 )
+from bench.naive_server import generate_rows
 from bench.prompts import SEED, Prompt, make_prompts
-from bench.raw import raw_runs
 from bench.report import (
     RESULTS_DIR,
     Target,
@@ -380,16 +386,68 @@ def bench_system(name: str, model: Model, work: Workload, plan: Plan, workdir: P
     return out
 
 
+class FirstTokenClock(BaseStreamer):
+    """Notes when `generate` hands out its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_tokens: int) -> list[JobResult]:
+    """One `generate` call over `prompts`; every job's latency is the call, its TTFT the first token."""
+    clock = FirstTokenClock()
+    started = time.perf_counter()
+    try:
+        new = generate_rows(model, [p.ids for p in prompts], pad_id, max_tokens, exact=True, streamer=clock)
+    except Exception as exc:  # a failed call fails its jobs; the run goes on
+        elapsed = time.perf_counter() - started
+        return [JobResult(p.index, False, elapsed, None, 0, f"{type(exc).__name__}: {exc}") for p in prompts]
+    elapsed = time.perf_counter() - started
+    ttft = clock.first_token_at - started if clock.first_token_at is not None else None
+    return [
+        checked(
+            JobResult(p.index, True, elapsed, ttft, int(new.shape[1]), token_ids=new[i].tolist()), max_tokens
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_raw(model: Any, prompts: Sequence[Prompt], pad_id: int, batch: int, max_tokens: int) -> Run:
+    """The prompts in batches of `batch`, one `generate` call after another, after a short warm-up call."""
+    generate_batch(model, prompts[:1], pad_id, 8)  # warm-up
+    jobs: list[JobResult] = []
+    load = loadavg()
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        jobs += generate_batch(model, prompts[first : first + batch], pad_id, max_tokens)
+    wall = time.perf_counter() - started
+    return Run(f"raw generate b{batch}", jobs, wall, (load, loadavg()), clients=batch)
+
+
 def bench_raw(model: Model, tokenizer: Any, work: Workload, plan: Plan) -> dict[str, Any]:
-    """In-process `generate` at each batch size: `raw_calls` calls of `batch` prompts, `PEAK_TOKENS` each."""
-    batches = [(work.pool[: batch * plan.raw_calls], batch) for batch in RAW_BATCHES]
-    generator, runs = raw_runs(model.path, batches, int(tokenizer.pad_token_id), PEAK_TOKENS)
+    """In-process `generate` (the raw limit: the model loaded here, not started) at each batch size:
+    `raw_calls` calls of `batch` prompts, `PEAK_TOKENS` each; a job's latency is its call, its TTFT the
+    call's first token. The model is dropped afterwards to free its memory."""
+    generator = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    out = {}
+    for batch in RAW_BATCHES:
+        prompts = work.pool[: batch * plan.raw_calls]
+        run = run_raw(generator, prompts, int(tokenizer.pad_token_id), batch, PEAK_TOKENS)
+        ok, rate = f"{len(run.ok)}/{len(run.jobs)}", run.tokens_per_s()
+        say(f"{run.name}: {ok} jobs, {rate:.1f} tokens/s over {run.wall_s:.1f} s")
+        out[run.name] = {**summary(run), "batch": batch, "load_average": list(run.load)}
     del generator
     gc.collect()
-    return {
-        run.name: {**summary(run), "batch": b, "load_average": list(run.load)}
-        for run, b in zip(runs, RAW_BATCHES, strict=True)
-    }
+    return out
 
 
 def point(results: dict[str, Any], name: str, rate: float) -> dict[str, Any] | None:

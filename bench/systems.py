@@ -13,7 +13,7 @@ and on the way out stops it and whatever it started: a server runs in its own se
 output in a log file, gets SIGTERM, then SIGKILL after a timeout, and its leftover descendants are
 killed. A system that does not come up raises RuntimeError with the end of its log, which a
 benchmark reports in place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C.
-Raw `generate` (bench/raw.py) is loaded in process instead. Unlike the tests' `start_stack`, a
+Raw `generate` (bench/suite.py) is loaded in process instead. Unlike the tests' `start_stack`, a
 benchmark passes the user's CONVEYOR_* settings through and runs the defaults it measures.
 """
 
