@@ -28,6 +28,8 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.prompts import chat_ids
+
 MODEL_PATH_ENV = "BENCH_MODEL_PATH"
 
 
@@ -96,15 +98,13 @@ class Engine:
 
     def encode(self, body: GenerateRequest) -> list[int]:
         if body.messages is not None:
-            messages = [m.model_dump() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return chat_ids(self.tokenizer, [m.model_dump() for m in body.messages])
         return list(self.tokenizer(body.prompt).input_ids)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> tuple[list[int], float]:
         """The generated token ids and the seconds spent generating (not waiting for the runner)."""
-        started = time.perf_counter()
-        new = generate_rows(self.model, [prompt_ids], self.tokenizer.pad_token_id, max_tokens, exact=ignore_eos)
+        started, pad_id = time.perf_counter(), self.tokenizer.pad_token_id
+        new = generate_rows(self.model, [prompt_ids], pad_id, max_tokens, exact=ignore_eos)  # [1, <= n]
         return [int(t) for t in new[0]], time.perf_counter() - started
 
 
