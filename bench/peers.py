@@ -48,7 +48,7 @@ from transformers import AutoTokenizer
 from app.core.cpus import allowed, format_cpus, parse_cpus
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
-from bench.report import git_commit, load_cell, percentile, table, write_results
+from bench.report import fmt, git_commit, load_cell, percentile, table, write_results
 from bench.systems import (
     MODEL_DIR,
     VLLM_VENV,
@@ -163,10 +163,6 @@ def row_record(run: Run) -> dict[str, object]:
     }
 
 
-def cell(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     """One row per system, concurrency and round, its ratios against vLLM's in the same round; with
     several rounds, then the medians over the rounds and their ratios."""
@@ -190,7 +186,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         base = peer.get((n, r.clients))
         compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
         mine = figures(r)
-        shown = [f"{mine[0]:.1f}", cell(mine[1]), cell(mine[2], 1)]
+        shown = [f"{mine[0]:.1f}", fmt(mine[1], digits=0, missing="-"), fmt(mine[2], digits=1, missing="-")]
         against = ratios(mine, figures(base)) if compared and base else [""] * 3
         cells.append(
             [r.name, n, r.clients, f"{len(r.ok)}/{len(r.jobs)}", *shown, *against, load_cell(r.load)]
@@ -205,7 +201,8 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         for (name, clients), median in medians.items():
             base_median = medians.get(("vllm", clients))
             against = ratios(median, base_median) if base_median and name != "vllm" else [""] * 3
-            cells.append([name, clients, f"{median[0]:.1f}", cell(median[1]), cell(median[2], 1), *against])
+            figures_shown = [fmt(median[1], digits=0, missing="-"), fmt(median[2], digits=1, missing="-")]
+            cells.append([name, clients, f"{median[0]:.1f}", *figures_shown, *against])
         lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
     return "\n".join([*lines, ""])
 
