@@ -14,14 +14,14 @@ batch 32 and 64 (the raw limit). Every job asks for its own number of tokens wit
 3. Burst (Conveyor 1 stage): `normal` jobs stepping up 10x for a window, `high` jobs throughout;
    the high jobs' queue wait (started_at - created_at) before and during, and no accepted job lost.
 
-    .venv/bin/python -m bench.suite [--quick | --smoke] [--model smollm2|tiny] [--systems "naive server,..."]
+    .venv/bin/python -m bench.suite [--quick] [--model smollm2|tiny] [--systems "naive server,..."]
                                     [--rates 0.5,0.75,1] [--no-raw] [--results DIR]
 
---quick (`make bench`) is under 10 minutes on 2 cores, the full plan (`make bench-full`) about an
-hour; `--smoke --model tiny` checks the machinery in seconds a phase. Writes bench/results/suite.md,
-suite.json and three plots (matplotlib): the latency CDF per system at the comparison rate
-(suite_latency_cdf.png), throughput and P99 against the offered load (suite_load.png), and the
-burst's queue waits by submit time (suite_burst.png). docs/benchmarks.md says what a run can tell.
+--quick (`make bench`; with `--model tiny`, a check of the machinery) is under 10 minutes on 2 cores,
+the full plan (`make bench-full`) about an hour. Writes bench/results/suite.md, suite.json and three
+plots (matplotlib): the latency CDF per system at the comparison rate (suite_latency_cdf.png),
+throughput and P99 against the offered load (suite_load.png), and the burst's queue waits by submit
+time (suite_burst.png). docs/benchmarks.md says what a run can tell.
 """
 
 from __future__ import annotations
@@ -188,25 +188,6 @@ QUICK = replace(  # under 10 minutes: shorter windows, 2 rates, the 2-stage layo
     peak_window_s=30.0,
     raw_calls=1,
     second_layout_rates=(1.0,),
-)
-SMOKE = Plan(  # seconds of each phase: the machinery end to end (with --model tiny), not a measurement
-    "smoke",
-    rates=(1.0, 2.0),
-    main_rate=2.0,
-    window_s=5.0,
-    drain_cap_s=5.0,
-    burst_drain_cap_s=10.0,
-    burst_normal_rate=0.5,
-    burst_high_rate=1.0,
-    burst_before_s=3.0,
-    burst_s=3.0,
-    burst_after_s=2.0,
-    peak_clients=8,
-    peak_ramp_s=1.0,
-    peak_warm_s=1.0,
-    peak_window_s=3.0,
-    raw_calls=1,
-    second_layout_rates=(2.0,),
 )
 
 
@@ -736,7 +717,6 @@ def plot_all(results: dict[str, Any], meta: dict[str, Any], directory: Path = RE
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short plan (make bench): under 10 minutes")
-    parser.add_argument("--smoke", action="store_true", help="seconds per phase: a check of the machinery")
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}"
@@ -775,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     try:
-        plan = with_rates(SMOKE if args.smoke else QUICK if args.quick else FULL, args.rates)
+        plan = with_rates(QUICK if args.quick else FULL, args.rates)
     except ValueError as exc:
         say(str(exc))
         return 2
