@@ -51,11 +51,10 @@ from bench.load import (
     JobResult,
     Run,
     burst_arrivals,
-    burst_run,
     checked,
     loadavg,
     offered_tokens_per_s,
-    open_run,
+    open_runs,
     output_lengths,
     peak_run,
     poisson_arrivals,
@@ -252,16 +251,8 @@ def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict
     offsets = work.schedules[rate]
     prompts = work.pool[: len(offsets)]
     say(f"{system.name}: {rate:g} jobs/s, {len(offsets)} arrivals over {plan.window_s:.0f} s")
-    run = asyncio.run(
-        open_run(
-            system.base_url,
-            sized(system.make, work.lengths),
-            prompts,
-            offsets,
-            cls=system.name,
-            drain_cap_s=plan.drain_cap_s,
-        )
-    )
+    stream = (system.name, sized(system.make, work.lengths), prompts, offsets)
+    (run,) = asyncio.run(open_runs(system.base_url, [stream], drain_cap_s=plan.drain_cap_s))
     lengths = [work.lengths[p.index] for p in prompts]
     figures = {
         "rate": rate,
@@ -287,7 +278,7 @@ def burst(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
         ("normal", normal, work.pool[: len(work.normal_offsets)], work.normal_offsets),
         ("high", high, work.highs[: len(work.high_offsets)], work.high_offsets),
     ]
-    runs = asyncio.run(burst_run(system.base_url, streams, drain_cap_s=plan.burst_drain_cap_s))
+    runs = asyncio.run(open_runs(system.base_url, streams, drain_cap_s=plan.burst_drain_cap_s))
     b0, b1 = plan.burst_before_s, plan.burst_before_s + plan.burst_s
     end = b1 + plan.burst_after_s
     result: dict[str, Any] = {"window_s": {"before": [0.0, b0], "burst": [b0, b1], "after": [b1, end]}}
