@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.load import completions_job, loadavg, open_run, poisson_arrivals
+from bench.load import completions_job, loadavg, open_runs, poisson_arrivals
 from bench.prompts import Prompt, text_prompt
 from bench.report import percentile
 from bench.systems import chosen_model, conveyor, say
@@ -56,7 +56,7 @@ def interactive(
         text_prompt(i, f"Question {seed}-{i}: what is a tide?") for i in range(len(offsets))
     ]
     job = completions_job(INTERACTIVE_TOKENS, model=model)
-    run = asyncio.run(open_run(base_url, job, prompts, offsets, cls="interactive", drain_cap_s=120))
+    (run,) = asyncio.run(open_runs(base_url, [("interactive", job, prompts, offsets)], drain_cap_s=120))
     failed = [j.error for j in run.jobs if not j.ok]
     if failed or len(run.jobs) != len(offsets):
         raise RuntimeError(

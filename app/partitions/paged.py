@@ -3,11 +3,11 @@
 The cache is, per layer, a key pool and a value pool of `num_blocks` blocks of `block_size`
 positions, [kv heads, num blocks, block size, head dim] (heads first: gathering a row's blocks
 then gives each head's keys as one contiguous matrix, which a CPU's batched matrix product needs;
-with blocks first the gather needs a second copy, and was 1.5-7x slower in
-`bench/paged_attention.py`'s shapes); a sequence's positions live in the blocks of its block table
-(position p in block `table[p // block_size]` at offset `p % block_size`), chosen by the step
-scheduler (`app.workers.engine`), the same tables on every stage. Nothing moves when a sequence
-joins, ends or is preempted: its blocks are only reassigned.
+with blocks first the gather needs a second copy, and was 1.5-7x slower in SmolLM2's shapes); a
+sequence's positions live in the blocks of its block table (position p in block
+`table[p // block_size]` at offset `p % block_size`), chosen by the step scheduler
+(`app.workers.engine`), the same tables on every stage. Nothing moves when a sequence joins, ends
+or is preempted: its blocks are only reassigned.
 
 A ragged step is a flat batch of T query tokens: decode rows (one token over its history) and
 prefill chunks (a sequence's next tokens, causal among themselves, after what it has cached), each
@@ -25,8 +25,8 @@ stages' rule) and Gemma 2's attention-logit soft-capping are handled; the scale 
 (`LayerAttention.of`). Scores are taken in fp32 whatever the cache's dtype, as transformers' eager
 attention does. torch 2.13's own ragged options lose on a CPU: variable-length attention
 (`torch.nn.attention.varlen`) has no CPU kernel, and compiled flex attention with a block mask and
-SDPA over nested tensors were 10-100x slower than this (docs/architecture.md, "The step engine");
-`bench/paged_attention.py` times this against the stages' decode path today.
+SDPA over nested tensors were 10-100x slower than this (docs/architecture.md, "The step engine").
+Against the stages' decode path today: bench/results/paged_attention.md.
 
 The stage worker does not use this yet: its batches still run over `app.partitions.kvcache`.
 """

@@ -1,6 +1,6 @@
 """Stages on CUDA: the same code path as on the CPU, checked against transformers on the same device.
 
-Skipped without CUDA. Run by `bench/gpu.py` on a GPU machine (with the table it prints). The real
+Skipped without CUDA: run `pytest -m gpu tests/gpu` on a GPU machine. The real
 models are used where they are in the project's model store (`.conveyor/models`, put there by
 `conveyor model pull` / `conveyor model add`); every family's tiny model always runs.
 """

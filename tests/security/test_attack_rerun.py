@@ -45,7 +45,7 @@ ATTACKER, NEIGHBOUR = new_api_key(), new_api_key()
 SHARED = "whsec_" + base64.b64encode(b"the shared secret of jobs without a tenant").decode()
 MASTER = signing.generate()
 HEADER_TIMEOUT_S = 2
-HELD = 300  # header-less connections of class 1 (bench/slow_clients.py holds 20,000)
+HELD = 300  # header-less connections of class 1 (bench/results/slow_clients.md: 20,000)
 
 
 class Receiver(http.server.ThreadingHTTPServer):

@@ -4,9 +4,9 @@ its file descriptors nor stay open, and a client with a real request still gets 
 `conveyor api` as a process (uvicorn, the tiny model, a real Redis, API keys), started with a soft
 limit of 1,024 open files under a hard limit of 2,048; 2,500 connections then open and send
 nothing (or half a request's headers). Before the fix the API stopped accepting at its soft limit
-(`/healthz` waited for ever) and kept every such connection open. `bench/slow_clients.py` holds
-20,000 against a stack of your own. Where nginx is installed, the shipped proxy configuration runs in
-front of the same API: requests pass, idle connections close, an oversized body stops there.
+(`/healthz` waited for ever) and kept every such connection open. 20,000 held against a whole
+stack: bench/results/slow_clients.md. Where nginx is installed, the shipped proxy configuration runs
+in front of the same API: requests pass, idle connections close, an oversized body stops there.
 """
 
 from __future__ import annotations
