@@ -92,7 +92,7 @@ class BatchFeeder:
         self._renew = self.redis.register_script(RENEW_LUA)
         self._release = self.redis.register_script(RELEASE_LUA)
         self._stopping = asyncio.Event()
-        self.retries = RetryQueue(self.redis, self.keys, max_per_tenant=settings.webhook.tenant_max_retries)
+        self.retries = RetryQueue(self.redis, self.keys)
 
     async def run(self) -> None:
         """Pass after pass while this process holds the lease, until `stop`; never dies on one bad

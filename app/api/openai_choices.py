@@ -37,7 +37,7 @@ from app.api.routes.inference import wait_unless_gone
 from app.api.routes.jobs import sse_data
 from app.api.schemas import JobCreate
 from app.api.service import JobService, Submitted
-from app.api.streams import Slot
+from app.api.streams import SSE_PING_S, Slot
 from app.api.toolformats import ToolFormat
 from app.core import aio
 from app.core.config import Settings
@@ -300,7 +300,7 @@ def stream(
 
     return EventSourceResponse(
         generate(),
-        ping=int(settings.sse_ping_s),
+        ping=SSE_PING_S,
         sep="\n",  # as OpenAI frames its stream
         client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
     )

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # (message, queue): a generation batch's prefill (StepMessage), or an embeddings batch (`embed_batch`).
 Send = Callable[[StepMessage | dict[str, Any], str], None]
 MAX_BLOCK_MS = 1000
+# Intake entries the batcher holds at once; the rest wait in Redis. About queue_depth_limit: a job
+# further back waits longer than a window whatever the batcher holds.
+MAX_PENDING = 1024
 # With jobs ready and no room, look again this often: sequences finishing free room without a
 # message (a finished batch, an arrival or a closing window wake the batcher at once).
 ROOM_POLL_MS = 20
@@ -111,7 +114,7 @@ class Batcher:
                 self.redis,
                 self.keys,
                 self.consumer,
-                count=self.settings.batcher_max_pending,
+                count=MAX_PENDING,
                 block_ms=None,
                 backlog=True,
             )
@@ -136,7 +139,7 @@ class Batcher:
 
     def tick(self) -> None:
         """One round: wait for work or a window to close, then dispatch what the plan says."""
-        room = self.settings.batcher_max_pending - len(self.pending)
+        room = MAX_PENDING - len(self.pending)
         self._take(
             intake.read(self.redis, self.keys, self.consumer, count=max(room, 1), block_ms=self._block_ms())
         )

@@ -191,7 +191,7 @@ class Keys:
         ms), so that a record that expired while its job waited (no move took it out) is dropped too."""
         return f"{self.namespace}:tenant-waiting:expiry"
 
-    @lives(ttl="idempotency_ttl_s; once its job ends, at most the job's ended_job_ttl_s")
+    @lives(ttl="job_ttl_s, as its job; once its job ends, at most the job's ended_job_ttl_s")
     def idempotency(self, digest: str) -> str:
         """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256).
         It expires with its job: the job store shortens it when the job ends (ENDED_FUNCTION)."""
@@ -228,9 +228,9 @@ class Keys:
         """String: the dispatcher holding the lease (one dispatches at a time), with a short TTL."""
         return f"{self.namespace}:webhooks:dispatcher"
 
-    @lives(ttl="job_ttl_s, as its job", cap="webhook_log_max")
+    @lives(ttl="job_ttl_s, as its job", cap="webhooks.delivery.LOG_MAX")
     def webhook_deliveries(self, job_id: str) -> str:
-        """List: the job's delivery attempts (JSON, newest last), capped at webhook_log_max."""
+        """List: the job's delivery attempts (JSON, newest last), capped at delivery.LOG_MAX."""
         return f"{self.namespace}:job:{job_id}:deliveries"
 
     @lives(ttl="job_ttl_s, as its job")
@@ -238,7 +238,7 @@ class Keys:
         """Hash: webhook id -> how it ended (delivered, gave_up, disabled); duplicates are skipped."""
         return f"{self.namespace}:job:{job_id}:webhooks"
 
-    @lives(ttl="webhook_disabled_ttl_s")
+    @lives(ttl="webhooks.delivery.DISABLED_TTL_S, a week")
     def webhook_disabled(self, digest: str) -> str:
         """String: a tenant's callback URL that answered 410 Gone (digest: sha256 of the tenant and the
         URL, `webhooks.delivery.disabled_digest`); nothing more of that tenant's is sent to it."""
@@ -250,7 +250,7 @@ class Keys:
         derived from the master key, never stored). `conveyor keys create` adds; no TTL, as `apikeys`."""
         return f"{self.namespace}:webhooks:tenants"
 
-    @lives(bound="webhook_tenant_max_retries per tenant")
+    @lives(bound="webhooks.retries.TENANT_MAX_RETRIES per tenant")
     def webhook_retries(self) -> str:
         """Sorted set: webhook id -> when its next attempt is due (unix seconds). The dispatcher sends the
         due ones to the callbacks queue; a retry lives here, not in a worker's memory."""

@@ -95,7 +95,6 @@ class BatcherSettings:
     namespace: str
     stages: int
     embedding_stages: int
-    batcher_max_pending: int
     tenant_weights: Mapping[str, float]
     max_batch_size: int
     max_wait_s: float  # max_wait_ms
@@ -125,7 +124,7 @@ class AdmissionLimits:
 
     class_depth: int  # queue_depth_limit
     overall: int  # overload_limit
-    retry_after_s: float
+    retry_after_s: float = 2.0  # when nothing better is known (Redis away, no measured completion rate)
 
 
 @dataclass(frozen=True)
@@ -133,24 +132,22 @@ class AdmissionSettings:
     """Admission's part of the settings (app/core/admission.py: the gates and the write), built once
     by `Settings.admission`: the fields it reads, by their names in `Settings` (described there), and
     what derives from them computed here: the stage-down grace, the queue limits, the circuit
-    breaker's policy, each tenant's queue limit, the Idempotency-Key's TTL and the job lifetimes."""
+    breaker's policy, each tenant's queue limit and the job lifetimes."""
 
     stages: int
     embedding_stages: int
     heartbeat_ttl_s: float
     stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
-    limits: AdmissionLimits  # queue_depth_limit, overload_limit, retry_after_s
+    limits: AdmissionLimits  # queue_depth_limit, overload_limit
     breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
-    idempotency_ttl_s: int  # at most job_ttl_s, so the job outlives its key
     # Bytes of jobs one tenant may keep in Redis (tenant_retained_bytes, and rate_limits' per-tenant
     # retained_bytes); None: derived from Redis's maxmemory (`retained_quota`); 0: no quota.
     tenant_retained_default: int | None
     tenant_retained_limits: Mapping[str, int]
-    submit_fsync_timeout_ms: int
     life: Lifetimes  # of the jobs it writes (Settings.lifetimes)
 
     def stages_of(self, model: str) -> int:
@@ -223,15 +220,6 @@ class CatalogSettings:
         return known_models(models=self.models, model_home=self.model_home)
 
 
-@dataclass(frozen=True)
-class PromptEncoderSettings:
-    """The prompt encoder's part of the settings (app/api/prompts.py), built once by
-    `Settings.prompt_encoder`: the fields it reads, by their names in `Settings` (described there)."""
-
-    max_prompt_chars_per_token: int
-    tokenize_threads: int
-
-
 # The classes of a tenant that CONVEYOR_TENANT_PRIORITIES does not list (nor "*").
 UNLISTED_PRIORITIES = frozenset(p for p in PRIORITIES if p != "realtime")
 
@@ -241,7 +229,7 @@ class JobServiceSettings:
     """The API's job service's part of the settings (app/api/service.py: JobService), built once by
     `Settings.job_service`: the fields it reads, by their names in `Settings` (described there), what
     derives from them, and the sections of the components it builds and holds (admission, the rate
-    limiter, the prompt encoder, the webhooks' callback intake), the same objects `Settings` gives.
+    limiter, the webhooks' callback intake), the same objects `Settings` gives.
 
     A section of the service, named after it as `batcher` and `authenticator` are, rather than one
     `api` section: the API process's other parts are not the service's to carry. The authenticator
@@ -251,22 +239,16 @@ class JobServiceSettings:
 
     namespace: str
     default_model: str
-    max_timeout_s: float
     max_tokens_limit: int
     default_max_tokens: int  # at most max_tokens_limit
-    max_stop_strings: int
-    max_stop_length: int
-    max_chat_messages: int
     # The classes each tenant may submit to, aliases resolved ("*": every tenant not listed).
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
     embedding_stages: int
-    max_embedding_inputs: int
     sync_timeout_s: float
     life: Lifetimes  # of the jobs it cancels (Settings.lifetimes)
     admission: AdmissionSettings
     rate_limiter: RateLimiterSettings
-    prompt_encoder: PromptEncoderSettings
     webhooks: WebhookSettings
 
     def allowed_priorities(self, tenant: str) -> frozenset[str]:
@@ -336,34 +318,16 @@ class WebhookSettings(BaseModel):
     # checks credentials (the callbacks worker exits without it); `conveyor up` makes one
     # (home/webhook_master_key) if unset. Only the open API's jobs are signed with webhook_secrets.
     master_key: str | None = None
-    # After a tenant's secret is rotated its previous one signs too, this long (a day): its receivers
-    # verify while they are updated.
-    secret_overlap_s: float = Field(default=86_400.0, ge=0)
-    timeout_s: float = Field(default=15.0, gt=0)  # connect, each read, each write
-    # Wall-clock limit of one attempt, connect + TLS + send + read together: a receiver that never
-    # answers, or trickles a byte a second, holds a delivery thread this long at most.
-    attempt_deadline_s: float = Field(default=10.0, gt=0)
     # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
     # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
     tenant_concurrency: int = Field(default=2, ge=1)
-    # Events of one tenant waiting for a retry (in Redis); past it a failed event is given up, so one
-    # tenant's dead receiver cannot fill Redis with retries.
-    tenant_max_retries: int = Field(default=10_000, ge=1)
     # Attempts of one event (the first included), spaced base x 2^(n-1) with jitter (21 to 42 min of
     # retries at the defaults); no delay over webhook_backoff_max_s. Retries wait in Redis (a sorted
     # set by due time the dispatcher polls), not in a worker's memory.
     max_attempts: int = Field(default=10, ge=1)
     backoff_base_s: float = Field(default=5.0, gt=0)  # the first retry after 2.5 to 5 s
     backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)  # Retry-After included
-    token_interval_ms: float = Field(default=500.0, gt=0)  # `token` events batched this long
     concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
-    log_max: int = Field(default=256, ge=1)  # delivery attempts kept per job (newest)
-    # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
-    disabled_ttl_s: int = Field(default=7 * 86_400, ge=1)
-
-    @property
-    def token_interval_s(self) -> float:
-        return self.token_interval_ms / 1000
 
 
 class JwtSettings(BaseModel):
@@ -464,18 +428,10 @@ class BreakerSettings(BaseModel):
 
 
 class StageSettings(BaseModel):
-    """Stage messages between workers, and when a stage counts as down: CONVEYOR_STAGE_*, read as
-    `Settings.stage.<name>`."""
+    """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
 
     model_config = SECTION
 
-    # Stage messages. raw is byte-exact and the fastest (bench/results/codecs.md); arrow is exact too;
-    # zfp and a narrower transport dtype are lossy, so opt-in (bfloat16 rather than float16: SmolLM2's
-    # activations reach 2.7e4). Tensors of at least claim_check_bytes go through Redis by reference:
-    # inline, kombu's JSON + base64 costs CPU at both ends past ~32 KB (bench/results/hop.md).
-    # arrow+zstd / arrow+lz4: Arrow IPC with its buffers compressed, byte-exact, fewer bytes on the wire.
-    codec: Literal["raw", "arrow", "arrow+zstd", "arrow+lz4", "zfp"] = "raw"
-    transport_dtype: Literal["float16", "bfloat16"] | None = None  # unset: the model's dtype
     # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
     # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
     down_after_s: float | None = None

@@ -25,7 +25,6 @@ from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
-from app.partitions.codecs import ZFP_TOLERANCE, CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import check_servable
 from app.partitions.precision import dtype_name, resolve_dtype
@@ -237,11 +236,6 @@ def stage_runtime(
         max_kv_positions=settings.max_batch_kv_positions,
         latency=StepLatency(
             redis, keys, identity.model, identity.stage, (layers.start, layers.stop), identity.worker
-        ),
-        codec=CodecSpec(
-            settings.stage.codec,
-            settings.stage.transport_dtype,
-            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
         ),
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,

@@ -193,10 +193,9 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
     [
         (2, {}),
         (3, {}),
-        (2, {"CONVEYOR_STAGE_CODEC": "arrow", "CONVEYOR_CLAIM_CHECK_BYTES": "1"}),
-        (2, {"CONVEYOR_STAGE_CODEC": "arrow+zstd"}),
+        (2, {"CONVEYOR_CLAIM_CHECK_BYTES": "1"}),
     ],
-    ids=["2-stages", "3-stages", "2-stages-arrow-claim-check", "2-stages-arrow-zstd"],
+    ids=["2-stages", "3-stages", "2-stages-claim-check"],
 )
 def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # type: ignore[no-untyped-def]
     tmp_path, redis_url, tiny_model, stages, transport

@@ -129,7 +129,7 @@ def settings(redis_url: str) -> Settings:
     return Settings(
         namespace=f"test-health-{uuid.uuid4().hex[:8]}",
         redis_url=redis_url,
-        celery_events=False,
+        flower=False,
         heartbeat_interval_s=0.1,
     )
 
