@@ -3,7 +3,7 @@ their results as they end, and writes the output and error files (OpenAI's Batch
 
 It runs in every API process, because the submit path it feeds through (tokenizers, admission, the
 job store's write) lives there; one at a time holds the lease (`Keys.batch_feeder`), and another
-takes over within `LEASE_S` of the holder's death. A pass, every `batch_feed_interval_s`:
+takes over within `LEASE_S` of the holder's death. A pass, every FEED_INTERVAL_S:
 
 - `validating`: the input file is read and every line checked (JSON, `custom_id` unique, `method`,
   `url` equal to the batch's endpoint, a body the endpoint accepts, a known model); a batch with a
@@ -59,6 +59,7 @@ from app.webhooks.retries import RetryQueue
 log = logging.getLogger(__name__)
 
 LEASE_S = 10.0  # another API process takes over this long after the holder stops renewing
+FEED_INTERVAL_S = 1.0  # how often the feeder looks for room, feeds lines, collects the results of ended jobs
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 COLLECT_PER_PASS = 2000  # job records read per batch per pass
 # Lines submitted per pass, over all batches: a submit's work (tokenizing, admission) runs in this API
@@ -105,7 +106,7 @@ class BatchFeeder:
                 except Exception:
                     log.warning("batch feeder pass failed", exc_info=True)
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.settings.batch.feed_interval_s)
+                    await asyncio.wait_for(self._stopping.wait(), FEED_INTERVAL_S)
         finally:
             with suppress(Exception):
                 await asyncio.shield(self._release(keys=[self.keys.batch_feeder()], args=[self.owner]))
@@ -217,8 +218,8 @@ class BatchFeeder:
         numbered = [(n, t) for n, t in enumerate(text.splitlines(), 1) if t.strip()]
         if not numbered:
             return [], [{"code": "empty_file", "message": "the input file has no lines", "line": None}]
-        if len(numbered) > self.settings.batch.file_max_lines:
-            limit = self.settings.batch.file_max_lines
+        if len(numbered) > bs.FILE_MAX_LINES:
+            limit = bs.FILE_MAX_LINES
             return [], [{"code": "too_many_lines", "message": f"at most {limit} lines", "line": None}]
         for number, line in numbered:
             try:

@@ -301,50 +301,50 @@ class Keys:
         """Stream: one entry per API request (tenant, method, path, status, ...), capped at audit_maxlen."""
         return f"{self.namespace}:audit"
 
-    @lives(cap="audit_unauthenticated_maxlen")
+    @lives(cap="api.audit.UNAUTHENTICATED_MAXLEN")
     def audit_unauthenticated(self) -> str:
         """Stream: the entries of requests refused before a tenant was known (401s), capped apart at
-        audit_unauthenticated_maxlen so that a flood of them cannot roll the tenants' entries over."""
+        UNAUTHENTICATED_MAXLEN so that a flood of them cannot roll the tenants' entries over."""
         return f"{self.namespace}:audit:unauthenticated"
 
     # Files and batches (OpenAI's Batch API: app/core/batchstore.py)
 
-    @lives(ttl="batch_file_ttl_s")
+    @lives(ttl="batchstore.FILE_TTL_S")
     def file(self, file_id: str) -> str:
         """Hash: an uploaded or a batch's output file's record (tenant, name, purpose, bytes, times)."""
         return f"{self.namespace}:file:{file_id}"
 
-    @lives(ttl="batch_file_ttl_s, as its record")
+    @lives(ttl="batchstore.FILE_TTL_S, as its record")
     def file_content(self, file_id: str) -> str:
         """String: a file's bytes (JSONL)."""
         return f"{self.namespace}:file:{file_id}:content"
 
-    @lives(ttl="batch_file_ttl_s from the tenant's latest upload")
+    @lives(ttl="batchstore.FILE_TTL_S from the tenant's latest upload")
     def tenant_files(self, tenant: str) -> str:
         """Hash: file id -> `{bytes} {expiry, unix ms}` of one tenant's uploads: its byte quota."""
         return f"{self.namespace}:tenant-files:{tenant}"
 
-    @lives(ttl="batch_file_ttl_s")
+    @lives(ttl="batchstore.FILE_TTL_S")
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's record (status, counts, timestamps, files, feeding cursor)."""
         return f"{self.namespace}:batch:{batch_id}"
 
-    @lives(ttl="batch_file_ttl_s, as its batch")
+    @lives(ttl="batchstore.FILE_TTL_S, as its batch")
     def batch_lines(self, batch_id: str) -> str:
         """List: a batch's validated input lines (custom_id and body, JSON), in input order."""
         return f"{self.namespace}:batch:{batch_id}:lines"
 
-    @lives(ttl="batch_file_ttl_s, as its batch")
+    @lives(ttl="batchstore.FILE_TTL_S, as its batch")
     def batch_results(self, batch_id: str) -> str:
         """Hash: line index -> its output or error line (JSON), collected as its job ends."""
         return f"{self.namespace}:batch:{batch_id}:results"
 
-    @lives(ttl="batch_file_ttl_s from the tenant's latest batch")
+    @lives(ttl="batchstore.FILE_TTL_S from the tenant's latest batch")
     def tenant_batches(self, tenant: str) -> str:
         """Sorted set: one tenant's batch ids, scored by creation time (GET /v1/batches)."""
         return f"{self.namespace}:tenant-batches:{tenant}"
 
-    @lives(ttl="batch_file_ttl_s from the latest batch", bound="the batches not yet ended")
+    @lives(ttl="batchstore.FILE_TTL_S from the latest batch", bound="the batches not yet ended")
     def open_batches(self) -> str:
         """Sorted set: batches the feeder still works on (validating to finalizing), by creation time."""
         return f"{self.namespace}:open-batches"

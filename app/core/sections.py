@@ -264,15 +264,11 @@ class HealthSettings(BaseModel):
     model_config = SECTION
 
     # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
-    # a device hotter or fuller than these, or a Redis round trip slower, marks the replica unhealthy
-    # and it takes no new batches; it comes back once health_cooldown_s has passed and a fresh report
-    # is under every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert);
-    # past 95% of device memory the next batch's KV cache may not fit; 250 ms is a hundred times a
-    # healthy round trip in one zone, a network problem that every decode hop pays.
+    # a device hotter or fuller than these (or a Redis round trip over 250 ms) marks the replica
+    # unhealthy and it takes no new batches; it comes back 30 s later once a fresh report is under
+    # every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert).
     max_temperature_c: float = Field(default=85.0, gt=0)
-    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # the next batch may not fit
-    max_redis_rtt_ms: float = Field(default=250.0, gt=0)  # a network problem every hop pays
-    cooldown_s: float = Field(default=30.0, ge=0)  # the breaker's interval: a throttled GPU cools
+    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # past it the next batch may not fit
 
 
 class BatchSettings(BaseModel):
@@ -284,19 +280,12 @@ class BatchSettings(BaseModel):
     # OpenAI's Batch API (/v1/files, /v1/batches; docs/batches.md). An uploaded JSONL file's bytes at
     # most: its lines are copied once more when its batch starts, and both live in Redis.
     file_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
-    # Lines (requests) of one batch's input file at most, as OpenAI allows.
-    file_max_lines: int = Field(default=50_000, ge=1)
-    # How long files and batches (their records, lines and results) are kept: a week, time to run a
-    # batch through its 24 h window and fetch its output.
-    file_ttl_s: int = Field(default=7 * 86_400, ge=3600)
     # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
     # deletes files (or they expire). Output files do not count.
     tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     # The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as
     # it has room, and the rest is left to jobs submitted with priority `batch` directly.
     feed_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    # How often the feeder looks for room, feeds lines, collects the results of ended jobs.
-    feed_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
 
 
 class WebhookSettings(BaseModel):
@@ -350,7 +339,6 @@ class JwtSettings(BaseModel):
     tenant_claims: list[str] = Field(
         default_factory=lambda: ["tenant", "sub"]
     )  # the first present names the tenant
-    leeway_s: float = Field(default=30.0, ge=0)  # clock skew allowed on exp / nbf / iat
     # The longest a token may be valid (`exp - iat`; `iat` is required): a leaked token is good for a
     # day at most. Identity providers issue access tokens for an hour or so.
     max_lifetime_s: float = Field(default=86400.0, gt=0)
@@ -363,9 +351,6 @@ class AuditSettings(BaseModel):
 
     # Audit: one JSON line (logger conveyor.audit) and one entry of the capped `audit` stream per request.
     maxlen: int = Field(default=100_000, ge=1)  # about 40 MB of Redis at ~400 bytes an entry
-    # Requests refused before a tenant was known go to a stream of their own, capped at this, so that
-    # anyone without a key cannot push the tenants' entries out of the capped `audit` stream.
-    unauthenticated_maxlen: int = Field(default=10_000, ge=1)
     prompts: bool = False  # prompt text in the audit entries: off, prompts may be personal data
 
 

@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
+from app.api import batchfeed
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
 from app.core.batchstore import line_job_id
@@ -83,13 +84,14 @@ class Api:
 
 
 @pytest.fixture()
-def start(redis_url: str, tiny_model: Path) -> Iterator[Callable[..., Api]]:
+def start(redis_url: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Api]]:
+    monkeypatch.setattr(batchfeed, "FEED_INTERVAL_S", 0.05)
     started: list[Api] = []
     namespace = None
 
     def make(**overrides: Any) -> Api:
         nonlocal namespace
-        fields = {"api_keys": {key_digest(k): t for t, k in KEYS.items()}, "batch_feed_interval_s": 0.05}
+        fields: dict[str, Any] = {"api_keys": {key_digest(k): t for t, k in KEYS.items()}}
         if namespace is not None:
             fields["namespace"] = namespace  # a restart: the same Redis keys
         api = Api(tiny_settings(redis_url, tiny_model, **(fields | overrides)))
