@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.batching import fairshare, intake, windows
 from app.batching.budget import Budget, Census, Share, budget
-from app.batching.recovery import Monitor
+from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
 from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
 from app.core.jobs import JobStatus, Transition, text_of
@@ -79,7 +79,7 @@ class Batcher:
         self.limits = windows.Limits(
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_s,
-            length_buckets=settings.length_buckets,
+            length_buckets=windows.LENGTH_BUCKETS,
             aging_s=settings.aging_s,
             max_prefill_tokens=settings.max_prefill_tokens,
             min_batch_size=settings.min_batch_size,
@@ -90,7 +90,7 @@ class Batcher:
             redis,
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
-            max_attempts=settings.max_attempts,
+            max_attempts=MAX_ATTEMPTS,
             ttl_s=settings.life.ended_ttl_s,  # what a job it fails keeps
             stream_maxlen=settings.life.stream_maxlen,
             stages=settings.stages_of,

@@ -7,6 +7,7 @@ or in its section (app/core/sections.py): docs/configuration.md is generated fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -121,8 +122,6 @@ class Settings(BaseSettings):
     # thinnest stage, so a replica added raises it at its first heartbeat and one that stops beating
     # lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
     max_inflight_sequences: int | None = None
-    # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
-    length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
     # Sequences in one running batch, joiners included; past it a new batch runs on its own.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
@@ -162,8 +161,9 @@ class Settings(BaseSettings):
     # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
     # it. A CPU this process may not use is refused.
     cpus: str = ""
-    heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
-    heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
+    # A worker not heard of for this long is not live. It reports five times as often (every 2 s), so
+    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
+    heartbeat_ttl_s: float = 10.0
 
     health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
 
@@ -175,7 +175,6 @@ class Settings(BaseSettings):
     # recovered: prefilled again from its prompt and the tokens it had streamed, on live workers.
     # Well above the slowest step (a 32 x 2048 prefill on a CPU takes seconds).
     stall_timeout_s: float = 30.0
-    max_attempts: int = 3  # runs of one job (first run included) before it fails as worker_lost
 
     # Record lifetimes: a job's record and event stream live this long from its submit while it runs
     # (a day: longer than any job waits and runs).
@@ -191,9 +190,6 @@ class Settings(BaseSettings):
     submit_durability: Literal["memory", "fsync"] = "memory"
     sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 
-    # Stage tensors of at least this many bytes go through Redis by reference: inline, kombu's JSON +
-    # base64 costs CPU at both ends. The measured break-even is 18 to 37 KB (bench/results/hop.md).
-    claim_check_bytes: int = 32 * 1024
     stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
@@ -317,6 +313,11 @@ class Settings(BaseSettings):
             copied.__dict__.pop(name, None)
         return copied
 
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often a worker reports it is live: five beats per heartbeat_ttl_s."""
+        return self.heartbeat_ttl_s / 5
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
@@ -334,7 +335,6 @@ class Settings(BaseSettings):
             BatcherSettings,
             self,
             max_wait_s=self.max_wait_ms / 1000.0,
-            length_buckets=tuple(sorted(self.length_buckets)),
             tenant_weights=MappingProxyType(dict(self.tenant.weights)),
             life=self.lifetimes,
         )
@@ -402,6 +402,18 @@ class Settings(BaseSettings):
     def model_names(self) -> list[str]:
         """Every model a request may name: configured, and added (or pulled) into the model home."""
         return known_models(models=self.models, model_home=self.model_home)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The CONVEYOR_* variables of `environ` (the process's environment by default) that no setting
+    reads: a typo, or a setting since removed (CHANGELOG.md says what became of it). Every command
+    warns of them at its start (`load_settings`), as `Settings` itself ignores them."""
+    prefix = str(Settings.model_config.get("env_prefix", "")).upper()
+    fields = [name for name in Settings.model_fields if name not in SECTIONS]
+    fields += [f"{section}_{name}" for section, model in SECTIONS.items() for name in model.model_fields]
+    known = {prefix + name.upper() for name in fields}
+    given = os.environ if environ is None else environ
+    return sorted(k for k in given if k.upper().startswith(prefix) and k.upper() not in known)
 
 
 def _derived(cls: type) -> list[str]:

@@ -98,7 +98,6 @@ class BatcherSettings:
     tenant_weights: Mapping[str, float]
     max_batch_size: int
     max_wait_s: float  # max_wait_ms
-    length_buckets: tuple[int, ...]  # sorted
     aging_s: float
     max_prefill_tokens: int
     min_batch_size: int
@@ -107,7 +106,6 @@ class BatcherSettings:
     max_inflight_batches: int | None
     max_inflight_sequences: int | None
     stall_timeout_s: float
-    max_attempts: int
     heartbeat_ttl_s: float
     life: (
         Lifetimes  # of the jobs it publishes for (Settings.lifetimes): job_ttl_s, ended_job_ttl_s, stream cap
@@ -310,12 +308,6 @@ class WebhookSettings(BaseModel):
     # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
     # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
     tenant_concurrency: int = Field(default=2, ge=1)
-    # Attempts of one event (the first included), spaced base x 2^(n-1) with jitter (21 to 42 min of
-    # retries at the defaults); no delay over webhook_backoff_max_s. Retries wait in Redis (a sorted
-    # set by due time the dispatcher polls), not in a worker's memory.
-    max_attempts: int = Field(default=10, ge=1)
-    backoff_base_s: float = Field(default=5.0, gt=0)  # the first retry after 2.5 to 5 s
-    backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)  # Retry-After included
     concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
 
 

@@ -16,8 +16,8 @@ dispatcher (a first attempt, or a retry come due). Rules:
 - anything else (another status, a timeout, a refused connection, a URL the SSRF guard now refuses
   because its DNS changed): retried after base x 2^(n-1) seconds, jittered into the upper half
   ([d/2, d], so delays grow while retries of many events spread out), or after the receiver's
-  `Retry-After` when that is longer; never longer than `webhook_backoff_max_s`. After
-  `webhook_max_attempts` attempts the event is given up. The retry waits in Redis (`RetryQueue`),
+  `Retry-After` when that is longer; never longer than BACKOFF_MAX_S. After
+  MAX_ATTEMPTS attempts the event is given up. The retry waits in Redis (`RetryQueue`),
   and is given up too when TENANT_MAX_RETRIES (app/webhooks/retries.py) of its tenant's events wait
   already.
 - Redirects are not followed (a redirect is a failure: it could lead anywhere).
@@ -55,6 +55,12 @@ ATTEMPT_DEADLINE_S = 10.0
 LOG_MAX = 256  # delivery attempts kept per job (the newest)
 # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
 DISABLED_TTL_S = 7 * 86_400
+# Attempts of one event (the first included), spaced BACKOFF_BASE_S x 2^(n-1) with jitter: 21 to 42
+# minutes of retries, no delay over BACKOFF_MAX_S (a receiver's Retry-After included). Retries wait
+# in Redis, not in a worker's memory.
+MAX_ATTEMPTS = 10
+BACKOFF_BASE_S = 5.0  # the first retry after 2.5 to 5 s
+BACKOFF_MAX_S = 1800.0
 
 
 class Outcome(enum.StrEnum):
@@ -204,7 +210,7 @@ class Deliverer:
             self.redis.set(disabled, repr(self.clock()), ex=DISABLED_TTL_S)
             self._record(message, number, started, status, None, Outcome.DISABLED)
             return None
-        if number >= self.settings.max_attempts:
+        if number >= MAX_ATTEMPTS:
             self._record(message, number, started, status, error, Outcome.GAVE_UP)
             return None
         delay = self.delay(number, retry_after, now=self.clock())
@@ -212,12 +218,11 @@ class Deliverer:
         return delay
 
     def delay(self, number: int, retry_after: str | None, *, now: float) -> float:
-        s = self.settings
-        wait = backoff_s(number, base_s=s.backoff_base_s, max_s=s.backoff_max_s, rand=self.rand)
+        wait = backoff_s(number, base_s=BACKOFF_BASE_S, max_s=BACKOFF_MAX_S, rand=self.rand)
         asked = retry_after_s(retry_after, now=now)
         if asked is not None:
             wait = max(wait, asked)
-        return min(wait, s.backoff_max_s)
+        return min(wait, BACKOFF_MAX_S)
 
     def _post(
         self, target: Target, message: dict[str, Any], started: float, deadline: Deadline

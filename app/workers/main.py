@@ -37,6 +37,11 @@ from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.stage import Send, StageIdentity, StageRuntime
 
+# Stage tensors of at least this many bytes go through Redis by reference (claim check): inline,
+# kombu's JSON + base64 costs CPU at both ends. The measured break-even is 18 to 37 KB
+# (bench/results/hop.md: an 8x128x576 prefill takes 52.5 ms inline, 4.1 ms by claim check).
+CLAIM_CHECK_BYTES = 32 * 1024
+
 log = logging.getLogger(__name__)
 
 
@@ -239,7 +244,7 @@ def stage_runtime(
         ),
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
-        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
+        claims=ClaimCheck(redis, settings.namespace, CLAIM_CHECK_BYTES, VISIBILITY_TIMEOUT_S),
     )
 
 

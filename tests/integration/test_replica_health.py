@@ -130,7 +130,7 @@ def settings(redis_url: str) -> Settings:
         namespace=f"test-health-{uuid.uuid4().hex[:8]}",
         redis_url=redis_url,
         flower=False,
-        heartbeat_interval_s=0.1,
+        heartbeat_ttl_s=1.0,  # a beat every 0.2 s
     )
 
 

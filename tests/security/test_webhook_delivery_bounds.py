@@ -127,14 +127,14 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture()
 def settings(redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(delivery, "ATTEMPT_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(delivery, "BACKOFF_BASE_S", 0.2)
+    monkeypatch.setattr(delivery, "BACKOFF_MAX_S", 0.4)
     config = Settings(
         redis_url=redis_url,
         namespace=f"test-{uuid.uuid4().hex[:8]}",
         webhook_secrets=[SECRET],
         webhook_allow_cidrs=["127.0.0.1/32"],
         webhook_tenant_concurrency=1,
-        webhook_backoff_base_s=0.2,
-        webhook_backoff_max_s=0.4,
     )
     yield config
     keys = Keys(config.namespace)

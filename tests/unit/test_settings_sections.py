@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.config import EMBEDDING_MODEL, Settings, unknown_variables
 from app.core.sections import SECTIONS
 
 
@@ -102,3 +102,21 @@ def test_no_setting_outside_a_section_is_named_as_one_of_its_variables() -> None
     """CONVEYOR_WEBHOOK_X is read as `webhook.x`: a setting `webhook_x` beside the section would
     never be read."""
     assert [name for name in Settings.model_fields if name.split("_", 1)[0] in SECTIONS and "_" in name] == []
+
+
+def test_a_variable_no_setting_reads_is_named_so_that_the_commands_warn_of_it() -> None:
+    environ = {
+        "CONVEYOR_API_PORT": "1",
+        "CONVEYOR_WEBHOOK_CONCURRENCY": "2",  # a section's
+        "conveyor_flower_port": "3",  # read whatever its case
+        "CONVEYOR_SSE_PING_S": "5",  # a setting since removed
+        "CONVEYOR_WEBHOOK_TIMEOUT_S": "5",  # a section's, since removed
+        "CONVEYOR_STAGESS": "2",  # a typo
+        "REDIS_URL": "redis://x",
+        "HOME": "/root",
+    }
+    assert unknown_variables(environ) == [
+        "CONVEYOR_SSE_PING_S",
+        "CONVEYOR_STAGESS",
+        "CONVEYOR_WEBHOOK_TIMEOUT_S",
+    ]
