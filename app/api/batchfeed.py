@@ -9,7 +9,7 @@ takes over within `LEASE_S` of the holder's death. A pass, every FEED_INTERVAL_S
   `url` equal to the batch's endpoint, a body the endpoint accepts, a known model); a batch with a
   bad line is `failed` with `errors`; otherwise its lines are stored and it is `in_progress`.
 - `in_progress`: lines are submitted, in order, while the batch class holds fewer than its share
-  (`batch_feed_share`) of `queue_depth_limit` waiting jobs, at most `FEED_PER_PASS` a pass; a refusal
+  (FEED_SHARE) of `queue_depth_limit` waiting jobs, at most `FEED_PER_PASS` a pass; a refusal
   of admission (429, 503) leaves the line for a later pass. A line's job id is derived from (batch
   id, line index) (`batchstore.line_job_id`) and the job store writes an id once, so a feeder that
   dies between writing a job and moving the batch's cursor (`fed`) past it writes no second job when
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 10.0  # another API process takes over this long after the holder stops renewing
 FEED_INTERVAL_S = 1.0  # how often the feeder looks for room, feeds lines, collects the results of ended jobs
+# The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as it
+# has room, and the other half is left to jobs submitted with priority `batch` directly.
+FEED_SHARE = 0.5
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 COLLECT_PER_PASS = 2000  # job records read per batch per pass
 # Lines submitted per pass, over all batches: a submit's work (tokenizing, admission) runs in this API
@@ -161,7 +164,7 @@ class BatchFeeder:
 
     async def _room(self) -> int:
         depth = int(await self.redis.xlen(self.keys.intake("batch")))
-        return int(self.settings.queue_depth_limit * self.settings.batch.feed_share) - depth
+        return int(self.settings.queue_depth_limit * FEED_SHARE) - depth
 
     async def _step(self, batch: dict[str, str], room: int) -> int:
         """Advance one batch; the lines it fed."""

@@ -281,9 +281,6 @@ class BatchSettings(BaseModel):
     # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
     # deletes files (or they expire). Output files do not count.
     tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    # The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as
-    # it has room, and the rest is left to jobs submitted with priority `batch` directly.
-    feed_share: float = Field(default=0.5, gt=0.0, le=1.0)
 
 
 class WebhookSettings(BaseModel):

@@ -231,7 +231,7 @@ def test_a_restarted_feeder_writes_every_line_once(start: Callable[..., Api]) ->
     """The batch class has room for 5 lines; the feeder stops with 5 fed, and its cursor is set back
     as if it had died after writing jobs 3 and 4 but before recording them; a second API process
     then feeds the rest. Every line is one job: none lost, none written twice."""
-    first = start(queue_depth_limit=10, batch_feed_share=0.5)
+    first = start(queue_depth_limit=10)  # lines fill half the class: 5
     redis = redis_lib.Redis.from_url(first.settings.redis_url or "")
     keys = first.keys
     batch = first.batch("acme", jsonl([chat_line(i) for i in range(12)]))
@@ -251,7 +251,7 @@ def test_a_restarted_feeder_writes_every_line_once(start: Callable[..., Api]) ->
 def test_a_window_that_passes_expires_the_batch(start: Callable[..., Api]) -> None:
     """Two of four lines fed (the class has room for two), then the window passes (its end set back
     in the record): the fed jobs are cancelled, the two never fed answered `batch_expired`."""
-    api = start(queue_depth_limit=4, batch_feed_share=0.5)
+    api = start(queue_depth_limit=4)  # lines fill half the class: 2
     redis = redis_lib.Redis.from_url(api.settings.redis_url or "")
     batch = api.batch("acme", jsonl([chat_line(i) for i in range(4)]))
     wait_until(lambda: redis.hget(api.keys.batch(batch.id), "fed") == b"2")
