@@ -41,7 +41,7 @@ from app.api.streams import SSE_PING_S, Slot
 from app.api.toolformats import ToolFormat
 from app.core import aio
 from app.core.config import Settings
-from app.core.errors import ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
+from app.core.errors import RETRY_AFTER_S, ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
 from app.core.follow import Event
 from app.core.jobs import JobStatus
 from app.core.sampling import sibling_seed
@@ -176,7 +176,7 @@ def check_succeeded(record: dict[str, str], settings: Settings) -> None:
     if status == JobStatus.CANCELLED:
         raise JobCancelled(message, job_id=job_id)
     if status == JobStatus.EXPIRED:
-        raise JobExpired(message, retry_after_s=settings.retry_after_s, job_id=job_id)
+        raise JobExpired(message, retry_after_s=RETRY_AFTER_S, job_id=job_id)
     raise JobFailed(message, job_id=job_id, reason=error.get("code"))
 
 

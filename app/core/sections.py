@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.core.breaker import Policy as BreakerPolicy
 from app.core.discovery import EMBEDDING_MODEL, find_model, known_models
+from app.core.errors import RETRY_AFTER_S
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -122,7 +123,7 @@ class AdmissionLimits:
 
     class_depth: int  # queue_depth_limit
     overall: int  # overload_limit
-    retry_after_s: float = 2.0  # when nothing better is known (Redis away, no measured completion rate)
+    retry_after_s: float = RETRY_AFTER_S
 
 
 @dataclass(frozen=True)
