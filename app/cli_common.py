@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.core.config import Settings
+from app.core.config import Settings, unknown_variables
 
 if TYPE_CHECKING:
     import redis
@@ -30,6 +30,10 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def load_settings(**overrides: object) -> Settings:
+    for name in unknown_variables():
+        logging.getLogger("conveyor").warning(
+            "%s is not a setting (a typo, or a setting since removed: see CHANGELOG.md); ignored", name
+        )
     settings = Settings()
     return settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 

@@ -85,7 +85,7 @@ def keys_rotate_webhook_secret(
     tenant: Annotated[str, typer.Option(help="The tenant whose webhook signing secret changes.")],
 ) -> None:
     """Give a tenant a new webhook signing secret (its first, if it had none) and print it, once. The
-    previous one keeps signing too for CONVEYOR_WEBHOOK_SECRET_OVERLAP_S (a day)."""
+    previous one keeps signing too for a day (webhooks.signing.SECRET_OVERLAP_S)."""
     from app.api.auth import checked_tenant
     from app.core.errors import Unauthorized
 

@@ -266,9 +266,7 @@ class Harness:
         from app.webhooks.ssrf import Guard
 
         keys, hooks, ttl = Keys(self.settings.namespace), self.settings.webhook, self.settings.job_ttl_s
-        secrets = TenantSecrets(
-            hooks.secrets, master=hooks.master_key, redis=redis, keys=keys, overlap_s=hooks.secret_overlap_s
-        )
+        secrets = TenantSecrets(hooks.secrets, master=hooks.master_key, redis=redis, keys=keys)
         deliverer = Deliverer(
             redis, keys, hooks, guard=Guard(hooks.allow_cidrs), secrets=secrets, job_ttl_s=ttl
         )

@@ -101,7 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
                 log.info("submits are answered once on disk (%s)", mode)
             # How this API serves, for `conveyor keys create` to read (app/api/authmode.py).
             recorder = await start_recording(redis, keys, settings.auth)
-            app.state.batches = BatchStore(redis, keys, ttl_s=settings.batch.file_ttl_s)  # Batch API
+            app.state.batches = BatchStore(redis, keys)  # Batch API
             feeder = BatchFeeder(settings, jobs, app.state.batches)
             feeding = asyncio.create_task(feeder.run())
             yield

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 AUDIT = logging.getLogger("conveyor.audit")
 
 UNAUDITED = frozenset({"/health", "/healthz", "/readyz"})
+# Requests refused before a tenant was known go to a stream of their own, capped at this, so that
+# anyone without a key cannot push the tenants' entries out of the capped `audit` stream.
+UNAUTHENTICATED_MAXLEN = 10_000
 STATE_KEY = "audit"  # the request's notes, in scope["state"] (what request.state reads)
 
 
@@ -131,7 +134,7 @@ class AuditMiddleware:
             if line["tenant"]:
                 name, maxlen = keys.audit(), settings.audit.maxlen
             else:
-                name, maxlen = keys.audit_unauthenticated(), settings.audit.unauthenticated_maxlen
+                name, maxlen = keys.audit_unauthenticated(), UNAUTHENTICATED_MAXLEN
             await redis.xadd(name, stream, maxlen=maxlen, approximate=True)
         except Exception as exc:  # the request has been answered; the JSON line above still holds it
             log.warning("audit entry not written to Redis: %s: %s", type(exc).__name__, exc)

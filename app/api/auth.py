@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"
 KEY_PREFIX = "cvk_"
 MAX_TENANT = 128  # characters of a tenant name: it is part of Redis keys and audit lines
+JWT_LEEWAY_S = 30.0  # clock skew allowed on exp / nbf / iat
 NO_CREDENTIALS = (
     "this API accepts no credential yet: no API key or JWT key is configured. Create a key with "
     "`conveyor keys create --tenant NAME` (or set CONVEYOR_API_KEYS / CONVEYOR_JWT_KEY), or serve "
@@ -119,7 +120,7 @@ class JwtVerifier:
         self.algorithms = algorithms
         self.audience = settings.jwt.audience
         self.issuer = settings.jwt.issuer
-        self.leeway = settings.jwt.leeway_s
+        self.leeway = JWT_LEEWAY_S
         self.max_lifetime = settings.jwt.max_lifetime_s
         self.claims = list(settings.jwt.tenant_claims)
         self.required = ["exp", "iat", "aud"] + (["iss"] if self.issuer else [])

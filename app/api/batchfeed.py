@@ -3,13 +3,13 @@ their results as they end, and writes the output and error files (OpenAI's Batch
 
 It runs in every API process, because the submit path it feeds through (tokenizers, admission, the
 job store's write) lives there; one at a time holds the lease (`Keys.batch_feeder`), and another
-takes over within `LEASE_S` of the holder's death. A pass, every `batch_feed_interval_s`:
+takes over within `LEASE_S` of the holder's death. A pass, every FEED_INTERVAL_S:
 
 - `validating`: the input file is read and every line checked (JSON, `custom_id` unique, `method`,
   `url` equal to the batch's endpoint, a body the endpoint accepts, a known model); a batch with a
   bad line is `failed` with `errors`; otherwise its lines are stored and it is `in_progress`.
 - `in_progress`: lines are submitted, in order, while the batch class holds fewer than its share
-  (`batch_feed_share`) of `queue_depth_limit` waiting jobs, at most `FEED_PER_PASS` a pass; a refusal
+  (FEED_SHARE) of `queue_depth_limit` waiting jobs, at most `FEED_PER_PASS` a pass; a refusal
   of admission (429, 503) leaves the line for a later pass. A line's job id is derived from (batch
   id, line index) (`batchstore.line_job_id`) and the job store writes an id once, so a feeder that
   dies between writing a job and moving the batch's cursor (`fed`) past it writes no second job when
@@ -59,6 +59,10 @@ from app.webhooks.retries import RetryQueue
 log = logging.getLogger(__name__)
 
 LEASE_S = 10.0  # another API process takes over this long after the holder stops renewing
+FEED_INTERVAL_S = 1.0  # how often the feeder looks for room, feeds lines, collects the results of ended jobs
+# The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as it
+# has room, and the other half is left to jobs submitted with priority `batch` directly.
+FEED_SHARE = 0.5
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 COLLECT_PER_PASS = 2000  # job records read per batch per pass
 # Lines submitted per pass, over all batches: a submit's work (tokenizing, admission) runs in this API
@@ -92,7 +96,7 @@ class BatchFeeder:
         self._renew = self.redis.register_script(RENEW_LUA)
         self._release = self.redis.register_script(RELEASE_LUA)
         self._stopping = asyncio.Event()
-        self.retries = RetryQueue(self.redis, self.keys, max_per_tenant=settings.webhook.tenant_max_retries)
+        self.retries = RetryQueue(self.redis, self.keys)
 
     async def run(self) -> None:
         """Pass after pass while this process holds the lease, until `stop`; never dies on one bad
@@ -105,7 +109,7 @@ class BatchFeeder:
                 except Exception:
                     log.warning("batch feeder pass failed", exc_info=True)
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.settings.batch.feed_interval_s)
+                    await asyncio.wait_for(self._stopping.wait(), FEED_INTERVAL_S)
         finally:
             with suppress(Exception):
                 await asyncio.shield(self._release(keys=[self.keys.batch_feeder()], args=[self.owner]))
@@ -160,7 +164,7 @@ class BatchFeeder:
 
     async def _room(self) -> int:
         depth = int(await self.redis.xlen(self.keys.intake("batch")))
-        return int(self.settings.queue_depth_limit * self.settings.batch.feed_share) - depth
+        return int(self.settings.queue_depth_limit * FEED_SHARE) - depth
 
     async def _step(self, batch: dict[str, str], room: int) -> int:
         """Advance one batch; the lines it fed."""
@@ -217,8 +221,8 @@ class BatchFeeder:
         numbered = [(n, t) for n, t in enumerate(text.splitlines(), 1) if t.strip()]
         if not numbered:
             return [], [{"code": "empty_file", "message": "the input file has no lines", "line": None}]
-        if len(numbered) > self.settings.batch.file_max_lines:
-            limit = self.settings.batch.file_max_lines
+        if len(numbered) > bs.FILE_MAX_LINES:
+            limit = bs.FILE_MAX_LINES
             return [], [{"code": "too_many_lines", "message": f"at most {limit} lines", "line": None}]
         for number, line in numbered:
             try:

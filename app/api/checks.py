@@ -14,15 +14,23 @@ from app.core.errors import InvalidRequest, MaxTokensExceeded, ModelNotFound, No
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
 MAX_IDEMPOTENCY_KEY = 255
+MAX_TIMEOUT_S = 3600.0  # a job's timeout_s (time allowed in the queue before it starts): an hour at most
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_LENGTH = 64  # characters per stop string
+# Messages in one chat; past it 422 before anything is rendered. Each message costs its template
+# tokens (about 5 for SmolLM2's), and rendering and tokenizing take API CPU per message: 30,000
+# empty messages fit a 1 MiB body and cost seconds. 1,024 is more than any context holds.
+MAX_CHAT_MESSAGES = 1024
+MAX_EMBEDDING_INPUTS = 64  # texts per embeddings request; each is truncated at 256 tokens
 
 
 def checked_request(settings: JobServiceSettings, request: JobCreate) -> tuple[int, list[str]]:
     """What costs nothing to check: timeout_s, max_tokens, min_tokens, the stop strings; the job's
     max_tokens (the default filled in) and stop strings."""
-    if request.timeout_s is not None and request.timeout_s > settings.max_timeout_s:
+    if request.timeout_s is not None and request.timeout_s > MAX_TIMEOUT_S:
         raise InvalidRequest(
-            f"timeout_s is {request.timeout_s:g}, over the limit of {settings.max_timeout_s:g}",
-            limit=settings.max_timeout_s,
+            f"timeout_s is {request.timeout_s:g}, over the limit of {MAX_TIMEOUT_S:g}",
+            limit=MAX_TIMEOUT_S,
         )
     max_tokens = request.max_tokens or settings.default_max_tokens
     if max_tokens > settings.max_tokens_limit:
@@ -35,8 +43,8 @@ def checked_request(settings: JobServiceSettings, request: JobCreate) -> tuple[i
             f"min_tokens is {request.min_tokens}, over max_tokens ({max_tokens})", limit=max_tokens
         )
     stop = request.stop_list()
-    check_stop(settings, stop)
-    check_messages(settings, len(request.messages or ()))
+    check_stop(stop)
+    check_messages(len(request.messages or ()))
     return max_tokens, stop
 
 
@@ -53,26 +61,26 @@ def check_entitled(settings: JobServiceSettings, tenant: str, priority: str) -> 
         )
 
 
-def check_messages(settings: JobServiceSettings, count: int) -> None:
-    """Refuse a chat of more than `max_chat_messages` messages (422), before any work on them."""
-    if count > settings.max_chat_messages:
+def check_messages(count: int) -> None:
+    """Refuse a chat of more than MAX_CHAT_MESSAGES messages (422), before any work on them."""
+    if count > MAX_CHAT_MESSAGES:
         raise InvalidRequest(
-            f"the chat has {count} messages, over the limit of {settings.max_chat_messages}",
-            limit=settings.max_chat_messages,
+            f"the chat has {count} messages, over the limit of {MAX_CHAT_MESSAGES}",
+            limit=MAX_CHAT_MESSAGES,
             messages=count,
         )
 
 
-def check_stop(settings: JobServiceSettings, stop: list[str]) -> None:
-    if len(stop) > settings.max_stop_strings:
+def check_stop(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(
-            f"at most {settings.max_stop_strings} stop strings are allowed",
-            limit=settings.max_stop_strings,
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed",
+            limit=MAX_STOP_STRINGS,
         )
-    if any(not s or len(s) > settings.max_stop_length for s in stop):
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in stop):
         raise InvalidRequest(
-            f"stop strings must be 1 to {settings.max_stop_length} characters long",
-            limit=settings.max_stop_length,
+            f"stop strings must be 1 to {MAX_STOP_LENGTH} characters long",
+            limit=MAX_STOP_LENGTH,
         )
 
 
@@ -83,7 +91,7 @@ def check_embeddings(settings: JobServiceSettings, texts: list[str], model: str 
         raise ModelNotFound(
             f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
         )
-    limit = settings.max_embedding_inputs
+    limit = MAX_EMBEDDING_INPUTS
     if not 1 <= len(texts) <= limit or not all(texts):
         raise InvalidRequest(f"input must hold 1 to {limit} non-empty texts", limit=limit)
 

@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.core import metrics
-from app.core.errors import ConveyorError, Refused, StoreFull, Unavailable
+from app.core.errors import RETRY_AFTER_S, ConveyorError, Refused, StoreFull, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,8 @@ def install(app: FastAPI) -> None:
         # queued whole or not at all; if only its reply was lost, a retry with the same
         # Idempotency-Key answers the job it made.
         log.warning("Redis unreachable: %s: %s", type(exc).__name__, exc)
-        retry_after_s = request.app.state.settings.retry_after_s
         return error_response(
-            Unavailable("the job store (Redis) does not answer; retry shortly", retry_after_s=retry_after_s)
+            Unavailable("the job store (Redis) does not answer; retry shortly", retry_after_s=RETRY_AFTER_S)
         )
 
     app.add_exception_handler(RedisConnectionError, redis_unreachable)
@@ -82,11 +81,10 @@ def install(app: FastAPI) -> None:
         if not is_out_of_memory(exc):
             return await unexpected(request, exc)
         log.warning("Redis is at its memory limit (maxmemory); refusing a write: %s", exc)
-        retry_after_s = request.app.state.settings.retry_after_s
         return error_response(
             StoreFull(
                 "the job store (Redis) is full and takes no new work; retry later",
-                retry_after_s=max(retry_after_s, STORE_FULL_RETRY_S),
+                retry_after_s=STORE_FULL_RETRY_S,
             )
         )
 

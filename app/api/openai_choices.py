@@ -37,11 +37,11 @@ from app.api.routes.inference import wait_unless_gone
 from app.api.routes.jobs import sse_data
 from app.api.schemas import JobCreate
 from app.api.service import JobService, Submitted
-from app.api.streams import Slot
+from app.api.streams import SSE_PING_S, Slot
 from app.api.toolformats import ToolFormat
 from app.core import aio
 from app.core.config import Settings
-from app.core.errors import ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
+from app.core.errors import RETRY_AFTER_S, ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
 from app.core.follow import Event
 from app.core.jobs import JobStatus
 from app.core.sampling import sibling_seed
@@ -176,7 +176,7 @@ def check_succeeded(record: dict[str, str], settings: Settings) -> None:
     if status == JobStatus.CANCELLED:
         raise JobCancelled(message, job_id=job_id)
     if status == JobStatus.EXPIRED:
-        raise JobExpired(message, retry_after_s=settings.retry_after_s, job_id=job_id)
+        raise JobExpired(message, retry_after_s=RETRY_AFTER_S, job_id=job_id)
     raise JobFailed(message, job_id=job_id, reason=error.get("code"))
 
 
@@ -300,7 +300,7 @@ def stream(
 
     return EventSourceResponse(
         generate(),
-        ping=int(settings.sse_ping_s),
+        ping=SSE_PING_S,
         sep="\n",  # as OpenAI frames its stream
         client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
     )

@@ -4,7 +4,7 @@ Tokenizing is CPU work proportional to the prompt: a 1 MB prompt holds a tokeniz
 second, and a chat's template renders each message. So a prompt with more characters than its
 model's context could ever hold, or a chat whose messages' template tokens alone overflow it, is
 refused before it is rendered or read, and rendering and tokenizing run on a pool of
-`Settings.tokenize_threads` threads of its own, never on the event loop, where every other request
+TOKENIZE_THREADS threads of its own, never on the event loop, where every other request
 (health checks included) would wait behind it. (The number of messages is capped before the rate
 limit: `JobService.check_messages`.)
 """
@@ -20,19 +20,22 @@ from typing import Any, TypeVar
 
 from app.api.catalog import ModelInfo
 from app.api.schemas import JobCreate
-from app.core.config import PromptEncoderSettings
 from app.core.errors import ContextLengthExceeded, InvalidRequest
 
 T = TypeVar("T")
+# A prompt of more than context length x this many characters is refused (422) before it is
+# tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
+# nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
+MAX_PROMPT_CHARS_PER_TOKEN = 16
+TOKENIZE_THREADS = 4  # prompts past them wait their turn, off the event loop
 
 
 class PromptEncoder:
-    """One per API process (JobService.prompts); `close` at the API's shutdown. `settings`:
-    `Settings.prompt_encoder`."""
+    """One per API process (JobService.prompts); `close` at the API's shutdown."""
 
-    def __init__(self, settings: PromptEncoderSettings) -> None:
-        self.chars_per_token = settings.max_prompt_chars_per_token
-        self._pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
+    def __init__(self) -> None:
+        self.chars_per_token = MAX_PROMPT_CHARS_PER_TOKEN
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     async def encode(self, model: ModelInfo, request: JobCreate) -> list[int]:
         """The prompt's (or the rendered chat's) token ids, only the last `truncate_prompt_tokens`

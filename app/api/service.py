@@ -80,7 +80,7 @@ class JobService:
         self._forget = redis.register_script(FORGET_LUA)
         self._background: set[asyncio.Task[None]] = set()
         # Tokenizes on its own threads, never on the event loop.
-        self.prompts = PromptEncoder(settings.prompt_encoder)
+        self.prompts = PromptEncoder()
 
     async def submit(
         self, request: JobCreate, *, tenant: str, idempotency_key: str | None = None
@@ -363,8 +363,8 @@ class JobService:
         task.add_done_callback(self._background.discard)
 
     def check_messages(self, count: int) -> None:
-        """Refuse a chat of more than `max_chat_messages` messages (422), before any work on them."""
-        check_messages(self.settings, count)
+        """Refuse a chat of more than MAX_CHAT_MESSAGES messages (422), before any work on them."""
+        check_messages(count)
 
     async def get(self, job_id: str, *, tenant: str | None) -> dict[str, str]:
         """The job's record. A job of another tenant is 404 job_not_found, exactly as an unknown one

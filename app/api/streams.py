@@ -18,6 +18,8 @@ from collections import Counter
 from app.core import metrics
 from app.core.errors import TooManyStreams
 
+SSE_PING_S = 15  # a comment line this often keeps proxies from closing an idle event stream
+
 
 class Slot:
     """One open stream of one tenant; `release()` gives it back (once; later calls do nothing)."""

@@ -12,7 +12,7 @@ seeded job draws the same tokens it would have drawn uninterrupted
 (`app.workers.sampling.token_seed`). The old batch, if it ever wakes up, can no longer write to
 the job (tokens are written only for the batch in its record).
 
-A job that reaches `max_attempts` fails (`worker_lost`). One recovered more than once runs in a
+A job that reaches MAX_ATTEMPTS runs fails (`worker_lost`). One recovered more than once runs in a
 batch of its own (`windows.Item.alone`): if it is what kills workers, it dies alone.
 
 Recovering only helps where the job can run again, and a worker that comes back still has to
@@ -36,6 +36,10 @@ from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
+# Runs of one job (the first included) before it fails as worker_lost. A job that a worker died or
+# stalled under three times is more likely the cause than the victim: more runs would let it take out
+# more workers.
+MAX_ATTEMPTS = 3
 
 
 class Monitor:

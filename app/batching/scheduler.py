@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.batching import fairshare, intake, windows
 from app.batching.budget import Budget, Census, Share, budget
-from app.batching.recovery import Monitor
+from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
 from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
 from app.core.jobs import JobStatus, Transition, text_of
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # (message, queue): a generation batch's prefill (StepMessage), or an embeddings batch (`embed_batch`).
 Send = Callable[[StepMessage | dict[str, Any], str], None]
 MAX_BLOCK_MS = 1000
+# Intake entries the batcher holds at once; the rest wait in Redis. About queue_depth_limit: a job
+# further back waits longer than a window whatever the batcher holds.
+MAX_PENDING = 1024
 # With jobs ready and no room, look again this often: sequences finishing free room without a
 # message (a finished batch, an arrival or a closing window wake the batcher at once).
 ROOM_POLL_MS = 20
@@ -76,7 +79,7 @@ class Batcher:
         self.limits = windows.Limits(
             max_batch_size=settings.max_batch_size,
             max_wait_s=settings.max_wait_s,
-            length_buckets=settings.length_buckets,
+            length_buckets=windows.LENGTH_BUCKETS,
             aging_s=settings.aging_s,
             max_prefill_tokens=settings.max_prefill_tokens,
             min_batch_size=settings.min_batch_size,
@@ -87,7 +90,7 @@ class Batcher:
             redis,
             self.keys,
             stall_timeout_s=settings.stall_timeout_s,
-            max_attempts=settings.max_attempts,
+            max_attempts=MAX_ATTEMPTS,
             ttl_s=settings.life.ended_ttl_s,  # what a job it fails keeps
             stream_maxlen=settings.life.stream_maxlen,
             stages=settings.stages_of,
@@ -111,7 +114,7 @@ class Batcher:
                 self.redis,
                 self.keys,
                 self.consumer,
-                count=self.settings.batcher_max_pending,
+                count=MAX_PENDING,
                 block_ms=None,
                 backlog=True,
             )
@@ -136,7 +139,7 @@ class Batcher:
 
     def tick(self) -> None:
         """One round: wait for work or a window to close, then dispatch what the plan says."""
-        room = self.settings.batcher_max_pending - len(self.pending)
+        room = MAX_PENDING - len(self.pending)
         self._take(
             intake.read(self.redis, self.keys, self.consumer, count=max(room, 1), block_ms=self._block_ms())
         )

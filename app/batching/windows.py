@@ -116,6 +116,11 @@ def ranking(
     return rank
 
 
+# Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
+# Powers of two from 64, as `length_bucket` goes on past the last one.
+LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
 @dataclass(frozen=True)
 class Limits:
     max_batch_size: int

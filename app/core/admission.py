@@ -65,6 +65,7 @@ MAX_RETRY_AFTER_S = 60.0  # a drain estimate past a minute is a guess; ask again
 HIGH_WATER = 0.9
 MEMORY_READ_S = 1.0  # how stale the used_memory gate 0 reads may be
 STORE_FULL_RETRY_S = 30.0
+FSYNC_TIMEOUT_MS = 1000  # submit_durability=fsync: WAITAOF waits this long for the disk; past it 503
 STAGE_MARK_TTL_S = 86_400  # a stage-down mark is deleted when a worker is back; this only bounds it
 
 
@@ -375,7 +376,7 @@ class Admission:
         """Queue the job (record + intake entry + Idempotency-Key) if the limits still hold, atomically.
         With `callback_at` (a job with a callback_url) the job is registered with the webhook
         dispatcher (app/webhooks/dispatcher.py) in the same script, scored by that time."""
-        ttl = self.settings.idempotency_ttl_s  # at most job_ttl_s: the job outlives its key
+        ttl = self.settings.life.ttl_s  # job_ttl_s: the key lives as long as its job may
         tenant_depth = self.settings.tenant_queue_limit(record.tenant)
         tenant_bytes = self.settings.retained_quota(record.tenant, (await self.memory()).maxmemory)
         try:
@@ -394,7 +395,7 @@ class Admission:
             )
             if outcome == "ok":
                 if fsync is not None:
-                    await wait_on_disk(self.redis, fsync, self.settings.submit_fsync_timeout_ms)
+                    await wait_on_disk(self.redis, fsync, FSYNC_TIMEOUT_MS)
                 return Written()
             if outcome == "exists":
                 if ticket.probe:

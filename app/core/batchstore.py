@@ -33,6 +33,10 @@ from app.core.keys import Keys
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 WINDOWS = {"24h": 86_400}
+FILE_MAX_LINES = 50_000  # lines (requests) of one batch's input file at most, as OpenAI allows
+# How long files and batches (their records, lines and results) are kept: a week, time to run a
+# batch through its 24 h window and fetch its output.
+FILE_TTL_S = 7 * 86_400
 
 VALIDATING, IN_PROGRESS, FINALIZING = "validating", "in_progress", "finalizing"
 COMPLETED, FAILED, CANCELLING, CANCELLED, EXPIRED = (
@@ -141,9 +145,9 @@ def output_file_id(batch_id: str, kind: str) -> str:
 
 
 class BatchStore:
-    """One per API process (beside JobService). `ttl_s`: batch_file_ttl_s."""
+    """One per API process (beside JobService)."""
 
-    def __init__(self, redis: Any, keys: Keys, *, ttl_s: int) -> None:
+    def __init__(self, redis: Any, keys: Keys, *, ttl_s: int = FILE_TTL_S) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s

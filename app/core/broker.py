@@ -44,7 +44,7 @@ def create_celery_app(settings: Settings, broker_url: str) -> Celery:
         broker_transport_options=transport,
         visibility_timeout=VISIBILITY_TIMEOUT_S,
         broker_connection_retry_on_startup=True,
-        worker_send_task_events=settings.celery_events,
+        worker_send_task_events=settings.flower,
         task_send_sent_event=False,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,

@@ -7,6 +7,7 @@ or in its section (app/core/sections.py): docs/configuration.md is generated fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -36,7 +37,6 @@ from app.core.sections import (
     HealthSettings,
     JobServiceSettings,
     JwtSettings,
-    PromptEncoderSettings,
     RateLimiterSettings,
     RoutePolicy,
     StageSettings,
@@ -49,7 +49,8 @@ from app.core.sections import (
 
 
 class Settings(BaseSettings):
-    # A section's variables are its name and the setting's: CONVEYOR_WEBHOOK_TIMEOUT_S is webhook.timeout_s.
+    # A section's variables are its name and the setting's: CONVEYOR_WEBHOOK_CONCURRENCY is
+    # webhook.concurrency.
     model_config = SettingsConfigDict(
         env_prefix="CONVEYOR_", extra="ignore", env_nested_delimiter="_", env_nested_max_split=1
     )
@@ -90,7 +91,8 @@ class Settings(BaseSettings):
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
     metrics_port: int | None = 9100
-    flower: bool = True  # `conveyor up` starts Flower, Celery's dashboard
+    # Flower, Celery's dashboard: `conveyor up` starts it, and the workers send it their task events.
+    flower: bool = True
     # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
     # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
     flower_basic_auth: str | None = None
@@ -98,18 +100,6 @@ class Settings(BaseSettings):
     # Request limits. max_tokens caps one job's generation (CPU minutes, KV-cache memory).
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128  # a job that names no max_tokens: a chat answer
-    max_stop_strings: int = 4  # OpenAI's limit of 4 stop strings
-    max_stop_length: int = 64  # characters per stop string
-    # Messages in one chat; past it 422 before anything is rendered. Each message costs its template
-    # tokens (about 5 for SmolLM2's), and rendering and tokenizing take API CPU per message: 30,000
-    # empty messages fit a 1 MiB body and cost seconds. 1,024 is more than any context holds.
-    max_chat_messages: int = Field(default=1024, ge=1)
-    # A prompt of more than context length x this many characters is refused (422) before it is
-    # tokenized: text averages about 4 characters a token, and even runs of spaces stay under 16, so
-    # nothing refused would have fit; a 1 MB prompt would hold a tokenizer thread for half a second.
-    max_prompt_chars_per_token: int = Field(default=16, ge=1)
-    # Threads that tokenize prompts for the API, off its event loop; past them prompts wait their turn.
-    tokenize_threads: int = Field(default=4, ge=1)
 
     # Batcher. Jobs per dispatched batch: 32 is where batched CPU decoding stops gaining (raw generate,
     # SmolLM2 on 2 cores: 116.8 tokens/s at batch 32, 115.5 at 64; docs/benchmarks.md).
@@ -132,8 +122,6 @@ class Settings(BaseSettings):
     # thinnest stage, so a replica added raises it at its first heartbeat and one that stops beating
     # lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
     max_inflight_sequences: int | None = None
-    # Prompt-length bucket bounds (tokens): a batch pads to its longest prompt, buckets bound the waste.
-    length_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192])
     # Sequences in one running batch, joiners included; past it a new batch runs on its own.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
@@ -145,8 +133,6 @@ class Settings(BaseSettings):
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
     # prefill waits behind. A longer prompt still goes, alone.
     max_prefill_tokens: int = Field(default=512, ge=1)
-    # At most this many intake entries held by the batcher at once (the rest wait in Redis).
-    batcher_max_pending: int = 1024
 
     # Stage workers.
     stages: int = 1
@@ -180,8 +166,9 @@ class Settings(BaseSettings):
     # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
     # it. A CPU this process may not use is refused.
     cpus: str = ""
-    heartbeat_interval_s: float = 2.0  # how often a worker reports it is live
-    heartbeat_ttl_s: float = 10.0  # a worker not heard of for this long is not live
+    # A worker not heard of for this long is not live. It reports five times as often (every 2 s), so
+    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
+    heartbeat_ttl_s: float = 10.0
 
     health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
 
@@ -193,7 +180,6 @@ class Settings(BaseSettings):
     # recovered: prefilled again from its prompt and the tokens it had streamed, on live workers.
     # Well above the slowest step (a 32 x 2048 prefill on a CPU takes seconds).
     stall_timeout_s: float = 30.0
-    max_attempts: int = 3  # runs of one job (first run included) before it fails as worker_lost
 
     # Record lifetimes: a job's record and event stream live this long from its submit while it runs
     # (a day: longer than any job waits and runs).
@@ -207,36 +193,24 @@ class Settings(BaseSettings):
     # 7.2+, else Redis must run with appendfsync always (the embedded one then does); the API refuses
     # to start on a Redis that offers neither (app/core/durability.py).
     submit_durability: Literal["memory", "fsync"] = "memory"
-    submit_fsync_timeout_ms: int = Field(default=1000, ge=1)  # WAITAOF's wait; past it 503
-    sse_ping_s: float = 15.0  # comment lines keep proxies from closing an idle stream
     sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 
-    celery_events: bool = True  # task events for Flower
-
-    claim_check_bytes: int = 32 * 1024  # measured break-even of inline vs by reference: 18 to 37 KB
     stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
     embedding_stages: int = 2
-    max_embedding_inputs: int = 64  # texts per request; each is truncated at 256 tokens
 
     # Admission and overload (API).
-    # A job's timeout_s (time allowed in the queue before it starts) is at most this: an hour.
-    max_timeout_s: float = 3600.0
     # Jobs waiting per priority class (its intake stream's length): past it 429 queue_full. About the
-    # batcher's window (batcher_max_pending): a deeper queue only adds wait a client gives up on.
+    # batcher's window (1,024 intake entries): a deeper queue only adds wait a client gives up on.
     queue_depth_limit: int = Field(default=1000, ge=1)
     # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
     overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
-    # Retry-After when nothing better is known (Redis away, no measured completion rate): seconds.
-    retry_after_s: float = Field(default=2.0, gt=0)
     breaker: BreakerSettings = Field(
         default_factory=BreakerSettings
     )  # CONVEYOR_BREAKER_*, app/core/sections.py
-    # An Idempotency-Key names its job this long (at most job_ttl_s, so the job outlives its key).
-    idempotency_ttl_s: int = Field(default=86_400, ge=1)
     # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
     cancel_on_disconnect: bool = True
 
@@ -300,7 +274,7 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _sections_by_variable_names(cls, data: Any) -> Any:
-        """`Settings(webhook_timeout_s=5)` as CONVEYOR_WEBHOOK_TIMEOUT_S reads: a section's setting
+        """`Settings(webhook_concurrency=5)` as CONVEYOR_WEBHOOK_CONCURRENCY reads: a section's setting
         by its variable's name, beside (and over) what the environment gave the section."""
         if not isinstance(data, dict):
             return data
@@ -344,6 +318,11 @@ class Settings(BaseSettings):
             copied.__dict__.pop(name, None)
         return copied
 
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often a worker reports it is live: five beats per heartbeat_ttl_s."""
+        return self.heartbeat_ttl_s / 5
+
     @cached_property
     def model_home(self) -> Path:
         return self.home / "models"
@@ -361,7 +340,6 @@ class Settings(BaseSettings):
             BatcherSettings,
             self,
             max_wait_s=self.max_wait_ms / 1000.0,
-            length_buckets=tuple(sorted(self.length_buckets)),
             tenant_weights=MappingProxyType(dict(self.tenant.weights)),
             life=self.lifetimes,
         )
@@ -374,13 +352,12 @@ class Settings(BaseSettings):
             AdmissionSettings,
             self,
             stage_down_after_s=self.stage.down_after_s or 2 * self.heartbeat_ttl_s,
-            limits=AdmissionLimits(depth, self.overload_limit, self.retry_after_s),
+            limits=AdmissionLimits(depth, self.overload_limit),
             breaker=BreakerPolicy(**self.breaker.model_dump()),
             tenant_queue_default=queue_share(self.tenant.queue_share, depth),
             tenant_queue_limits=MappingProxyType(
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant.queue_shares.items()}
             ),
-            idempotency_ttl_s=min(self.idempotency_ttl_s, self.job_ttl_s),
             # One tenant (auth=none): no share to keep; the high-water mark bounds Redis.
             tenant_retained_default=0
             if self.auth == "none" and self.tenant.retained_bytes is None
@@ -402,10 +379,6 @@ class Settings(BaseSettings):
     @cached_property
     def authenticator(self) -> AuthenticatorSettings:
         return build(AuthenticatorSettings, self)
-
-    @cached_property
-    def prompt_encoder(self) -> PromptEncoderSettings:
-        return build(PromptEncoderSettings, self)
 
     @cached_property
     def job_service(self) -> JobServiceSettings:
@@ -436,6 +409,18 @@ class Settings(BaseSettings):
         return known_models(models=self.models, model_home=self.model_home)
 
 
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The CONVEYOR_* variables of `environ` (the process's environment by default) that no setting
+    reads: a typo, or a setting since removed (CHANGELOG.md says what became of it). Every command
+    warns of them at its start (`load_settings`), as `Settings` itself ignores them."""
+    prefix = str(Settings.model_config.get("env_prefix", "")).upper()
+    fields = [name for name in Settings.model_fields if name not in SECTIONS]
+    fields += [f"{section}_{name}" for section, model in SECTIONS.items() for name in model.model_fields]
+    known = {prefix + name.upper() for name in fields}
+    given = os.environ if environ is None else environ
+    return sorted(k for k in given if k.upper().startswith(prefix) and k.upper() not in known)
+
+
 def _derived(cls: type) -> list[str]:
     """The names of `cls`'s `cached_property`s, its bases' included."""
     return [
@@ -447,7 +432,7 @@ def _derived(cls: type) -> list[str]:
 
 
 def _by_section(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Take out of `values` the settings named by their variables (`webhook_timeout_s`), by section."""
+    """Take out of `values` the settings named by their variables (`webhook_concurrency`), by section."""
     found: dict[str, dict[str, Any]] = {}
     for key in [k for k in values if "_" in k and k.split("_", 1)[0] in SECTIONS]:
         section, name = key.split("_", 1)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# Retry-After of a refusal when nothing better is known (Redis away, no measured completion rate).
+RETRY_AFTER_S = 2.0
+
 
 class ConveyorError(Exception):
     code = "internal_error"

@@ -48,8 +48,9 @@ class Cause(enum.StrEnum):
 class Thresholds:
     max_temperature_c: float = 85.0
     max_memory_fraction: float = 0.95
+    # 250 ms is a hundred times a healthy round trip in one zone: a network problem every hop pays.
     max_redis_rtt_ms: float = 250.0
-    cooldown_s: float = 30.0
+    cooldown_s: float = 30.0  # as the breaker's interval: a throttled GPU cools
     fresh_s: float = 10.0  # a report older than this proves nothing (the heartbeat's TTL)
 
     @classmethod
@@ -57,8 +58,6 @@ class Thresholds:
         return cls(
             max_temperature_c=settings.health.max_temperature_c,
             max_memory_fraction=settings.health.max_memory_fraction,
-            max_redis_rtt_ms=settings.health.max_redis_rtt_ms,
-            cooldown_s=settings.health.cooldown_s,
             fresh_s=settings.heartbeat_ttl_s,
         )
 

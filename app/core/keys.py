@@ -191,7 +191,7 @@ class Keys:
         ms), so that a record that expired while its job waited (no move took it out) is dropped too."""
         return f"{self.namespace}:tenant-waiting:expiry"
 
-    @lives(ttl="idempotency_ttl_s; once its job ends, at most the job's ended_job_ttl_s")
+    @lives(ttl="job_ttl_s, as its job; once its job ends, at most the job's ended_job_ttl_s")
     def idempotency(self, digest: str) -> str:
         """String: `{job id} {body hash}` of the job an Idempotency-Key created (digest: its sha256).
         It expires with its job: the job store shortens it when the job ends (ENDED_FUNCTION)."""
@@ -228,9 +228,9 @@ class Keys:
         """String: the dispatcher holding the lease (one dispatches at a time), with a short TTL."""
         return f"{self.namespace}:webhooks:dispatcher"
 
-    @lives(ttl="job_ttl_s, as its job", cap="webhook_log_max")
+    @lives(ttl="job_ttl_s, as its job", cap="webhooks.delivery.LOG_MAX")
     def webhook_deliveries(self, job_id: str) -> str:
-        """List: the job's delivery attempts (JSON, newest last), capped at webhook_log_max."""
+        """List: the job's delivery attempts (JSON, newest last), capped at delivery.LOG_MAX."""
         return f"{self.namespace}:job:{job_id}:deliveries"
 
     @lives(ttl="job_ttl_s, as its job")
@@ -238,7 +238,7 @@ class Keys:
         """Hash: webhook id -> how it ended (delivered, gave_up, disabled); duplicates are skipped."""
         return f"{self.namespace}:job:{job_id}:webhooks"
 
-    @lives(ttl="webhook_disabled_ttl_s")
+    @lives(ttl="webhooks.delivery.DISABLED_TTL_S, a week")
     def webhook_disabled(self, digest: str) -> str:
         """String: a tenant's callback URL that answered 410 Gone (digest: sha256 of the tenant and the
         URL, `webhooks.delivery.disabled_digest`); nothing more of that tenant's is sent to it."""
@@ -250,7 +250,7 @@ class Keys:
         derived from the master key, never stored). `conveyor keys create` adds; no TTL, as `apikeys`."""
         return f"{self.namespace}:webhooks:tenants"
 
-    @lives(bound="webhook_tenant_max_retries per tenant")
+    @lives(bound="webhooks.retries.TENANT_MAX_RETRIES per tenant")
     def webhook_retries(self) -> str:
         """Sorted set: webhook id -> when its next attempt is due (unix seconds). The dispatcher sends the
         due ones to the callbacks queue; a retry lives here, not in a worker's memory."""
@@ -301,50 +301,50 @@ class Keys:
         """Stream: one entry per API request (tenant, method, path, status, ...), capped at audit_maxlen."""
         return f"{self.namespace}:audit"
 
-    @lives(cap="audit_unauthenticated_maxlen")
+    @lives(cap="api.audit.UNAUTHENTICATED_MAXLEN")
     def audit_unauthenticated(self) -> str:
         """Stream: the entries of requests refused before a tenant was known (401s), capped apart at
-        audit_unauthenticated_maxlen so that a flood of them cannot roll the tenants' entries over."""
+        UNAUTHENTICATED_MAXLEN so that a flood of them cannot roll the tenants' entries over."""
         return f"{self.namespace}:audit:unauthenticated"
 
     # Files and batches (OpenAI's Batch API: app/core/batchstore.py)
 
-    @lives(ttl="batch_file_ttl_s")
+    @lives(ttl="batchstore.FILE_TTL_S")
     def file(self, file_id: str) -> str:
         """Hash: an uploaded or a batch's output file's record (tenant, name, purpose, bytes, times)."""
         return f"{self.namespace}:file:{file_id}"
 
-    @lives(ttl="batch_file_ttl_s, as its record")
+    @lives(ttl="batchstore.FILE_TTL_S, as its record")
     def file_content(self, file_id: str) -> str:
         """String: a file's bytes (JSONL)."""
         return f"{self.namespace}:file:{file_id}:content"
 
-    @lives(ttl="batch_file_ttl_s from the tenant's latest upload")
+    @lives(ttl="batchstore.FILE_TTL_S from the tenant's latest upload")
     def tenant_files(self, tenant: str) -> str:
         """Hash: file id -> `{bytes} {expiry, unix ms}` of one tenant's uploads: its byte quota."""
         return f"{self.namespace}:tenant-files:{tenant}"
 
-    @lives(ttl="batch_file_ttl_s")
+    @lives(ttl="batchstore.FILE_TTL_S")
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's record (status, counts, timestamps, files, feeding cursor)."""
         return f"{self.namespace}:batch:{batch_id}"
 
-    @lives(ttl="batch_file_ttl_s, as its batch")
+    @lives(ttl="batchstore.FILE_TTL_S, as its batch")
     def batch_lines(self, batch_id: str) -> str:
         """List: a batch's validated input lines (custom_id and body, JSON), in input order."""
         return f"{self.namespace}:batch:{batch_id}:lines"
 
-    @lives(ttl="batch_file_ttl_s, as its batch")
+    @lives(ttl="batchstore.FILE_TTL_S, as its batch")
     def batch_results(self, batch_id: str) -> str:
         """Hash: line index -> its output or error line (JSON), collected as its job ends."""
         return f"{self.namespace}:batch:{batch_id}:results"
 
-    @lives(ttl="batch_file_ttl_s from the tenant's latest batch")
+    @lives(ttl="batchstore.FILE_TTL_S from the tenant's latest batch")
     def tenant_batches(self, tenant: str) -> str:
         """Sorted set: one tenant's batch ids, scored by creation time (GET /v1/batches)."""
         return f"{self.namespace}:tenant-batches:{tenant}"
 
-    @lives(ttl="batch_file_ttl_s from the latest batch", bound="the batches not yet ended")
+    @lives(ttl="batchstore.FILE_TTL_S from the latest batch", bound="the batches not yet ended")
     def open_batches(self) -> str:
         """Sorted set: batches the feeder still works on (validating to finalizing), by creation time."""
         return f"{self.namespace}:open-batches"

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.core.breaker import Policy as BreakerPolicy
 from app.core.discovery import EMBEDDING_MODEL, find_model, known_models
+from app.core.errors import RETRY_AFTER_S
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -95,11 +96,9 @@ class BatcherSettings:
     namespace: str
     stages: int
     embedding_stages: int
-    batcher_max_pending: int
     tenant_weights: Mapping[str, float]
     max_batch_size: int
     max_wait_s: float  # max_wait_ms
-    length_buckets: tuple[int, ...]  # sorted
     aging_s: float
     max_prefill_tokens: int
     min_batch_size: int
@@ -108,7 +107,6 @@ class BatcherSettings:
     max_inflight_batches: int | None
     max_inflight_sequences: int | None
     stall_timeout_s: float
-    max_attempts: int
     heartbeat_ttl_s: float
     life: (
         Lifetimes  # of the jobs it publishes for (Settings.lifetimes): job_ttl_s, ended_job_ttl_s, stream cap
@@ -125,7 +123,7 @@ class AdmissionLimits:
 
     class_depth: int  # queue_depth_limit
     overall: int  # overload_limit
-    retry_after_s: float
+    retry_after_s: float = RETRY_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -133,24 +131,22 @@ class AdmissionSettings:
     """Admission's part of the settings (app/core/admission.py: the gates and the write), built once
     by `Settings.admission`: the fields it reads, by their names in `Settings` (described there), and
     what derives from them computed here: the stage-down grace, the queue limits, the circuit
-    breaker's policy, each tenant's queue limit, the Idempotency-Key's TTL and the job lifetimes."""
+    breaker's policy, each tenant's queue limit and the job lifetimes."""
 
     stages: int
     embedding_stages: int
     heartbeat_ttl_s: float
     stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
-    limits: AdmissionLimits  # queue_depth_limit, overload_limit, retry_after_s
+    limits: AdmissionLimits  # queue_depth_limit, overload_limit
     breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
-    idempotency_ttl_s: int  # at most job_ttl_s, so the job outlives its key
     # Bytes of jobs one tenant may keep in Redis (tenant_retained_bytes, and rate_limits' per-tenant
     # retained_bytes); None: derived from Redis's maxmemory (`retained_quota`); 0: no quota.
     tenant_retained_default: int | None
     tenant_retained_limits: Mapping[str, int]
-    submit_fsync_timeout_ms: int
     life: Lifetimes  # of the jobs it writes (Settings.lifetimes)
 
     def stages_of(self, model: str) -> int:
@@ -223,15 +219,6 @@ class CatalogSettings:
         return known_models(models=self.models, model_home=self.model_home)
 
 
-@dataclass(frozen=True)
-class PromptEncoderSettings:
-    """The prompt encoder's part of the settings (app/api/prompts.py), built once by
-    `Settings.prompt_encoder`: the fields it reads, by their names in `Settings` (described there)."""
-
-    max_prompt_chars_per_token: int
-    tokenize_threads: int
-
-
 # The classes of a tenant that CONVEYOR_TENANT_PRIORITIES does not list (nor "*").
 UNLISTED_PRIORITIES = frozenset(p for p in PRIORITIES if p != "realtime")
 
@@ -241,7 +228,7 @@ class JobServiceSettings:
     """The API's job service's part of the settings (app/api/service.py: JobService), built once by
     `Settings.job_service`: the fields it reads, by their names in `Settings` (described there), what
     derives from them, and the sections of the components it builds and holds (admission, the rate
-    limiter, the prompt encoder, the webhooks' callback intake), the same objects `Settings` gives.
+    limiter, the webhooks' callback intake), the same objects `Settings` gives.
 
     A section of the service, named after it as `batcher` and `authenticator` are, rather than one
     `api` section: the API process's other parts are not the service's to carry. The authenticator
@@ -251,22 +238,16 @@ class JobServiceSettings:
 
     namespace: str
     default_model: str
-    max_timeout_s: float
     max_tokens_limit: int
     default_max_tokens: int  # at most max_tokens_limit
-    max_stop_strings: int
-    max_stop_length: int
-    max_chat_messages: int
     # The classes each tenant may submit to, aliases resolved ("*": every tenant not listed).
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
     embedding_stages: int
-    max_embedding_inputs: int
     sync_timeout_s: float
     life: Lifetimes  # of the jobs it cancels (Settings.lifetimes)
     admission: AdmissionSettings
     rate_limiter: RateLimiterSettings
-    prompt_encoder: PromptEncoderSettings
     webhooks: WebhookSettings
 
     def allowed_priorities(self, tenant: str) -> frozenset[str]:
@@ -282,15 +263,11 @@ class HealthSettings(BaseModel):
     model_config = SECTION
 
     # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
-    # a device hotter or fuller than these, or a Redis round trip slower, marks the replica unhealthy
-    # and it takes no new batches; it comes back once health_cooldown_s has passed and a fresh report
-    # is under every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert);
-    # past 95% of device memory the next batch's KV cache may not fit; 250 ms is a hundred times a
-    # healthy round trip in one zone, a network problem that every decode hop pays.
+    # a device hotter or fuller than these (or a Redis round trip over 250 ms) marks the replica
+    # unhealthy and it takes no new batches; it comes back 30 s later once a fresh report is under
+    # every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert).
     max_temperature_c: float = Field(default=85.0, gt=0)
-    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # the next batch may not fit
-    max_redis_rtt_ms: float = Field(default=250.0, gt=0)  # a network problem every hop pays
-    cooldown_s: float = Field(default=30.0, ge=0)  # the breaker's interval: a throttled GPU cools
+    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # past it the next batch may not fit
 
 
 class BatchSettings(BaseModel):
@@ -302,19 +279,9 @@ class BatchSettings(BaseModel):
     # OpenAI's Batch API (/v1/files, /v1/batches; docs/batches.md). An uploaded JSONL file's bytes at
     # most: its lines are copied once more when its batch starts, and both live in Redis.
     file_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
-    # Lines (requests) of one batch's input file at most, as OpenAI allows.
-    file_max_lines: int = Field(default=50_000, ge=1)
-    # How long files and batches (their records, lines and results) are kept: a week, time to run a
-    # batch through its 24 h window and fetch its output.
-    file_ttl_s: int = Field(default=7 * 86_400, ge=3600)
     # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
     # deletes files (or they expire). Output files do not count.
     tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    # The part of the batch class's queue_depth_limit that batches' lines may fill: they are fed as
-    # it has room, and the rest is left to jobs submitted with priority `batch` directly.
-    feed_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    # How often the feeder looks for room, feeds lines, collects the results of ended jobs.
-    feed_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
 
 
 class WebhookSettings(BaseModel):
@@ -336,34 +303,10 @@ class WebhookSettings(BaseModel):
     # checks credentials (the callbacks worker exits without it); `conveyor up` makes one
     # (home/webhook_master_key) if unset. Only the open API's jobs are signed with webhook_secrets.
     master_key: str | None = None
-    # After a tenant's secret is rotated its previous one signs too, this long (a day): its receivers
-    # verify while they are updated.
-    secret_overlap_s: float = Field(default=86_400.0, ge=0)
-    timeout_s: float = Field(default=15.0, gt=0)  # connect, each read, each write
-    # Wall-clock limit of one attempt, connect + TLS + send + read together: a receiver that never
-    # answers, or trickles a byte a second, holds a delivery thread this long at most.
-    attempt_deadline_s: float = Field(default=10.0, gt=0)
     # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
     # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
     tenant_concurrency: int = Field(default=2, ge=1)
-    # Events of one tenant waiting for a retry (in Redis); past it a failed event is given up, so one
-    # tenant's dead receiver cannot fill Redis with retries.
-    tenant_max_retries: int = Field(default=10_000, ge=1)
-    # Attempts of one event (the first included), spaced base x 2^(n-1) with jitter (21 to 42 min of
-    # retries at the defaults); no delay over webhook_backoff_max_s. Retries wait in Redis (a sorted
-    # set by due time the dispatcher polls), not in a worker's memory.
-    max_attempts: int = Field(default=10, ge=1)
-    backoff_base_s: float = Field(default=5.0, gt=0)  # the first retry after 2.5 to 5 s
-    backoff_max_s: float = Field(default=1800.0, gt=0, le=3000.0)  # Retry-After included
-    token_interval_ms: float = Field(default=500.0, gt=0)  # `token` events batched this long
     concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
-    log_max: int = Field(default=256, ge=1)  # delivery attempts kept per job (newest)
-    # A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
-    disabled_ttl_s: int = Field(default=7 * 86_400, ge=1)
-
-    @property
-    def token_interval_s(self) -> float:
-        return self.token_interval_ms / 1000
 
 
 class JwtSettings(BaseModel):
@@ -386,7 +329,6 @@ class JwtSettings(BaseModel):
     tenant_claims: list[str] = Field(
         default_factory=lambda: ["tenant", "sub"]
     )  # the first present names the tenant
-    leeway_s: float = Field(default=30.0, ge=0)  # clock skew allowed on exp / nbf / iat
     # The longest a token may be valid (`exp - iat`; `iat` is required): a leaked token is good for a
     # day at most. Identity providers issue access tokens for an hour or so.
     max_lifetime_s: float = Field(default=86400.0, gt=0)
@@ -399,9 +341,6 @@ class AuditSettings(BaseModel):
 
     # Audit: one JSON line (logger conveyor.audit) and one entry of the capped `audit` stream per request.
     maxlen: int = Field(default=100_000, ge=1)  # about 40 MB of Redis at ~400 bytes an entry
-    # Requests refused before a tenant was known go to a stream of their own, capped at this, so that
-    # anyone without a key cannot push the tenants' entries out of the capped `audit` stream.
-    unauthenticated_maxlen: int = Field(default=10_000, ge=1)
     prompts: bool = False  # prompt text in the audit entries: off, prompts may be personal data
 
 
@@ -464,18 +403,10 @@ class BreakerSettings(BaseModel):
 
 
 class StageSettings(BaseModel):
-    """Stage messages between workers, and when a stage counts as down: CONVEYOR_STAGE_*, read as
-    `Settings.stage.<name>`."""
+    """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
 
     model_config = SECTION
 
-    # Stage messages. raw is byte-exact and the fastest (bench/results/codecs.md); arrow is exact too;
-    # zfp and a narrower transport dtype are lossy, so opt-in (bfloat16 rather than float16: SmolLM2's
-    # activations reach 2.7e4). Tensors of at least claim_check_bytes go through Redis by reference:
-    # inline, kombu's JSON + base64 costs CPU at both ends past ~32 KB (bench/results/hop.md).
-    # arrow+zstd / arrow+lz4: Arrow IPC with its buffers compressed, byte-exact, fewer bytes on the wire.
-    codec: Literal["raw", "arrow", "arrow+zstd", "arrow+lz4", "zfp"] = "raw"
-    transport_dtype: Literal["float16", "bfloat16"] | None = None  # unset: the model's dtype
     # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
     # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
     down_after_s: float | None = None

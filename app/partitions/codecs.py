@@ -196,6 +196,9 @@ class CodecSpec:
     step) and used for every tensor a stage sends.
     """
 
+    # Stage workers send raw, the model's dtype: byte-exact and the fastest (bench/results/codecs.md).
+    # arrow is exact too but slower, zfp and a narrower transport dtype are lossy: no deployment
+    # setting chooses them.
     codec: str = "raw"
     transport_dtype: str | None = None  # float16 / bfloat16 / float32; None sends the tensor's dtype
     tolerance: float | None = None  # zfp: absolute error bound

@@ -7,22 +7,23 @@ dispatcher (a first attempt, or a retry come due). Rules:
 - A tenant has at most `webhook_tenant_concurrency` deliveries in progress (app/webhooks/retries.py
   `TenantSlots`); a message whose tenant has none free waits in Redis and comes back (not counted as
   an attempt), so a tenant whose receiver hangs holds that many threads and the others keep theirs.
-- An attempt has one wall-clock deadline, `webhook_attempt_deadline_s` (connect, TLS, send, read;
+- An attempt has one wall-clock deadline, ATTEMPT_DEADLINE_S (connect, TLS, send, read;
   app/webhooks/ssrf.py), and tries at most three of the name's addresses.
 - 2xx: delivered. The event's id is marked settled; a duplicate of it (a dispatcher restart) is skipped.
-- 410 Gone: the URL is disabled for the event's tenant (`webhook_disabled_ttl_s`); nothing more of
+- 410 Gone: the URL is disabled for the event's tenant (DISABLED_TTL_S); nothing more of
   that tenant's is sent to it, and its submits naming it are refused (422, reason `endpoint_disabled`).
   Other tenants' callbacks to the same URL go on: a tenant's receiver cannot switch off another's.
 - anything else (another status, a timeout, a refused connection, a URL the SSRF guard now refuses
   because its DNS changed): retried after base x 2^(n-1) seconds, jittered into the upper half
   ([d/2, d], so delays grow while retries of many events spread out), or after the receiver's
-  `Retry-After` when that is longer; never longer than `webhook_backoff_max_s`. After
-  `webhook_max_attempts` attempts the event is given up. The retry waits in Redis (`RetryQueue`),
-  and is given up too when `webhook_tenant_max_retries` of its tenant's events wait already.
+  `Retry-After` when that is longer; never longer than BACKOFF_MAX_S. After
+  MAX_ATTEMPTS attempts the event is given up. The retry waits in Redis (`RetryQueue`),
+  and is given up too when TENANT_MAX_RETRIES (app/webhooks/retries.py) of its tenant's events wait
+  already.
 - Redirects are not followed (a redirect is a failure: it could lead anywhere).
 
 Every attempt (time, status or error, duration, outcome, the delay before the next) is appended to
-the job's capped delivery log, which `GET /v1/jobs/{id}/deliveries` lists.
+the job's delivery log (its newest LOG_MAX), which `GET /v1/jobs/{id}/deliveries` lists.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ from app.webhooks.ssrf import CallbackRefused, Deadline, Guard, Target, pinned_t
 DELIVER_TASK = "conveyor.webhooks.deliver"
 USER_AGENT = "Conveyor-Webhooks/0.1"
 SLOT_MARGIN_S = 60.0  # a slot outlives its attempt's deadline by this (DNS, recording) before it lapses
+# Wall-clock limit of one attempt, connect + TLS + send + read together (and of each of them): a
+# receiver that never answers, or trickles a byte a second, holds a delivery thread this long at most.
+ATTEMPT_DEADLINE_S = 10.0
+LOG_MAX = 256  # delivery attempts kept per job (the newest)
+# A 410 Gone disables its URL this long: a week, then a URL reused by someone else may try again.
+DISABLED_TTL_S = 7 * 86_400
+# Attempts of one event (the first included), spaced BACKOFF_BASE_S x 2^(n-1) with jitter: 21 to 42
+# minutes of retries, no delay over BACKOFF_MAX_S (a receiver's Retry-After included). Retries wait
+# in Redis, not in a worker's memory.
+MAX_ATTEMPTS = 10
+BACKOFF_BASE_S = 5.0  # the first retry after 2.5 to 5 s
+BACKOFF_MAX_S = 1800.0
 
 
 class Outcome(enum.StrEnum):
@@ -134,12 +147,12 @@ class Deliverer:
         self.secrets = secrets
         self.clock = clock
         self.rand = rand
-        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.tenant_max_retries)
+        self.retries = RetryQueue(redis, keys)
         self.slots = TenantSlots(
             redis,
             keys,
             per_tenant=settings.tenant_concurrency,
-            hold_s=settings.attempt_deadline_s + SLOT_MARGIN_S,
+            hold_s=ATTEMPT_DEADLINE_S + SLOT_MARGIN_S,
         )
 
     def deliver(self, message: dict[str, Any]) -> None:
@@ -151,7 +164,7 @@ class Deliverer:
         token = self.slots.acquire(tenant, now=self.clock())
         if token is None:
             # Half to all of a deadline: a slot frees by then, and the waiting events spread out.
-            wait = self.settings.attempt_deadline_s * (0.5 + self.rand() / 2)
+            wait = ATTEMPT_DEADLINE_S * (0.5 + self.rand() / 2)
             if not self.retries.schedule(message, due=self.clock() + wait):
                 self._refused(message, number)
             return
@@ -165,7 +178,7 @@ class Deliverer:
             self._refused(message, number)
 
     def _refused(self, message: dict[str, Any], number: int) -> None:
-        cap = self.settings.tenant_max_retries
+        cap = self.retries.max_per_tenant
         error = f"given up: {cap} of this tenant's webhook events already wait for a retry"
         self._record(message, number, self.clock(), None, error, Outcome.GAVE_UP)
 
@@ -183,7 +196,7 @@ class Deliverer:
             )
             return None
         status, error, retry_after = None, None, None
-        deadline = Deadline(self.settings.attempt_deadline_s)  # DNS spends from it too
+        deadline = Deadline(ATTEMPT_DEADLINE_S)  # DNS spends from it too
         try:
             status, retry_after = self._post(self.guard.check(url), message, started, deadline)
         except CallbackRefused as exc:
@@ -194,10 +207,10 @@ class Deliverer:
             self._record(message, number, started, status, None, Outcome.DELIVERED)
             return None
         if status == 410:
-            self.redis.set(disabled, repr(self.clock()), ex=self.settings.disabled_ttl_s)
+            self.redis.set(disabled, repr(self.clock()), ex=DISABLED_TTL_S)
             self._record(message, number, started, status, None, Outcome.DISABLED)
             return None
-        if number >= self.settings.max_attempts:
+        if number >= MAX_ATTEMPTS:
             self._record(message, number, started, status, error, Outcome.GAVE_UP)
             return None
         delay = self.delay(number, retry_after, now=self.clock())
@@ -205,12 +218,11 @@ class Deliverer:
         return delay
 
     def delay(self, number: int, retry_after: str | None, *, now: float) -> float:
-        s = self.settings
-        wait = backoff_s(number, base_s=s.backoff_base_s, max_s=s.backoff_max_s, rand=self.rand)
+        wait = backoff_s(number, base_s=BACKOFF_BASE_S, max_s=BACKOFF_MAX_S, rand=self.rand)
         asked = retry_after_s(retry_after, now=now)
         if asked is not None:
             wait = max(wait, asked)
-        return min(wait, s.backoff_max_s)
+        return min(wait, BACKOFF_MAX_S)
 
     def _post(
         self, target: Target, message: dict[str, Any], started: float, deadline: Deadline
@@ -223,7 +235,7 @@ class Deliverer:
         with (
             httpx.Client(
                 transport=pinned_transport(target, deadline=deadline),
-                timeout=self.settings.timeout_s,
+                timeout=ATTEMPT_DEADLINE_S,
                 follow_redirects=False,
                 trust_env=False,
             ) as client,
@@ -259,7 +271,7 @@ class Deliverer:
         log_key, outcomes = self.keys.webhook_deliveries(job_id), self.keys.webhook_outcomes(job_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.rpush(log_key, entry.encode())
-        pipe.ltrim(log_key, -self.settings.log_max, -1)
+        pipe.ltrim(log_key, -LOG_MAX, -1)
         pipe.expire(log_key, ttl)
         if outcome != Outcome.RETRYING:
             pipe.hset(outcomes, message["webhook_id"], str(outcome))

@@ -40,6 +40,7 @@ STREAMS_PER_READ = 500  # streams in one XREAD; past one read, reads do not bloc
 ENTRIES_PER_STREAM = 256
 MAX_FOLLOWED = 20_000  # the oldest this many registered jobs are followed; the rest wait their turn
 RETRIES_PER_STEP = 1000  # due retries sent per step; more wait for the next (a quarter second on)
+TOKEN_INTERVAL_S = 0.5  # `token` events of a job batched this long: at most two token webhooks a second
 
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -78,9 +79,9 @@ class Dispatcher:
         self.clock = clock
         self.me = uuid.uuid4().hex
         self.follows: dict[str, Follow] = {}
-        self.batches = ev.TokenBatches(settings.token_interval_s)
+        self.batches = ev.TokenBatches(TOKEN_INTERVAL_S)
         self._renew = redis.register_script(RENEW_LUA)
-        self.retries = RetryQueue(redis, keys, max_per_tenant=settings.tenant_max_retries)
+        self.retries = RetryQueue(redis, keys)
 
     def run(self, stop: threading.Event) -> None:
         """Loop until `stop`; a failure (Redis away, a bug on one job) is logged and the state is read

@@ -6,7 +6,7 @@
   time) and its message a field of a hash, so it survives any process's restart, and no worker holds
   it in memory (an ETA task would: a restart re-delivers it, and thousands of them sit in a
   worker's heap). One retry per webhook id (scheduling one already waiting replaces its message and
-  due time); at most `webhook_tenant_max_retries` of one tenant's.
+  due time); at most TENANT_MAX_RETRIES of one tenant's.
 - `TenantSlots`: at most `webhook_tenant_concurrency` deliveries of one tenant in progress. A slot is a
   member of the tenant's sorted set, scored by when it lapses (the attempt's deadline and a margin),
   so a worker killed mid-attempt frees it then.
@@ -60,6 +60,9 @@ return 1
 """
 
 NO_TENANT = "anonymous"  # jobs submitted without a tenant share one bucket
+# Events of one tenant waiting for a retry; past it a failed event is given up, so one tenant's dead
+# receiver cannot fill Redis with retries.
+TENANT_MAX_RETRIES = 10_000
 
 
 def tenant_of(message: dict[str, Any]) -> str:
@@ -67,10 +70,10 @@ def tenant_of(message: dict[str, Any]) -> str:
 
 
 class RetryQueue:
-    def __init__(self, redis: Any, keys: Keys, *, max_per_tenant: int) -> None:
+    def __init__(self, redis: Any, keys: Keys, *, max_per_tenant: int | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.max_per_tenant = max_per_tenant
+        self.max_per_tenant = TENANT_MAX_RETRIES if max_per_tenant is None else max_per_tenant
         self._schedule = redis.register_script(SCHEDULE_LUA)
         self._remove = redis.register_script(REMOVE_LUA)
 

@@ -132,6 +132,11 @@ def generation(redis: Any, keys: Keys, tenant: str) -> int | None:
     return TenantRecord.decode(raw).generation if raw is not None else None
 
 
+# After a tenant's secret is rotated its previous one signs too, this long (a day): its receivers
+# verify while they are updated.
+SECRET_OVERLAP_S = 86_400.0
+
+
 class TenantSecrets:
     """Which secrets sign a tenant's deliveries: the callbacks worker asks on every attempt, so a
     rotation takes effect at once. With a master key, every named tenant gets its own derived secret:
@@ -150,7 +155,7 @@ class TenantSecrets:
         master: str | None,
         redis: Any,
         keys: Keys,
-        overlap_s: float,
+        overlap_s: float = SECRET_OVERLAP_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.default = tuple(Secret.parse(s) for s in default)

@@ -48,7 +48,6 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
         master=hooks.master_key,
         redis=redis,
         keys=keys,
-        overlap_s=hooks.secret_overlap_s,
     )
     if not secrets.default:
         raise SystemExit("no webhook secret: set CONVEYOR_WEBHOOK_SECRETS (`conveyor up` makes one)")
@@ -73,6 +72,6 @@ def run_callbacks_worker(settings: Settings, *, loglevel: str = "INFO") -> None:
             keys.callbacks_queue(),
             "--without-mingle",
             "--without-gossip",
-            *(["--events"] if settings.celery_events else []),
+            *(["--events"] if settings.flower else []),
         ]
     )

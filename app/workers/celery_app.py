@@ -98,7 +98,7 @@ def serve(
                 ",".join(queues),
                 "--without-mingle",
                 "--without-gossip",
-                *(["--events"] if settings.celery_events else []),
+                *(["--events"] if settings.flower else []),
             ]
         )
     finally:

@@ -25,7 +25,6 @@ from app.core.protocol import StepMessage
 from app.core.publisher import Publisher
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
-from app.partitions.codecs import ZFP_TOLERANCE, CodecSpec
 from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import check_servable
 from app.partitions.precision import dtype_name, resolve_dtype
@@ -38,6 +37,11 @@ from app.workers.engine.runtime import EngineRuntime, Pump, scheduler_config
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.stage import Send, StageIdentity, StageRuntime
+
+# Stage tensors of at least this many bytes go through Redis by reference (claim check): inline,
+# kombu's JSON + base64 costs CPU at both ends. The measured break-even is 18 to 37 KB
+# (bench/results/hop.md: an 8x128x576 prefill takes 52.5 ms inline, 4.1 ms by claim check).
+CLAIM_CHECK_BYTES = 32 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -258,14 +262,9 @@ def stage_runtime(
         latency=StepLatency(
             redis, keys, identity.model, identity.stage, (layers.start, layers.stop), identity.worker
         ),
-        codec=CodecSpec(
-            settings.stage.codec,
-            settings.stage.transport_dtype,
-            tolerance=ZFP_TOLERANCE if settings.stage.codec == "zfp" else None,
-        ),
         stale_after_s=4 * settings.stall_timeout_s,
         prefixes=PrefixCache(settings.prefix_cache_mb * 2**20) if settings.prefix_cache_mb else None,
-        claims=ClaimCheck(redis, settings.namespace, settings.claim_check_bytes, VISIBILITY_TIMEOUT_S),
+        claims=ClaimCheck(redis, settings.namespace, CLAIM_CHECK_BYTES, VISIBILITY_TIMEOUT_S),
         **engine,
     )
 

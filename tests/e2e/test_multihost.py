@@ -29,7 +29,6 @@ pytestmark = pytest.mark.e2e
 ENV = {
     "CONVEYOR_TORCH_THREADS": "1",
     "CONVEYOR_STALL_TIMEOUT_S": "3",
-    "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5",
     "CONVEYOR_HEARTBEAT_TTL_S": "2",
 }
 

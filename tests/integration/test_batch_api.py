@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
+from app.api import batchfeed
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
 from app.core.batchstore import line_job_id
@@ -83,13 +84,14 @@ class Api:
 
 
 @pytest.fixture()
-def start(redis_url: str, tiny_model: Path) -> Iterator[Callable[..., Api]]:
+def start(redis_url: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Api]]:
+    monkeypatch.setattr(batchfeed, "FEED_INTERVAL_S", 0.05)
     started: list[Api] = []
     namespace = None
 
     def make(**overrides: Any) -> Api:
         nonlocal namespace
-        fields = {"api_keys": {key_digest(k): t for t, k in KEYS.items()}, "batch_feed_interval_s": 0.05}
+        fields: dict[str, Any] = {"api_keys": {key_digest(k): t for t, k in KEYS.items()}}
         if namespace is not None:
             fields["namespace"] = namespace  # a restart: the same Redis keys
         api = Api(tiny_settings(redis_url, tiny_model, **(fields | overrides)))
@@ -229,7 +231,7 @@ def test_a_restarted_feeder_writes_every_line_once(start: Callable[..., Api]) ->
     """The batch class has room for 5 lines; the feeder stops with 5 fed, and its cursor is set back
     as if it had died after writing jobs 3 and 4 but before recording them; a second API process
     then feeds the rest. Every line is one job: none lost, none written twice."""
-    first = start(queue_depth_limit=10, batch_feed_share=0.5)
+    first = start(queue_depth_limit=10)  # lines fill half the class: 5
     redis = redis_lib.Redis.from_url(first.settings.redis_url or "")
     keys = first.keys
     batch = first.batch("acme", jsonl([chat_line(i) for i in range(12)]))
@@ -249,7 +251,7 @@ def test_a_restarted_feeder_writes_every_line_once(start: Callable[..., Api]) ->
 def test_a_window_that_passes_expires_the_batch(start: Callable[..., Api]) -> None:
     """Two of four lines fed (the class has room for two), then the window passes (its end set back
     in the record): the fed jobs are cancelled, the two never fed answered `batch_expired`."""
-    api = start(queue_depth_limit=4, batch_feed_share=0.5)
+    api = start(queue_depth_limit=4)  # lines fill half the class: 2
     redis = redis_lib.Redis.from_url(api.settings.redis_url or "")
     batch = api.batch("acme", jsonl([chat_line(i) for i in range(4)]))
     wait_until(lambda: redis.hget(api.keys.batch(batch.id), "fed") == b"2")

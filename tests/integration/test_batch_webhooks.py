@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from standardwebhooks.webhooks import Webhook
 
+from app.api import batchfeed
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
 from app.core.config import Settings
@@ -40,12 +41,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture()
-def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[Settings, openai.OpenAI]]:
+def api(
+    redis_url: str, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Settings, openai.OpenAI]]:
+    monkeypatch.setattr(batchfeed, "FEED_INTERVAL_S", 0.05)
     settings = tiny_settings(
         redis_url,
         tiny_model,
         api_keys={key_digest(KEY): "acme"},
-        batch_feed_interval_s=0.05,
         webhook_secrets=[SECRET],
         webhook_allow_cidrs=["127.0.0.1/32"],
     )

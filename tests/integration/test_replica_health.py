@@ -129,8 +129,8 @@ def settings(redis_url: str) -> Settings:
     return Settings(
         namespace=f"test-health-{uuid.uuid4().hex[:8]}",
         redis_url=redis_url,
-        celery_events=False,
-        heartbeat_interval_s=0.1,
+        flower=False,
+        heartbeat_ttl_s=1.0,  # a beat every 0.2 s
     )
 
 

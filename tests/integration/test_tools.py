@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from unittest import mock
 
 import openai
 import pytest
@@ -18,6 +19,7 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
+from app.api import batchfeed
 from app.api.app import create_app
 from app.core.keys import Keys
 from tests.stageharness import Pipeline, build
@@ -62,12 +64,12 @@ REPORT = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
 def serve(redis_url: str, path: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
     """The API over the model at `path` and, in the same namespace, the pipeline that generates what
     it submits."""
-    settings = tiny_settings(redis_url, path, auth="none", batch_feed_interval_s=0.05)
+    settings = tiny_settings(redis_url, path, auth="none")
     redis = redis_lib.Redis.from_url(redis_url)
     redis.zadd(Keys(settings.namespace).workers("tiny", 0), {"w0": time.time() + 3600})
     pipeline = build(redis, path, namespace=settings.namespace)
     try:
-        with TestClient(create_app(settings)) as http:
+        with mock.patch.object(batchfeed, "FEED_INTERVAL_S", 0.05), TestClient(create_app(settings)) as http:
             yield (
                 openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0),
                 pipeline,

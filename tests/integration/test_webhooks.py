@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from harness import Harness, start_harness
@@ -21,7 +22,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from app.core.config import Settings
 from app.core.keys import Keys
-from app.webhooks import signing
+from app.webhooks import delivery, signing
 from app.webhooks.dispatcher import Dispatcher
 
 SECRET = "whsec_" + base64.b64encode(b"conveyor-webhook-test-secret-32b").decode()
@@ -95,6 +96,8 @@ def receiver() -> Iterator[Receiver]:
 def hooks_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path
 ) -> Iterator[Harness]:
+    backoff = mock.patch.object(delivery, "BACKOFF_BASE_S", BACKOFF_BASE_S)
+    backoff.start()
     s = start_harness(
         tmp_path_factory.mktemp("webhooks"),
         redis_url=redis_url,
@@ -104,13 +107,13 @@ def hooks_stack(
             "CONVEYOR_TORCH_THREADS": "1",
             "CONVEYOR_WEBHOOK_SECRETS": json.dumps([SECRET]),
             "CONVEYOR_WEBHOOK_ALLOW_CIDRS": json.dumps([f"{RECEIVER_HOST}/32"]),
-            "CONVEYOR_WEBHOOK_BACKOFF_BASE_S": str(BACKOFF_BASE_S),
             # One delivery at a time: the 410 test needs the first answer in before the next request.
             "CONVEYOR_WEBHOOK_CONCURRENCY": "1",
         },
     )
     yield s
     s.stop()
+    backoff.stop()
 
 
 def submit(stack: Harness, **body: object) -> dict[str, object]:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
+from app.api import audit
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
 from app.core.keys import Keys
 from tests.tinyapi import tiny_settings
 
 
-def test_unauthenticated_requests_do_not_push_tenants_out_of_the_audit_stream(redis_url, tiny_model):  # type: ignore[no-untyped-def]
+def test_unauthenticated_requests_do_not_push_tenants_out_of_the_audit_stream(  # type: ignore[no-untyped-def]
+    redis_url, tiny_model, monkeypatch
+):
+    monkeypatch.setattr(audit, "UNAUTHENTICATED_MAXLEN", 20)
     redis = redis_lib.Redis.from_url(redis_url)
     key = new_api_key()
     settings = tiny_settings(
@@ -22,7 +26,6 @@ def test_unauthenticated_requests_do_not_push_tenants_out_of_the_audit_stream(re
         tiny_model,
         api_keys={key_digest(key): "acme"},
         audit_maxlen=20,
-        audit_unauthenticated_maxlen=20,
     )
     keys = Keys(settings.namespace)
     try:

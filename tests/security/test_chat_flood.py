@@ -2,8 +2,8 @@
 messages, each of which used to be converted, rendered by the chat template and tokenized (about
 2 s) before the context check refused the result.
 
-- past `max_chat_messages` a chat is 422 `invalid_request` naming the count, before anything is
-  converted or rendered (native and OpenAI routes);
+- past MAX_CHAT_MESSAGES (app/api/checks.py) a chat is 422 `invalid_request` naming the count,
+  before anything is converted or rendered (native and OpenAI routes);
 - under it, a chat whose template tokens alone (per message, measured once per model) overflow the
   context is 422 `context_length_exceeded` before it is rendered;
 - an ordinary chat is served as before.

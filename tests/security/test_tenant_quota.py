@@ -88,7 +88,7 @@ def test_an_idempotency_key_expires_with_its_job(api):  # type: ignore[no-untype
     assert job.status_code == 202, job.text
     held = Keys(settings.namespace).idempotency(idempotency_digest("acme", "order-1"))
     redis = redis_lib.Redis.from_url(settings.redis_url or "")
-    assert redis.ttl(held) > ENDED_TTL_S  # a live job's key: idempotency_ttl_s
+    assert redis.ttl(held) > ENDED_TTL_S  # a live job's key: job_ttl_s, as its job
     assert client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=acme).status_code == 200
     assert 0 < redis.ttl(held) <= ENDED_TTL_S  # no longer than the ended job it names
 

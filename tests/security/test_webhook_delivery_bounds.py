@@ -22,6 +22,7 @@ import pytest
 
 from app.core.config import Settings
 from app.core.keys import Keys
+from app.webhooks import delivery, retries
 from app.webhooks.delivery import Deliverer
 from app.webhooks.dispatcher import Dispatcher
 from app.webhooks.signing import SecretBook
@@ -124,16 +125,16 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture()
-def settings(redis, redis_url: str) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+def settings(redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(delivery, "ATTEMPT_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(delivery, "BACKOFF_BASE_S", 0.2)
+    monkeypatch.setattr(delivery, "BACKOFF_MAX_S", 0.4)
     config = Settings(
         redis_url=redis_url,
         namespace=f"test-{uuid.uuid4().hex[:8]}",
         webhook_secrets=[SECRET],
         webhook_allow_cidrs=["127.0.0.1/32"],
-        webhook_attempt_deadline_s=DEADLINE_S,
         webhook_tenant_concurrency=1,
-        webhook_backoff_base_s=0.2,
-        webhook_backoff_max_s=0.4,
     )
     yield config
     keys = Keys(config.namespace)
@@ -220,8 +221,9 @@ def test_a_hanging_tenant_does_not_stop_another_tenants_deliveries(redis, settin
     assert [a["outcome"] for a in log_of(redis, settings, b_event["job_id"])] == ["delivered"]
 
 
-def test_a_tenant_has_a_bounded_number_of_waiting_retries(redis, redis_url, settings) -> None:  # type: ignore[no-untyped-def]
-    capped = settings.model_copy(update={"webhook_tenant_max_retries": 2})
+def test_a_tenant_has_a_bounded_number_of_waiting_retries(redis, redis_url, settings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(retries, "TENANT_MAX_RETRIES", 2)
+    capped = settings
     refused = f"http://127.0.0.1:{_closed_port()}/hook"  # connection refused: each attempt fails at once
     d = deliverer(redis, capped)
     events = [message(refused, "tenant-a") for _ in range(3)]

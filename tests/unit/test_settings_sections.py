@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.config import EMBEDDING_MODEL, Settings, unknown_variables
 from app.core.sections import SECTIONS
 
 
@@ -26,12 +26,10 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
         heartbeat_ttl_s=7.0,
         queue_depth_limit=100,
         overload_limit=150,
-        retry_after_s=3.0,
         breaker_error_threshold=0.5,
         breaker_min_requests=20,
         breaker_interval_s=60.0,
         tenant_queue_shares={"batch-import": 0.29, "tiny": 0.001},
-        idempotency_ttl_s=7200,
         job_ttl_s=3600,
         stages=3,
         embedding_stages=2,
@@ -41,13 +39,12 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     assert section.stage_down_after_s == 14.0  # unset: 2 x heartbeat_ttl_s
     assert Settings(stage_down_after_s=5.0).admission.stage_down_after_s == 5.0
     limits = section.limits
-    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 3.0)
+    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 2.0)
     breaker = section.breaker
     assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.5, 20, 60.0)
     assert section.tenant_queue_limit("anyone") == 50  # the default share, a half
     assert section.tenant_queue_limit("batch-import") == 29  # 0.29 x 100, not 28.999...
     assert section.tenant_queue_limit("tiny") == 1  # at least one job
-    assert section.idempotency_ttl_s == 3600  # the job outlives its key
     assert section.life.ttl_s == 3600
     assert section.stages_of("SmolLM2-135M-Instruct") == 3 and section.stages_of(EMBEDDING_MODEL) == 2
 
@@ -80,29 +77,46 @@ def test_the_job_service_carries_the_sections_of_what_it_builds() -> None:
     # unset: every class but realtime, which is given by name only
     assert Settings().job_service.allowed_priorities("anyone") == {"high", "normal", "batch"}
     assert section.admission is settings.admission and section.rate_limiter is settings.rate_limiter
-    assert section.prompt_encoder is settings.prompt_encoder and section.webhooks is settings.webhook
+    assert section.webhooks is settings.webhook
 
 
 def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("CONVEYOR_WEBHOOK_TIMEOUT_S", "3")
+    monkeypatch.setenv("CONVEYOR_WEBHOOK_CONCURRENCY", "3")
     monkeypatch.setenv("CONVEYOR_WEBHOOK_SECRETS", '["whsec_a"]')
     monkeypatch.setenv("CONVEYOR_JWT_ALGORITHMS", '["HS256"]')
-    monkeypatch.setenv("CONVEYOR_BATCH_FEED_SHARE", "0.2")
-    monkeypatch.setenv("CONVEYOR_BATCHER_MAX_PENDING", "7")  # a setting of its own, not of `batch`
+    monkeypatch.setenv("CONVEYOR_BATCH_TENANT_FILE_BYTES", "2048")
     monkeypatch.setenv("CONVEYOR_FLOWER_PORT", "1234")  # nor of `flower`
     settings = Settings()
-    assert (settings.webhook.timeout_s, settings.webhook.secrets) == (3.0, ["whsec_a"])
-    assert settings.jwt.algorithms == ["HS256"] and settings.batch.feed_share == 0.2
-    assert (settings.batcher_max_pending, settings.flower_port) == (7, 1234)
+    assert (settings.webhook.concurrency, settings.webhook.secrets) == (3, ["whsec_a"])
+    assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 2048
+    assert settings.flower_port == 1234
     # By keyword as by variable, over what the environment gives the same section.
-    given = Settings(webhook_timeout_s=9, jwt_key="k", health_cooldown_s=1.0)
-    assert (given.webhook.timeout_s, given.webhook.secrets, given.jwt.key) == (9.0, ["whsec_a"], "k")
-    assert given.health.cooldown_s == 1.0 and given.authenticator.jwt is given.jwt
+    given = Settings(webhook_concurrency=9, jwt_key="k", health_max_temperature_c=70.0)
+    assert (given.webhook.concurrency, given.webhook.secrets, given.jwt.key) == (9, ["whsec_a"], "k")
+    assert given.health.max_temperature_c == 70.0 and given.authenticator.jwt is given.jwt
 
 
 def test_no_setting_outside_a_section_is_named_as_one_of_its_variables() -> None:
     """CONVEYOR_WEBHOOK_X is read as `webhook.x`: a setting `webhook_x` beside the section would
     never be read."""
     assert [name for name in Settings.model_fields if name.split("_", 1)[0] in SECTIONS and "_" in name] == []
+
+
+def test_a_variable_no_setting_reads_is_named_so_that_the_commands_warn_of_it() -> None:
+    environ = {
+        "CONVEYOR_API_PORT": "1",
+        "CONVEYOR_WEBHOOK_CONCURRENCY": "2",  # a section's
+        "conveyor_flower_port": "3",  # read whatever its case
+        "CONVEYOR_SSE_PING_S": "5",  # a setting since removed
+        "CONVEYOR_WEBHOOK_TIMEOUT_S": "5",  # a section's, since removed
+        "CONVEYOR_STAGESS": "2",  # a typo
+        "REDIS_URL": "redis://x",
+        "HOME": "/root",
+    }
+    assert unknown_variables(environ) == [
+        "CONVEYOR_SSE_PING_S",
+        "CONVEYOR_STAGESS",
+        "CONVEYOR_WEBHOOK_TIMEOUT_S",
+    ]

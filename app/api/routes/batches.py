@@ -56,7 +56,7 @@ async def upload_file(
     store: BatchStore = Depends(get_batches),
     tenant: str = Depends(current_tenant),
 ) -> FileObject:
-    """Store a batch input file (at most `batch_file_max_bytes`, else 413, `batch_file_max_lines` lines),
+    """Store a batch input file (at most `batch_file_max_bytes`, else 413, 50,000 lines),
     counted against the tenant's `batch_tenant_file_bytes` (429 file_quota_exceeded past it). Its
     lines are checked when a batch is created from it."""
     limit = settings.batch.file_max_bytes
@@ -67,8 +67,8 @@ async def upload_file(
         lines = content.decode().count("\n") + (not content.endswith(b"\n"))
     except UnicodeDecodeError:
         raise InvalidRequest("the file is not UTF-8 text (JSONL)") from None
-    if lines > settings.batch.file_max_lines:
-        limit = settings.batch.file_max_lines
+    if lines > bs.FILE_MAX_LINES:
+        limit = bs.FILE_MAX_LINES
         raise InvalidRequest(f"the file has {lines} lines, over the limit of {limit}", limit=limit)
     name = (file.filename or "input.jsonl")[:256]
     stored = await store.put_file(

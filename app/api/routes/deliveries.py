@@ -33,7 +33,7 @@ class DeliveryLog(BaseModel):
     job_id: str
     callback_url: str | None
     endpoint_disabled: bool = Field(description="The URL answered 410 Gone: nothing more is sent to it.")
-    deliveries: list[DeliveryAttempt] = Field(description="Oldest first; the newest webhook_log_max kept.")
+    deliveries: list[DeliveryAttempt] = Field(description="Oldest first; the newest 256 kept.")
 
 
 @router.get("/{job_id}/deliveries", response_model=DeliveryLog, responses=ERRORS)

@@ -16,7 +16,7 @@ from app.api.checks import MAX_IDEMPOTENCY_KEY
 from app.api.deps import get_jobs, get_settings
 from app.api.schemas import ErrorBody, JobAccepted, JobCreate, JobUrls
 from app.api.service import JobService, Submitted
-from app.api.streams import Slot
+from app.api.streams import SSE_PING_S, Slot
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
 from app.core.jobview import JobPublic
@@ -219,6 +219,6 @@ def event_stream(
 
     return EventSourceResponse(
         generate(),
-        ping=int(settings.sse_ping_s),
+        ping=SSE_PING_S,
         client_close_handler_callable=disconnected if cancel_on_disconnect else None,
     )
