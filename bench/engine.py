@@ -1,24 +1,23 @@
-"""What one stage does per step: decode and prefill milliseconds, by precision, before and after a change.
+"""One stage's steps in process: the batch engine against the step engine (`CONVEYOR_ENGINE`).
 
-SmolLM2-135M-Instruct as one stage, in process, no Redis: a batch of B prompts, one prefill (timed:
-at B = 1 unpadded, one 128-token prefill), then decode steps, "padded" (prompts of 100-160 tokens
-left-padded: a mask is passed) and "unpadded" (all of 128 tokens: no mask). The engines take turns,
-a step each, so a slow spell hits all alike, and the whole run repeats `--rounds` times:
+SmolLM2-135M-Instruct as one stage in the serving dtype (`--dtype auto`: bf16 where the CPU has it),
+no Redis. "batch": `StagePartition` over a `BatchState`, what the batch engine's worker runs;
+"step": `EngineLoop`, the scheduler's ragged step over the paged KV cache.
 
-    fp32            float32, separate q/k/v and gate/up projections: what fp32 serves with
-    fp32 fused      float32, q/k/v and gate/up each one product (`app.partitions.fusion`)
-    bf16 before     bfloat16, separate projections, linear weights packed for oneDNN
-                    (`app.partitions.packing`)
-    bf16            bfloat16, fused projections, packed: what bf16 serves with
+1. Decode: B streams of distinct 128-token prompts, prefilled, then decode steps, the two engines
+   taking turns a step each, in `--rounds` interleaved rounds (a slow spell hits both alike): the
+   median of the rounds' median steps (lowest-highest round), tokens/s (B / step) and the ratio,
+   and each step's CPU time on this thread (what it cost, whatever else the machine ran).
+2. A 2,000-token prompt arrives into 16 decoding streams. Step: it is cut into chunks of the
+   token budget (`--chunk`) that share steps with the 16 decode rows; the streams' inter-token
+   latency is the step time, its p99 while the prompt arrives is printed against a decode-only step
+   and one chunk's own time. Batch: the prompt is one prefill the streams wait behind whole.
+3. Where a step engine's decode step at the largest batch goes (torch profiler).
 
-For each batch size: the median step over the rounds' medians, its spread (lowest-highest round),
-the same steps' CPU time, the ratio of each fused engine to its separate one; the prefill; then
-where a bf16 step's milliseconds go at the smallest and largest batch (torch profiler: the host line
-is the Python and dispatch work per step), and the greedy agreement of each pair.
+    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 12] [--rounds 3] [--chunk 256]
 
-    .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 24] [--rounds 3] [--rows unpadded]
-
-Writes bench/results/engine.md (and its data, engine.json).
+The comparison of fp32/bf16 with separate and fused projections this script made before is at
+commit dc23406 (bench/results/engine.md).
 """
 
 from __future__ import annotations
@@ -29,209 +28,112 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from app.partitions import attention
 from app.partitions.layers import BatchState, StagePartition, left_pad
-from bench.report import git_commit, median_ms, table, write_results
+from app.partitions.precision import dtype_name, resolve_dtype
+from app.workers.engine.loop import EngineLoop
+from app.workers.engine.scheduler import SchedulerConfig, Seq
+from bench.report import git_commit, percentile, table
 from bench.systems import MODEL_DIR, say
 
-ENGINES = (  # name, dtype, linear weights packed, projections fused
-    ("fp32", torch.float32, False, False),
-    ("fp32 fused", torch.float32, False, True),
-    ("bf16 before", torch.bfloat16, True, False),
-    ("bf16", torch.bfloat16, True, True),
-)
-PAIRS = (("fp32 fused", "fp32"), ("bf16", "bf16 before"))  # (after, before)
+PROMPT, LONG, BLOCK = 128, 2000, 16
 
 
-@dataclass
-class Engine:
-    name: str
-    partition: StagePartition
-    state: BatchState | None = None
-    timings: list[float] = field(default_factory=list)  # seconds a decode step, wall clock
-    cpu: list[float] = field(default_factory=list)  # the same steps' CPU seconds (this thread's)
-    prefill: list[tuple[float, float]] = field(default_factory=list)  # (wall, CPU) s, one per batch run
-    tokens: list[list[int]] = field(default_factory=list)  # greedy choices, step by step
-
-
-def prompts(batch: int, padded: bool, seed: int = 0) -> list[list[int]]:
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    lengths = [rng.randrange(100, 161) if padded else 128 for _ in range(batch)]
-    return [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(count)]
 
 
 def clocked(fn: Callable[[], object]) -> tuple[float, float]:
-    """Seconds one call of `fn` took: wall clock, and CPU time of this thread. With one torch thread
-    every kernel runs on it, so the second is what the step cost, whatever else the machine ran."""
+    """Seconds one call took: wall clock, and this thread's CPU time."""
     wall, cpu = time.perf_counter(), time.thread_time()
     fn()
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-@torch.inference_mode()
-def start(engine: Engine, batch: int, padded: bool = True) -> torch.Tensor:
-    ids, mask = left_pad(prompts(batch, padded), 0)
-    engine.state = BatchState(engine.partition.config, [str(i) for i in range(batch)], mask)
-    engine.timings, engine.cpu, engine.tokens = [], [], []
-    logits: torch.Tensor | None = None
-
-    def forward() -> None:
-        nonlocal logits
-        logits = engine.partition(engine.state, ids)
-
-    engine.prefill.append(clocked(forward))
-    assert logits is not None
-    return logits.argmax(-1)  # [B]
+def loop_for(stage: StagePartition, streams: int, budget: int, extra: int = 0) -> EngineLoop:
+    blocks = streams * -(-(PROMPT + 256) // BLOCK) + -(-(extra + 256) // BLOCK)
+    config = SchedulerConfig(
+        blocks, BLOCK, max_num_seqs=streams + 1, max_num_batched_tokens=max(budget, streams + 1)
+    )
+    return EngineLoop([stage], config)
 
 
 @torch.inference_mode()
-def step(engine: Engine, tokens: torch.Tensor) -> torch.Tensor:
-    assert engine.state is not None
-    engine.state.extend(1)
-    logits: torch.Tensor | None = None
+def decode_round(
+    stage: StagePartition, streams: int, steps: int, seed: int
+) -> dict[str, list[tuple[float, float]]]:
+    """`steps` decode steps of `streams` rows on each engine, taking turns: (wall, CPU) s per step."""
+    ps = prompts(streams, PROMPT, seed)
+    x, mask = left_pad(ps, 0)
+    state = BatchState(stage.config, [str(i) for i in range(streams)], mask)
+    tokens = [stage(state, x).argmax(-1)]
+    loop = loop_for(stage, streams, PROMPT * streams)
+    for i, p in enumerate(ps):
+        loop.add(Seq(str(i), tuple(p), steps + 2))
+    loop.step()  # every prompt in one step
 
-    def forward() -> None:
-        nonlocal logits
-        logits = engine.partition(engine.state, tokens[:, None])  # [B, 1, V]
+    def batch_step() -> None:
+        state.extend(1)
+        tokens[0] = stage(state, tokens[0][:, None]).argmax(-1)
 
-    wall, cpu = clocked(forward)
-    engine.timings.append(wall)
-    engine.cpu.append(cpu)
-    assert logits is not None
-    chosen = logits.argmax(-1)
-    engine.tokens.append(chosen.tolist())
-    return chosen  # type: ignore[no-any-return]
-
-
-def run_batch(engines: list[Engine], batch: int, padded: bool, steps: int) -> None:
-    """Prefill each engine's batch, then `steps` decode steps, the engines taking turns. Every
-    engine is fed the first engine's greedy tokens, so all of them step over the same history."""
-    feed = [start(e, batch, padded) for e in engines][0]
+    times: dict[str, list[tuple[float, float]]] = {"batch": [], "step": []}
     for _ in range(steps):
-        feed = [step(e, feed) for e in engines][0]
+        times["batch"].append(clocked(batch_step))
+        times["step"].append(clocked(loop.step))
+    return times
 
 
-def profile(engine: Engine, batch: int, steps: int) -> dict[str, float]:
-    """Milliseconds per step by kind of work, from torch's profiler over `steps` decode steps."""
+def long_prompt(stage: StagePartition, streams: int, chunk: int) -> dict[str, float]:
+    """The step engine's ITL for `streams` decoding rows while a LONG-token prompt arrives, and the
+    batch engine's stall: the prompt's whole prefill."""
+    loop = loop_for(stage, streams, chunk, LONG)
+    for i, p in enumerate(prompts(streams, PROMPT, 7)):
+        loop.add(Seq(str(i), tuple(p), 400))
+    while any(len(r.tokens) > 1 for r in loop.step().plan.rows):
+        pass  # until every stream decodes
+    quiet = [clocked(loop.step)[0] for _ in range(8)]
+    long = prompts(1, LONG, 8)[0]
+    loop.add(Seq("long", tuple(long), 4))
+    during, chunks = [], 0
+    while loop.scheduler.sequences["long"].computed < LONG:
+        started = time.perf_counter()
+        plan = loop.step().plan
+        during.append(time.perf_counter() - started)
+        chunks += any(r.seq_id == "long" for r in plan.chunks)
+    x, mask = left_pad([long], 0)
+    whole, _ = clocked(lambda: stage(BatchState(stage.config, ["long"], mask), x))
+    decode = statistics.median(quiet)
+    p99 = percentile(during, 99) or 0.0
+    return {
+        "decode": decode,
+        "p99": p99,
+        "chunk": statistics.median(during) - decode,
+        "whole": whole,
+        "chunks": chunks,
+    }
+
+
+def profile(stage: StagePartition, streams: int, steps: int) -> str:
+    """Where a step engine's decode step goes: the top operators by self CPU time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    feed = start(engine, batch)
+    loop = loop_for(stage, streams, PROMPT * streams)
+    for i, p in enumerate(prompts(streams, PROMPT, 3)):
+        loop.add(Seq(str(i), tuple(p), steps + 4))
     for _ in range(3):
-        feed = step(engine, feed)
+        loop.step()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        started = time.perf_counter()
         for _ in range(steps):
-            feed = step(engine, feed)
-        wall = time.perf_counter() - started
-    kinds: dict[str, float] = {"linear layers (mm)": 0.0, "attention": 0.0, "other kernels": 0.0}
-    ops = 0
-    for event in prof.key_averages():
-        name, self_ms = event.key, event.self_cpu_time_total / 1000
-        ops += event.count if name.startswith("aten::") else 0
-        if name in ("aten::mm", "aten::addmm") or "linear_pointwise" in name:
-            kinds["linear layers (mm)"] += self_ms
-        elif "scaled_dot_product" in name or name in ("aten::bmm", "aten::_softmax", "aten::masked_fill_"):
-            kinds["attention"] += self_ms
-        elif name.startswith("aten::"):
-            kinds["other kernels"] += self_ms
-    per_step = {kind: ms / steps for kind, ms in kinds.items()}
-    per_step["host (Python, dispatch, profiler)"] = max(0.0, wall * 1000 / steps - sum(per_step.values()))
-    per_step["step (wall)"] = wall * 1000 / steps
-    per_step["aten ops (count)"] = ops / steps
-    return per_step
-
-
-def agreement(a: Engine, b: Engine) -> tuple[int, int]:
-    same = total = 0
-    for row_a, row_b in zip(a.tokens, b.tokens, strict=True):
-        same += sum(x == y for x, y in zip(row_a, row_b, strict=True))
-        total += len(row_a)
-    return same, total
+            loop.step()
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 
 
 def spread(samples: list[float]) -> str:
-    """A median over rounds with its lowest-highest, in ms."""
     return f"{statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f})"
-
-
-Times = dict[str, list[float]]  # engine -> ms, one per round
-
-
-def markdown(
-    rows: list[tuple[int, str, Times, Times, Times, Times]],
-    profs: dict[str, dict[str, float]],
-    meta: dict[str, str],
-) -> str:
-    names = [name for name, *_ in ENGINES]
-    mid = statistics.median
-    columns = (
-        " | ".join([f"{n} ms>" for n in names] + [f"{n} CPU ms>" for n in names])
-        + " | "
-        + " | ".join(f"{a} vs {b}> | (CPU)>" for a, b in PAIRS)
-    )
-
-    def cells(wall: Times, cpu: Times) -> list[str]:
-        ratios = [f"{mid(t[b]) / mid(t[a]):.2f}×" for a, b in PAIRS for t in (wall, cpu)]
-        return [*(spread(wall[n]) for n in names), *(spread(cpu[n]) for n in names), *ratios]
-
-    lines = [
-        "# Engine: one step, decode and prefill, before and after",
-        "",
-        f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}, torch threads {meta['threads']}, "
-        f"load average {meta['load']}. SmolLM2-135M-Instruct, one stage, prompts of 100-160 tokens "
-        "left-padded to the longest (padded) or all of 128 (unpadded); the engines take turns step by "
-        f"step, {meta['rounds']} rounds. ms: wall clock, the median of the rounds' median steps "
-        "(lowest-highest round); CPU ms: the same steps' CPU time on the one torch thread (what a step "
-        "costs, whatever else the machine runs).",
-        "",
-        "Decode steps:",
-        "",
-        *table(
-            "batch> | rows | " + columns,
-            ([batch, kind, *cells(ms, cpu)] for batch, kind, ms, cpu, _, _ in rows),
-        ),
-        "",
-        "Prefill (the whole batch's prompts in one step; unpadded rows: B × 128 tokens):",
-        "",
-        *table(
-            "batch> | tokens> | " + columns,
-            (
-                [batch, batch * 128, *cells(pre, pre_cpu)]
-                for batch, kind, _, _, pre, pre_cpu in rows
-                if kind == "unpadded"
-            ),
-        ),
-        "",
-        "Where one decode step's milliseconds go (padded rows, torch profiler; its own overhead lands in "
-        "the host line, and every aten op counts, nested ones too):",
-        "",
-        *table(
-            "work | " + " | ".join(f"{name} ms> | share>" for name in profs),
-            (
-                [kind]
-                + [
-                    cell
-                    for prof in profs.values()
-                    for cell in (
-                        f"{prof[kind]:.1f}" if "count" not in kind else f"{prof[kind]:.0f}",
-                        ""
-                        if kind in ("step (wall)", "aten ops (count)")
-                        else f"{prof[kind] / prof['step (wall)']:.0%}",
-                    )
-                ]
-                for kind in next(iter(profs.values()))
-            ),
-        ),
-        "",
-        f"Greedy agreement over every decode step: {meta['agreement']}.",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -239,96 +141,63 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="padded,unpadded", help="padded, unpadded or both")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
-    )
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--chunk", type=int, default=256, help="the step engine's token budget")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
+    dtype = resolve_dtype(args.dtype, "cpu")
+    stage = StagePartition.load(MODEL_DIR, dtype=dtype)
+    stage.warmup()
     load = f"{os.getloadavg()[0]:.1f}"
-
-    def partition(dtype: torch.dtype, pack: bool, fuse: bool) -> StagePartition:
-        stage = StagePartition.load(MODEL_DIR, dtype=dtype, pack=pack, fuse=fuse)
-        assert stage.config._attn_implementation == attention.IMPLEMENTATION
-        stage.warmup()
-        return stage
-
-    engines = [Engine(name, partition(dtype, pack, fuse)) for name, dtype, pack, fuse in ENGINES]
-    by_name = {e.name: e for e in engines}
-    kinds = args.rows.split(",")
-    cases = [
-        (b, padded)
-        for b in batches
-        for padded in (True, False)
-        if ("padded" if padded else "unpadded") in kinds
-    ]
-    steps: dict[tuple[int, bool], dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
-    prefill_cpu: dict[tuple[int, bool], dict[str, list[float]]] = {
-        c: {e.name: [] for e in engines} for c in cases
-    }
-    cpu: dict[tuple[int, bool], dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
-    prefill: dict[tuple[int, bool], dict[str, list[float]]] = {
-        c: {e.name: [] for e in engines} for c in cases
-    }
-    agree = {pair: [0, 0] for pair in PAIRS}
-    for round_ in range(args.rounds):
-        for batch, padded in cases:
-            run_batch(engines, batch, padded, args.steps)
-            for e in engines:
-                steps[batch, padded][e.name].append(median_ms(e.timings))
-                cpu[batch, padded][e.name].append(median_ms(e.cpu))
-                prefill[batch, padded][e.name].append(e.prefill[-1][0] * 1000)
-                prefill_cpu[batch, padded][e.name].append(e.prefill[-1][1] * 1000)
+    rows = []
+    for streams in [int(b) for b in args.batches.split(",")]:
+        wall: dict[str, list[float]] = {"batch": [], "step": []}
+        cpu: dict[str, list[float]] = {"batch": [], "step": []}
+        for round_ in range(args.rounds):
+            for engine, samples in decode_round(stage, streams, args.steps, round_).items():
+                wall[engine].append(statistics.median(w for w, _ in samples) * 1e3)
+                cpu[engine].append(statistics.median(c for _, c in samples) * 1e3)
             say(
-                f"round {round_ + 1} batch {batch} {'padded' if padded else 'unpadded'}: "
-                + ", ".join(f"{e.name} {median_ms(e.timings):.1f} ms" for e in engines)
+                f"{streams} streams, round {round_ + 1}: "
+                f"batch {wall['batch'][-1]:.1f} ms, step {wall['step'][-1]:.1f} ms"
             )
-            for pair in PAIRS:
-                s, t = agreement(by_name[pair[0]], by_name[pair[1]])
-                agree[pair][0] += s
-                agree[pair][1] += t
-    rows = [
-        (b, "padded" if p else "unpadded", steps[b, p], cpu[b, p], prefill[b, p], prefill_cpu[b, p])
-        for b, p in cases
-    ]
-    profs = {
-        f"{name}, batch {batch}": profile(by_name[name], batch, max(4, args.steps // 3))
-        for batch in sorted({min(batches), max(batches)})
-        for name in ("bf16 before", "bf16")
-    }
-    for name, prof in profs.items():
-        say(f"profile {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.items()))
-    meta = {
-        "command": f"python -m bench.engine --batches {args.batches} --steps {args.steps} "
-        f"--rounds {args.rounds} --rows {args.rows} --threads {args.threads}",
-        "commit": git_commit(),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "threads": str(args.threads),
-        "rounds": str(args.rounds),
-        "load": f"{load} before, {os.getloadavg()[0]:.1f} after",
-        "agreement": "; ".join(
-            f"{a} vs {b} {s}/{t} tokens ({s / max(t, 1):.1%})" for (a, b), (s, t) in agree.items()
-        ),
-    }
-    text = markdown(rows, profs, meta)
-    print(text)
-    if not args.no_write:
-        write_results(
-            "engine",
-            text,
-            {
-                "meta": meta,
-                "steps": [
-                    {"batch": b, "rows": k, "ms": ms, "cpu_ms": c, "prefill_ms": pre, "prefill_cpu_ms": pc}
-                    for b, k, ms, c, pre, pc in rows
-                ],
-                "profile": profs,
-            },
+        b, s = statistics.median(wall["batch"]), statistics.median(wall["step"])
+        cb, cs = statistics.median(cpu["batch"]), statistics.median(cpu["step"])
+        rows.append(
+            [
+                streams,
+                spread(wall["batch"]),
+                spread(wall["step"]),
+                f"{streams * 1e3 / b:.1f}",
+                f"{streams * 1e3 / s:.1f}",
+                f"{b / s:.2f}×",
+                f"{cb:.1f}",
+                f"{cs:.1f}",
+                f"{cb / cs:.2f}×",
+            ]
         )
+    got = long_prompt(stage, 16, args.chunk)
+    print(
+        f"`python -m bench.engine --batches {args.batches} --steps {args.steps} --rounds {args.rounds} "
+        f"--chunk {args.chunk}`: commit {git_commit()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"SmolLM2-135M-Instruct, one stage, {dtype_name(dtype)}, torch threads {torch.get_num_threads()}, "
+        f"load average {load} before, {os.getloadavg()[0]:.1f} after.\n"
+    )
+    columns = (
+        "streams> | batch ms> | step ms> | batch tok/s> | step tok/s> | step / batch> | batch CPU ms> | "
+    )
+    print("\n".join(table(columns + "step CPU ms> | step / batch (CPU)>", rows)))
+    print(
+        f"\nA {LONG}-token prompt into 16 decoding streams, chunks of {args.chunk} tokens "
+        f"({got['chunks']:.0f} steps carried one): step engine ITL {got['decode'] * 1e3:.1f} ms "
+        f"decode-only, p99 "
+        f"{got['p99'] * 1e3:.1f} ms while it arrives (+{(got['p99'] - got['decode']) * 1e3:.1f} ms; one "
+        f"chunk's own time {got['chunk'] * 1e3:.1f} ms); the batch engine's streams wait behind its whole "
+        f"prefill, {got['whole'] * 1e3:.0f} ms.\n"
+    )
+    print(profile(stage, max(int(b) for b in args.batches.split(",")), 4))
 
 
 if __name__ == "__main__":

@@ -151,8 +151,8 @@ class Settings(BaseSettings):
     compile: Literal["auto", "graphs", "off"] = "auto"
     # What decides a one-stage pipeline's steps (docs/architecture.md, "The step engine"): batch runs
     # the batcher's windows as batches that join running ones; step admits their jobs into one step
-    # scheduler over a paged KV cache (ragged steps, chunked prefill). Pipelines of several stages
-    # run batch.
+    # scheduler over a paged KV cache (ragged steps, chunked prefill); a worker of a pipeline of
+    # several stages refuses to start with it.
     engine: Literal["batch", "step"] = "batch"
     # Prefix caching (docs/models.md, "Prefix caching"): each stage keeps the keys and values of the
     # prompts it prefilled, in whole blocks of 16 tokens, and a later prompt that starts with the same

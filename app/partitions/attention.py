@@ -6,8 +6,9 @@ transformers hands PyTorch's CPU `scaled_dot_product_attention` the heads as the
 slow: ~10 ms a layer for SmolLM2 at batch 64 over 135 keys, against ~1 ms for the same attention
 with the query heads of each key/value head packed as that head's queries ([B, H, 1, D] ->
 [B, Hkv, G, D], what transformers itself does when a mask is given). At batch 1 it is 0.14 ms
-against 0.03 ms a layer. (One thread, the two SDPA calls timed alone; `python -m bench.engine`
-times whole steps: unpadded at batch 64, 262 ms before against 110 ms with this and packed weights.)
+against 0.03 ms a layer. (One thread, the two SDPA calls timed alone; `bench/engine.py` at
+commit dc23406 timed whole steps: unpadded at batch 64, 262 ms before against 110 ms with this and
+packed weights.)
 
 `grouped_attention` always packs a half-precision decode step on a CPU, mask or no mask, so the
 numbers are the ones the masked path has always given. Everything else (a prefill, fp32, a GPU,

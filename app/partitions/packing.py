@@ -5,8 +5,8 @@ product re-blocks it each time; a decode step of a small batch is one read of ev
 that overhead is most of the step. oneDNN can block a weight once (`_reorder_linear_weight`) and
 multiply by the blocked copy from then on (`_linear_pointwise`): the same kernel, so the same
 numbers, bit for bit (the tests check it), and faster — one thread, SmolLM2's shapes, bf16:
-1.8x at batch 1 (the 49152 x 576 head: 3.3 -> 1.4 ms), 1.1x at batch 64 (`python -m
-bench.engine` times whole steps). This is what PyTorch's own compiler does to linear layers when
+1.8x at batch 1 (the 49152 x 576 head: 3.3 -> 1.4 ms), 1.1x at batch 64 (`bench/engine.py`
+at commit dc23406 timed whole steps). This is what PyTorch's own compiler does to linear layers when
 it freezes a model for a CPU; here it is done without compiling.
 
 Only where it pays and is supported: bf16 on a CPU whose oneDNN has bf16 kernels. fp32 gains

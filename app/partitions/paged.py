@@ -17,18 +17,20 @@ lengths, block tables, where each new token's key goes); each layer writes its n
 
 - the decode rows together: each row's blocks gathered into [kv heads, rows, blocks x block_size,
   head dim], the query heads of a KV head packed as that head's queries (`app.partitions.attention`
-  says why), the positions past each row's length masked; two batched matrix products;
+  says why), the positions past each row's length masked; one attention call;
 - each prefill chunk on its own: its blocks gathered, a causal mask offset by what it had cached.
 
 Grouped-query heads, sliding windows (a query at position q sees keys in (q - window, q], the
 stages' rule) and Gemma 2's attention-logit soft-capping are handled; the scale is the layer's
-(`LayerAttention.of`). Scores are taken in fp32 whatever the cache's dtype, as transformers' eager
-attention does. torch 2.13's own ragged options lose on a CPU: variable-length attention
-(`torch.nn.attention.varlen`) has no CPU kernel, and compiled flex attention with a block mask and
-SDPA over nested tensors were 10-100x slower than this (docs/architecture.md, "The step engine").
-Against the stages' decode path today: bench/results/paged_attention.md.
+(`LayerAttention.of`). Scores are taken in fp32 whatever the cache's dtype (SDPA's CPU kernel
+accumulates in fp32; the soft-capped path computes them so). torch 2.13's own ragged options lose
+on a CPU: variable-length attention (`torch.nn.attention.varlen`) has no CPU kernel, and compiled
+flex attention with a block mask and SDPA over nested tensors were 10-100x slower than this
+(docs/architecture.md, "The step engine"). Against the stages' decode path today:
+bench/results/paged_attention.md.
 
-The stage worker does not use this yet: its batches still run over `app.partitions.kvcache`.
+The step engine's worker (`CONVEYOR_ENGINE=step`) runs on it through `app.partitions.ragged`; the
+batch engine's batches run over `app.partitions.kvcache`.
 """
 
 from __future__ import annotations
