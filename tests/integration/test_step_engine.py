@@ -109,3 +109,31 @@ def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_ur
             args=("--stages", "2"),
         ):
             pass
+
+
+def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
+    tmp_path, redis_url, tiny_model
+):  # type: ignore[no-untyped-def]
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
+        ) as stack,
+        stack.client() as client,
+    ):
+        runtime = next(iter(stack.runtimes.values()))
+        run, calls = runtime.loop.run, []
+
+        def broken(plan):  # type: ignore[no-untyped-def]
+            calls.append(plan)
+            if len(calls) == 1:
+                raise RuntimeError("a kernel failed")
+            return run(plan)
+
+        runtime.loop.run = broken
+        failed = wait(client, submit(client, prompt="one two three", max_tokens=5, temperature=0)["id"])
+        after = greedy(client, "one two three", 5)
+    assert failed["status"] == "failed", failed
+    assert failed["error"]["code"] == "worker_error"
+    assert "a kernel failed" in failed["error"]["message"]
+    assert after[0]["status"] == "succeeded"
+    assert after[1] == reference_tokens(tiny_model, "one two three", 5)

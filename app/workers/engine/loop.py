@@ -71,6 +71,11 @@ class EngineLoop:
         self.caches = [ragged.cache_for(s, config.num_blocks, config.block_size) for s in stages]
         self.rules = [ragged.layer_rules(s) for s in stages]
 
+    def reset(self) -> None:
+        """Forget every sequence and plan (after a step that raised): a fresh scheduler over the same
+        caches, whose contents no block table names any more."""
+        self.scheduler = Scheduler(self.scheduler.config)
+
     def add(self, seq: Seq) -> None:
         self.scheduler.add(seq)
 

@@ -153,6 +153,7 @@ class EngineRuntime(StageRuntime):
             metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
             for job_id in held:
                 self._leave(job_id)
+            self.loop.reset()  # the failed step's plan was never applied
 
     def _plan_and_run(self) -> None:
         scheduler = self.loop.scheduler
