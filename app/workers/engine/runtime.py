@@ -102,6 +102,9 @@ class EngineRuntime(StageRuntime):
         moves = [Transition(j, JobStatus.RUNNING, when={"batch_id": msg.batch_id}) for j in msg.seq_ids]
         started = set(self.jobs.apply(moves, strict=False))
         job_ids = [j for j in msg.seq_ids if j in started]
+        if not job_ids:
+            self.publisher.batch_done(msg.model, msg.batch_id)
+            return
         self.jobs.progressed(job_ids, time.time())
         sequences = self._load_sequences(msg.batch_id, job_ids)  # a broken request fails alone
         records = dict(zip(job_ids, self.jobs.get_many(job_ids, "prompt_ids", "attempts"), strict=True))
