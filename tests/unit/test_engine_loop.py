@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from families import CONFIGS
+from unit.test_families import reference
 
 from app.core.errors import UnsupportedModel
 from app.partitions import ragged
@@ -29,26 +30,6 @@ SEQUENCES = {
 # 4 positions a block, 8 tokens a step: every prompt over 8 tokens is prefilled in chunks; the four
 # sequences need 19 blocks at their longest, the pool has 12: one at least is preempted
 CONFIG = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
-
-_REFERENCES: dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
-
-
-def reference(name: str, model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """`generate` of one prompt alone: its tokens and raw logits per step."""
-    key = (name, tuple(prompt), steps)
-    if key not in _REFERENCES:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        _REFERENCES[key] = (out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.logits])
-    return _REFERENCES[key]
 
 
 def load(path: Path, stages: int) -> list[StagePartition]:
@@ -80,7 +61,7 @@ def test_ragged_steps_decode_exactly_as_generate(
     assert mixed >= 1
     for k, seq in seqs.items():
         prompt, n, _ = SEQUENCES[k]
-        tokens, expected = reference(name, model, prompt, n)
+        tokens, expected = reference(model, prompt, n)
         assert seq.output == tokens, k
         assert len(got[k]) == n
         for i, (ours, theirs) in enumerate(zip(got[k], expected, strict=True)):
