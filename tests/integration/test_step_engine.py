@@ -31,6 +31,18 @@ PROMPTS = [
 ]
 
 
+def engine_stack(tmp_path, redis_url, tiny_model, **kwargs):  # type: ignore[no-untyped-def]
+    """The in-process stack serving the tiny model on the step engine."""
+    return harness(
+        tmp_path,
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        extra_env=ENGINE,
+        **kwargs,
+    )
+
+
 def greedy(client, prompt: str, max_tokens: int):  # type: ignore[no-untyped-def]
     job = submit(client, prompt=prompt, max_tokens=max_tokens, temperature=0)
     stream = events(client, job["urls"]["events"])
@@ -40,9 +52,7 @@ def greedy(client, prompt: str, max_tokens: int):  # type: ignore[no-untyped-def
 def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     lengths = [24, 9, 17, 30, 5, 12]  # they leave at different steps
     with (
-        harness(
-            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
-        ) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model) as stack,
         stack.client() as client,
         ThreadPoolExecutor(len(PROMPTS)) as pool,
     ):
@@ -55,9 +65,7 @@ def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_u
 
 def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     with (
-        harness(
-            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
-        ) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model) as stack,
         stack.client() as client,
     ):
         long = submit(client, prompt="one two three", max_tokens=400, temperature=0, ignore_eos=True)
@@ -82,9 +90,7 @@ def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis
 
 def test_echo_on_the_step_engine_fails_with_a_reason(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     with (
-        harness(
-            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
-        ) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model) as stack,
         stack.client() as client,
     ):
         response = client.post(
@@ -100,14 +106,7 @@ def test_echo_on_the_step_engine_fails_with_a_reason(tmp_path, redis_url, tiny_m
 
 def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="one-stage pipelines"):
-        with harness(
-            tmp_path,
-            redis_url=redis_url,
-            models={"tiny": tiny_model},
-            default_model="tiny",
-            extra_env=ENGINE,
-            args=("--stages", "2"),
-        ):
+        with engine_stack(tmp_path, redis_url, tiny_model, args=("--stages", "2")):
             pass
 
 
@@ -115,9 +114,7 @@ def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
     tmp_path, redis_url, tiny_model
 ):  # type: ignore[no-untyped-def]
     with (
-        harness(
-            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=ENGINE
-        ) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model) as stack,
         stack.client() as client,
     ):
         runtime = next(iter(stack.runtimes.values()))
