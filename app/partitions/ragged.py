@@ -125,12 +125,14 @@ def forward(
     *,
     rules: dict[int, LayerAttention] | None = None,
     sample: Sequence[int] = (),
+    final: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run a ragged step over `stage`'s layers.
 
     x: the step's token ids [T] on the first stage, hidden states [T, D] on the others.
     Returns hidden states [T, D]; on the last stage, the float32 next-token logits [R, V] of the
-    flat indices `sample` (each sampling row's last token), in that order."""
+    flat indices `sample` (each sampling row's last token), in that order, and the final hidden
+    states [T, D] (before the norm) are appended to `final` when it is given (echo's logprobs)."""
     if IMPLEMENTATION not in AttentionInterface._global_mapping:
         AttentionInterface.register(IMPLEMENTATION, _attention)
     device = stage.device
@@ -158,6 +160,8 @@ def forward(
     hidden = hidden[0]  # [T, D]
     if stage.lm_head is None or stage.norm is None:
         return hidden
+    if final is not None:
+        final.append(hidden)
     rows = hidden[torch.tensor(list(sample), dtype=torch.long, device=device)]
     logits = stage.lm_head(stage.norm(rows))
     return stage.family.logits(config, logits).float()  # type: ignore[no-any-return]

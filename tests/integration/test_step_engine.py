@@ -1,8 +1,9 @@
 """A one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`), in process (tests/harness.py):
 jobs the batcher dispatches are admitted into one scheduler whose ragged steps give the tokens of
 `generate`, with prompts longer than a step's token budget (chunked prefill) and jobs arriving while
-others decode; a cancelled job leaves and the others go on; what the engine does not serve fails
-with a reason; a pipeline of several stages is refused at start."""
+others decode; echo's prompt logprobs are the model's log-softmax over chunked prompts; a cancelled
+job leaves and the others go on; a step that raises fails its jobs alone; a pipeline of several
+stages is refused at start."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 from clients import events, submit, tokens, wait
 from harness import harness
 from integration.test_generation import reference_tokens
+from integration.test_openai_choices import reference
+from transformers import AutoTokenizer
 
 # A step of at most 16 tokens, 4 sequences at once: the longer prompts arrive in chunks, and the
 # fifth and sixth jobs wait for a sequence to end.
@@ -88,20 +91,33 @@ def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis
     assert done["usage"]["completion_tokens"] == 12
 
 
-def test_echo_on_the_step_engine_fails_with_a_reason(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+def test_echo_on_the_step_engine_gives_the_prompts_log_softmax(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = PROMPTS[1]  # several chunks of the step's 16 tokens
+    ids = tokenizer(prompt).input_ids
+    want = reference(tiny_model, ids)  # [L - 1, V]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
     with (
         engine_stack(tmp_path, redis_url, tiny_model) as stack,
         stack.client() as client,
+        ThreadPoolExecutor(3) as pool,
     ):
-        response = client.post(
-            "/v1/completions",
-            json={"model": "tiny", "prompt": "one two", "max_tokens": 3, "echo": True, "logprobs": 1},
-        )
-        plain = submit(client, prompt="one two", max_tokens=3, temperature=0, ignore_eos=True)
-        assert wait(client, plain["id"])["status"] == "succeeded"
-    body = response.json()
-    assert response.status_code >= 400, body
-    assert "CONVEYOR_ENGINE=batch" in str(body)
+        # one beside two plain jobs, then again: its blocks are cached now, and still computed
+        beside = [pool.submit(greedy, client, p, 8) for p in PROMPTS[2:4]]
+        answers = [client.post("/v1/completions", json=body) for _ in range(2)]
+        plain = [f.result() for f in beside]
+    for response in answers:
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]
+        prompt_lps = logprobs["token_logprobs"][: len(ids)]
+        assert prompt_lps[0] is None
+        pairs = enumerate(zip(prompt_lps[1:], ids[1:], strict=True))
+        assert all(abs(lp - float(want[i, t])) < 1e-3 for i, (lp, t) in pairs)
+        for i, top in enumerate(logprobs["top_logprobs"][1 : len(ids)]):
+            assert {tokenizer.decode([int(t)]) for t in want[i].topk(2).indices} <= set(top)
+        assert len(logprobs["tokens"]) == len(ids) + 3
+    for p, (job, got) in zip(PROMPTS[2:4], plain, strict=True):
+        assert job["status"] == "succeeded" and got == reference_tokens(tiny_model, p, 8)
 
 
 def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
@@ -120,11 +136,11 @@ def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
         runtime = next(iter(stack.runtimes.values()))
         run, calls = runtime.loop.run, []
 
-        def broken(plan):  # type: ignore[no-untyped-def]
+        def broken(plan, *args):  # type: ignore[no-untyped-def]
             calls.append(plan)
             if len(calls) == 1:
                 raise RuntimeError("a kernel failed")
-            return run(plan)
+            return run(plan, *args)
 
         runtime.loop.run = broken
         failed = wait(client, submit(client, prompt="one two three", max_tokens=5, temperature=0)["id"])

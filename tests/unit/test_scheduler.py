@@ -240,6 +240,14 @@ def test_a_prompt_of_whole_cached_blocks_still_runs_its_last_token() -> None:
     assert shape(s.schedule()) == {"b": (16, 16)}
 
 
+def test_a_sequence_that_computes_every_id_ignores_the_cached_blocks() -> None:
+    s = scheduler()
+    s.add(seq("a", 40, max_tokens=1, first=0))
+    step(s)
+    s.add(seq("b", 40, max_tokens=1, first=0, reuse=False))  # echo's logprobs need every position
+    assert shape(s.schedule()) == {"b": (0, 40)}
+
+
 def test_running_sequences_share_their_common_blocks() -> None:
     s = scheduler()
     s.add(seq("a", 40, max_tokens=10, first=0))

@@ -86,11 +86,12 @@ class EngineLoop:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Run a plan through every stage: the sampling rows' logits [R, V] in row order."""
+    def run(self, plan: StepPlan, final: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run a plan through every stage: the sampling rows' logits [R, V] in row order (and the
+        last stage's final hidden states [T, D] appended to `final`, when given)."""
         step, x, sample = layout(plan, self.stages[0].device)
         for stage, cache, rules in zip(self.stages, self.caches, self.rules, strict=True):
-            x = ragged.forward(stage, cache, step, x, rules=rules, sample=sample)
+            x = ragged.forward(stage, cache, step, x, rules=rules, sample=sample, final=final)
         return x
 
     def step(self, choose: Choose = greedy) -> StepResult:

@@ -12,6 +12,10 @@ is reported done to the batcher (`Publisher.batch_done`) once each of its jobs h
 or has left, as a prefilled batch is on the batch engine; from then its jobs count against the
 pipeline's sequence budget.
 
+Echo's prompt logprobs: a job that asks for them computes its whole prompt (no cached blocks,
+`Seq.reuse`); the final hidden states of its prompt's chunks are kept as the steps run them, and
+on its first token they go through the model's norm and head (`app.workers.echo`).
+
 Threads: admissions run on the compute thread as urgent items, so they run between two steps;
 `pump` is the ordinary item that runs steps while there is work (`Pump` starts it when an
 admission brings work to an idle loop).
@@ -28,20 +32,23 @@ from typing import Any
 import torch
 
 from app.core import metrics
-from app.core.errors import InvalidRequest
 from app.core.jobs import JobStatus, Transition
 from app.core.keys import PRIORITIES
 from app.core.protocol import StepMessage
 from app.core.steps import Steps
+from app.workers import echo
 from app.workers.decode import Sequence, advance
 from app.workers.engine.loop import EngineLoop
-from app.workers.engine.scheduler import SchedulerConfig, Seq
+from app.workers.engine.scheduler import SchedulerConfig, Seq, StepPlan
 from app.workers.stage import StageRuntime
 
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16  # as the prefix cache's blocks (`app.partitions.digest.BLOCK`)
 PROGRESS_EVERY_S = 2.0  # waiting sequences' stall clocks restarted this often (the monitor's)
+
+# A prompt, and the final hidden states of its chunks run so far, by first position.
+Echo = tuple[tuple[int, ...], dict[int, torch.Tensor]]
 
 
 def scheduler_config(*, kv_positions: int, max_running: int, step_tokens: int) -> SchedulerConfig:
@@ -64,6 +71,9 @@ class EngineRuntime(StageRuntime):
     rows: dict[str, Sequence] = field(init=False, default_factory=dict)  # running jobs' sampling state
     batch_of: dict[str, str] = field(init=False, default_factory=dict)  # job -> batch, until its first token
     waits: dict[str, set[str]] = field(init=False, default_factory=dict)  # batch -> jobs without a token yet
+    # job -> its prompt and the final hidden states of the prompt's chunks run so far, by first
+    # position (echo's prompt logprobs), until its first token
+    echoes: dict[str, Echo] = field(init=False, default_factory=dict)
     wake: threading.Event = field(init=False, default_factory=threading.Event)
     _progressed_at: float = field(init=False, default=0.0)
 
@@ -110,21 +120,17 @@ class EngineRuntime(StageRuntime):
         records = dict(zip(job_ids, self.jobs.get_many(job_ids, "prompt_ids", "attempts"), strict=True))
         waiting = set()
         for job_id, seq in sequences.items():
+            asks = echo.asked({job_id: seq})
             try:
-                if seq.params.prompt_logprobs is not None and not seq.generated:
-                    raise InvalidRequest("prompt logprobs (echo) are served by CONVEYOR_ENGINE=batch only")
                 rank = PRIORITIES.index(seq.priority) if seq.priority in PRIORITIES else 2
-                self.loop.add(
-                    Seq(
-                        job_id,
-                        tuple(self._input_ids(job_id, records[job_id])),
-                        max(1, seq.max_tokens - seq.generated),
-                        rank=rank,
-                    )
-                )
+                ids = tuple(self._input_ids(job_id, records[job_id]))
+                tokens = max(1, seq.max_tokens - seq.generated)
+                self.loop.add(Seq(job_id, ids, tokens, rank=rank, reuse=not asks))
             except Exception as exc:  # too long for the KV cache, or not servable here: alone
                 self._fail_row(job_id, exc)
                 continue
+            if asks:
+                self.echoes[job_id] = (ids, {})
             self.rows[job_id] = seq
             self.batch_of[job_id] = msg.batch_id
             waiting.add(job_id)
@@ -162,7 +168,10 @@ class EngineRuntime(StageRuntime):
         scheduler = self.loop.scheduler
         plan = scheduler.schedule()
         started = time.perf_counter()
-        logits = self.loop.run(plan) if plan.rows else torch.zeros(0)
+        final: list[torch.Tensor] | None = [] if self.echoes else None
+        logits = self.loop.run(plan, final) if plan.rows else torch.zeros(0)
+        if final:
+            self._keep_prompt_columns(plan, final[0])
         took = time.perf_counter() - started
         metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
         if self.latency is not None:
@@ -171,11 +180,13 @@ class EngineRuntime(StageRuntime):
         kept = self._choose([self.rows[j] for j in sampling], logits) if sampling else []
         tokens = dict.fromkeys(sampling, 0) | {seq.job_id: token for seq, token, _ in kept}
         scheduler.update(plan, tokens)
+        echoes = self._prompt_logprobs([seq.job_id for seq, _, _ in kept])
+        kept = [k for k in kept if k[0].job_id in echoes or k[0].job_id not in self.echoes]
         chosen = {seq.job_id for seq, _, _ in kept}
         for job_id in sampling:
-            if job_id not in chosen:  # its sampling failed: failed alone already
+            if job_id not in chosen:  # its sampling or its echo failed: failed alone already
                 self._leave(job_id)
-        outs = [advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept]
+        outs = echo.attach([advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept], echoes)
         gone = self.publisher.tokens(outs) if outs else set()
         self._observe([seq for seq, _, _ in kept], outs, gone)
         for seq, _, _ in kept:
@@ -183,6 +194,40 @@ class EngineRuntime(StageRuntime):
             if seq.job_id in gone or seq.finish_reason is not None:
                 self._leave(seq.job_id)
         self._keep_waiting_alive()
+
+    def _keep_prompt_columns(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Keep the final hidden states [T, D] of this step's prompt positions of the jobs that
+        asked for their prompt's logprobs (positions 0 to L - 2 predict the prompt's tokens)."""
+        flat = 0
+        for row in plan.rows:
+            state = self.echoes.get(row.seq_id)
+            if state is not None:
+                ids, columns = state
+                count = min(row.stop, len(ids) - 1) - row.start
+                if count > 0:
+                    columns[row.start] = hidden[flat : flat + count].clone()
+            flat += len(row.tokens)
+
+    def _prompt_logprobs(self, job_ids: list[str]) -> dict[str, echo.Entries]:
+        """The prompt logprobs of the jobs among `job_ids` that asked for them (this step gave
+        their first token). A job whose columns do not cover its prompt fails alone."""
+        out = {}
+        for job_id in job_ids:
+            if job_id not in self.echoes:
+                continue
+            ids, columns = self.echoes.pop(job_id)
+            try:
+                parts, position = [], 0
+                while position < len(ids) - 1:  # a recomputed prompt's chunks replace the earlier ones
+                    part = columns[position]
+                    parts.append(part)
+                    position += part.shape[0]
+                hidden = torch.cat(parts) if parts else torch.zeros(0, 0)
+                top = self.rows[job_id].params.prompt_logprobs or 0
+                out[job_id] = echo.prompt_logprobs(self.partition, hidden, list(ids), top) if parts else []
+            except Exception as exc:  # a position never run (a bug): this job fails, not the step
+                self._fail_row(job_id, exc)
+        return out
 
     def _first_token(self, job_id: str) -> None:
         """A job has its first token (or left): its batch is done once all of its jobs are."""
@@ -199,6 +244,7 @@ class EngineRuntime(StageRuntime):
     def _leave(self, job_id: str) -> None:
         self.loop.abort(job_id)
         self.rows.pop(job_id, None)
+        self.echoes.pop(job_id, None)
         self._first_token(job_id)
 
     def _keep_waiting_alive(self) -> None:

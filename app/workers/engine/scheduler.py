@@ -15,7 +15,8 @@ batch of at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences. T
    however long, delays them by at most the one chunk that shares their step.
 3. Then prefill chunks: running sequences' unfinished prompts, then waiting sequences, by
    (class rank, arrival), each a chunk of what the token budget has left. A waiting sequence
-   starts with the cached blocks its ids begin with (`BlockPool.hits`) and computes only the rest.
+   starts with the cached blocks its ids begin with (`BlockPool.hits`) and computes only the rest
+   (unless it computes every id itself, `Seq.reuse`: a prompt whose logprobs are asked for).
    The first waiting sequence that does not fit ends the step's admissions (no overtaking), and a
    step that preempted admits no more (the pool is short).
 4. A running sequence whose next tokens need a block when none is free preempts the least urgent,
@@ -77,6 +78,7 @@ class Seq:
     state: SeqState = SeqState.WAITING
     computed: int = 0  # leading ids whose keys and values are in the cache
     preemptions: int = 0
+    reuse: bool = True  # may start from cached blocks; False: every id is computed (echo's logprobs)
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -314,7 +316,7 @@ class Scheduler:
     def _admit(self, seq: Seq, *, first_chunk: int | None = None) -> bool:
         """Move a waiting sequence to running with its cached blocks, if a slot and the blocks of its
         first chunk are free now; else leave it waiting."""
-        hits = self.pool.hits(seq.ids)
+        hits = self._hits(seq)
         cached = len(hits) * self.config.block_size
         chunk = min(seq.length - cached, first_chunk or self._budget)
         if self.pool.needed(seq.seq_id, cached + chunk, hits) > self.pool.free_blocks:
@@ -342,11 +344,14 @@ class Scheduler:
     def _could_admit(self, seq: Seq, chunk: int, lesser: list[Seq]) -> bool:
         """Whether preempting all of `lesser` would give `seq` the blocks of its first chunk (the
         blocks only they hold come free): no sequence is preempted in vain."""
-        hits = self.pool.hits(seq.ids)
+        hits = self._hits(seq)
         cached = len(hits) * self.config.block_size
         needed = self.pool.needed(seq.seq_id, cached + min(seq.length - cached, chunk), hits)
         freed = {i for s in lesser for i in self.pool.table(s.seq_id) if self.pool.refs(i) == 1}
         return needed <= self.pool.free_blocks + len(freed)
+
+    def _hits(self, seq: Seq) -> list[int]:
+        return self.pool.hits(seq.ids) if seq.reuse else []
 
     def _preempt(self, seq: Seq) -> None:
         self.pool.free(seq.seq_id)
