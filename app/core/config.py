@@ -34,7 +34,6 @@ from app.core.sections import (
     BatchSettings,
     BreakerSettings,
     CatalogSettings,
-    HealthSettings,
     JobServiceSettings,
     JwtSettings,
     RateLimiterSettings,
@@ -169,8 +168,6 @@ class Settings(BaseSettings):
     # A worker not heard of for this long is not live. It reports five times as often (every 2 s), so
     # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
     heartbeat_ttl_s: float = 10.0
-
-    health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
 
     # Scheduling and recovery (the batcher). A waiting interactive job rises one priority class per
     # aging_s seconds, so a `normal` job outranks a fresh `realtime` one after 2 x aging_s: nothing

@@ -256,20 +256,6 @@ class JobServiceSettings:
         return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*", UNLISTED_PRIORITIES))
 
 
-class HealthSettings(BaseModel):
-    """A stage replica's health thresholds (app/core/health.py): CONVEYOR_HEALTH_*, read as
-    `Settings.health.<name>`."""
-
-    model_config = SECTION
-
-    # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
-    # a device hotter or fuller than these (or a Redis round trip over 250 ms) marks the replica
-    # unhealthy and it takes no new batches; it comes back 30 s later once a fresh report is under
-    # every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert).
-    max_temperature_c: float = Field(default=85.0, gt=0)
-    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # past it the next batch may not fit
-
-
 class BatchSettings(BaseModel):
     """OpenAI's Batch API: its files, batches and their feeder (app/api/batchfeed.py): CONVEYOR_BATCH_*,
     read as `Settings.batch.<name>`."""
@@ -417,7 +403,6 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "stage": StageSettings,
     "breaker": BreakerSettings,
     "tenant": TenantSettings,
-    "health": HealthSettings,
     "batch": BatchSettings,
     "webhook": WebhookSettings,
     "jwt": JwtSettings,

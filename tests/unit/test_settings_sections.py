@@ -93,9 +93,9 @@ def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
     assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 2048
     assert settings.flower_port == 1234
     # By keyword as by variable, over what the environment gives the same section.
-    given = Settings(webhook_concurrency=9, jwt_key="k", health_max_temperature_c=70.0)
+    given = Settings(webhook_concurrency=9, jwt_key="k", audit_maxlen=70)
     assert (given.webhook.concurrency, given.webhook.secrets, given.jwt.key) == (9, ["whsec_a"], "k")
-    assert given.health.max_temperature_c == 70.0 and given.authenticator.jwt is given.jwt
+    assert given.audit.maxlen == 70 and given.authenticator.jwt is given.jwt
 
 
 def test_no_setting_outside_a_section_is_named_as_one_of_its_variables() -> None:
