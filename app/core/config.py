@@ -32,7 +32,6 @@ from app.core.sections import (
     AuthenticatorSettings,
     BatcherSettings,
     BatchSettings,
-    BreakerSettings,
     CatalogSettings,
     JobServiceSettings,
     JwtSettings,
@@ -205,9 +204,6 @@ class Settings(BaseSettings):
     # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
     overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
-    breaker: BreakerSettings = Field(
-        default_factory=BreakerSettings
-    )  # CONVEYOR_BREAKER_*, app/core/sections.py
     # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
     cancel_on_disconnect: bool = True
 
@@ -350,7 +346,7 @@ class Settings(BaseSettings):
             self,
             stage_down_after_s=self.stage.down_after_s or 2 * self.heartbeat_ttl_s,
             limits=AdmissionLimits(depth, self.overload_limit),
-            breaker=BreakerPolicy(**self.breaker.model_dump()),
+            breaker=BreakerPolicy(),
             tenant_queue_default=queue_share(self.tenant.queue_share, depth),
             tenant_queue_limits=MappingProxyType(
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant.queue_shares.items()}

@@ -138,7 +138,7 @@ class AdmissionSettings:
     heartbeat_ttl_s: float
     stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
     limits: AdmissionLimits  # queue_depth_limit, overload_limit
-    breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
+    breaker: BreakerPolicy  # the circuit breaker's thresholds (app/core/breaker.py: Policy's defaults)
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
@@ -375,19 +375,6 @@ class TenantSettings(BaseModel):
         return self
 
 
-class BreakerSettings(BaseModel):
-    """The circuit breaker of each model pipeline (app/core/breaker.py): CONVEYOR_BREAKER_*, read as
-    `Settings.breaker.<name>`."""
-
-    model_config = SECTION
-
-    # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
-    # breaker_interval_s and breaker_error_threshold of them failed; one probe job after the interval.
-    error_threshold: float = Field(default=0.3, gt=0.0, le=1.0)
-    min_requests: int = Field(default=100, ge=1)  # fewer: a few failures of a quiet model are noise
-    interval_s: float = Field(default=30.0, gt=0.0, le=300.0)  # one-second buckets, read per submit
-
-
 class StageSettings(BaseModel):
     """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
 
@@ -401,7 +388,6 @@ class StageSettings(BaseModel):
 # The sections `Settings` holds, by name: CONVEYOR_<NAME>_<SETTING> is `Settings.<name>.<setting>`.
 SECTIONS: dict[str, type[BaseModel]] = {
     "stage": StageSettings,
-    "breaker": BreakerSettings,
     "tenant": TenantSettings,
     "batch": BatchSettings,
     "webhook": WebhookSettings,
