@@ -12,8 +12,8 @@ same choices, and choice 0 is what the request with n=1 gives.
 
 The answer waits for every job, or streams their chunks as they come, each with its choice's index.
 One request's jobs end together: a job that fails, is cancelled or expires, a client that goes away,
-or a wait past `sync_timeout_s` cancels the others (a single job at the sync timeout is left running,
-to be polled).
+or a wait past the sync timeout (`JobService.sync_timeout_s`) cancels the others (a single job at
+the sync timeout is left running, to be polled).
 """
 
 from __future__ import annotations
@@ -148,25 +148,26 @@ async def wait_all(
     for record in done:
         audit.note_job(request, record)
     if ended:
-        check_succeeded(ended[0], settings)
+        check_succeeded(ended[0], waited_s=jobs.sync_timeout_s)
     running = [r["id"] for r in done if not JobStatus(r["status"]).is_finished]
     if running and len(done) > 1:
-        end_others("", "its request was not answered within sync_timeout_s")
+        end_others("", f"its request was not answered within {jobs.sync_timeout_s:g} s")
         raise SyncTimeout(
-            f"jobs {running} did not finish within {settings.sync_timeout_s:g} s; the request's "
+            f"jobs {running} did not finish within {jobs.sync_timeout_s:g} s; the request's "
             f"{len(done)} jobs were cancelled",
             job_id=running[0],
         )
     for record in done:
-        check_succeeded(record, settings)
+        check_succeeded(record, waited_s=jobs.sync_timeout_s)
     return done
 
 
-def check_succeeded(record: dict[str, str], settings: Settings) -> None:
+def check_succeeded(record: dict[str, str], *, waited_s: float) -> None:
+    """Raise the error of a job that did not succeed; one not finished was waited on `waited_s`."""
     job_id, status = record["id"], JobStatus(record["status"])
     if not status.is_finished:
         raise SyncTimeout(
-            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            f"job {job_id} did not finish within {waited_s:g} s; poll /v1/jobs/{job_id}",
             job_id=job_id,
         )
     if status == JobStatus.SUCCEEDED:

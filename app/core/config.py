@@ -189,7 +189,6 @@ class Settings(BaseSettings):
     # 7.2+, else Redis must run with appendfsync always (the embedded one then does); the API refuses
     # to start on a Redis that offers neither (app/core/durability.py).
     submit_durability: Literal["memory", "fsync"] = "memory"
-    sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 
     stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
 

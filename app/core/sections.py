@@ -244,7 +244,6 @@ class JobServiceSettings:
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
     embedding_stages: int
-    sync_timeout_s: float
     life: Lifetimes  # of the jobs it cancels (Settings.lifetimes)
     admission: AdmissionSettings
     rate_limiter: RateLimiterSettings

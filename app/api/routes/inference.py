@@ -65,7 +65,7 @@ async def inference(
     audit.note_job(request, record)
     if not JobStatus(record["status"]).is_finished:
         raise SyncTimeout(
-            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            f"job {job_id} did not finish within {jobs.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
             job_id=job_id,
         )
     return JobPublic.from_record(record)
@@ -76,7 +76,7 @@ async def wait_unless_gone(
 ) -> dict[str, str] | None:
     """The job's record once it ends (or at the sync timeout); None when the client went away first,
     which cancels the job if `cancel_on_disconnect`."""
-    waiter = asyncio.ensure_future(jobs.wait(job_id, settings.sync_timeout_s))
+    waiter = asyncio.ensure_future(jobs.wait(job_id, jobs.sync_timeout_s))
     try:
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
