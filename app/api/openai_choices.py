@@ -40,7 +40,6 @@ from app.api.service import JobService, Submitted
 from app.api.streams import SSE_PING_S, Slot
 from app.api.toolformats import ToolFormat
 from app.core import aio
-from app.core.config import Settings
 from app.core.errors import RETRY_AFTER_S, ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
 from app.core.follow import Event
 from app.core.jobs import JobStatus
@@ -119,12 +118,10 @@ async def submit_all(
     return made
 
 
-async def wait_all(
-    request: Request, jobs: JobService, job_ids: list[str], settings: Settings
-) -> list[dict[str, str]] | None:
-    """Every job's record once it ends; None when the client went away (which cancels them, with
-    `cancel_on_disconnect`). Of a request of several jobs, the first that ends without succeeding
-    cancels the others at once, as the sync timeout does those still running; its error is raised."""
+async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> list[dict[str, str]] | None:
+    """Every job's record once it ends; None when the client went away (which cancels them). Of a
+    request of several jobs, the first that ends without succeeding cancels the others at once, as
+    the sync timeout does those still running; its error is raised."""
     ended: list[dict[str, str]] = []  # the first job that ended without succeeding
 
     def end_others(job_id: str, reason: str) -> None:
@@ -133,7 +130,7 @@ async def wait_all(
                 jobs.cancel_soon(other, reason)
 
     async def wait(job_id: str) -> dict[str, str] | None:
-        record = await wait_unless_gone(request, jobs, job_id, settings)
+        record = await wait_unless_gone(request, jobs, job_id)
         status = JobStatus(record["status"]) if record is not None else None
         if status is not None and status.is_finished and status != JobStatus.SUCCEEDED and not ended:
             ended.append(record)  # type: ignore[arg-type]
@@ -216,7 +213,6 @@ def merged(
 def stream(
     jobs: JobService,
     choices: Sequence[tuple[str, Reply]],
-    settings: Settings,
     *,
     n: int,
     include_usage: bool,
@@ -303,7 +299,7 @@ def stream(
         generate(),
         ping=SSE_PING_S,
         sep="\n",  # as OpenAI frames its stream
-        client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
+        client_close_handler_callable=disconnected,
     )
 
 

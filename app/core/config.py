@@ -203,8 +203,6 @@ class Settings(BaseSettings):
     # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
     overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
-    # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
-    cancel_on_disconnect: bool = True
 
     batch: BatchSettings = Field(default_factory=BatchSettings)  # CONVEYOR_BATCH_*, app/core/sections.py
 
