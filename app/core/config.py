@@ -82,9 +82,6 @@ class Settings(BaseSettings):
     # request's headers before the API closes it (uvicorn waits for ever): generous to a slow link,
     # short for an attacker holding connections open (app/api/connections.py).
     api_header_timeout_s: float = Field(default=10.0, gt=0)
-    # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
-    # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
-    tls_min_version: Literal["1.2", "1.3"] = "1.3"
     flower_port: int = 5555  # Flower's usual port
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.

@@ -9,7 +9,7 @@
 - the audit stream: one entry per request with its fields;
 - request body size: 413 on Content-Length and on a chunked body;
 - TLS: `conveyor api --ssl-certfile/--ssl-keyfile` answers /healthz over https, and refuses a
-  client that offers nothing newer than TLS 1.2 (CONVEYOR_TLS_MIN_VERSION's default, 1.3).
+  client that offers nothing newer than TLS 1.2 (1.3 at least).
 """
 
 from __future__ import annotations
@@ -496,7 +496,7 @@ def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, ti
         assert answer.json()["status"] == "ok"
         with pytest.raises(httpx.TransportError):  # and nothing in clear text on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-        # TLS 1.3 at least (the default): a client that stops at 1.2 fails the handshake.
+        # TLS 1.3 at least: a client that stops at 1.2 fails the handshake.
         assert handshake(port, cert, maximum=ssl.TLSVersion.TLSv1_2) is None
         assert handshake(port, cert, minimum=ssl.TLSVersion.TLSv1_3) == "TLSv1.3"
         assert "NO AUTHENTICATION" in log.read_text()  # served without credentials: the loud line
