@@ -62,7 +62,7 @@ def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> Non
     from app.api.connections import serving
 
     options = uvicorn_options(settings, ssl_certfile, ssl_keyfile)
-    uvicorn.run(create_app(settings), **options, **serving(header_timeout_s=settings.api_header_timeout_s))
+    uvicorn.run(create_app(settings), **options, **serving())
 
 
 def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | None) -> dict[str, Any]:

@@ -78,10 +78,6 @@ class Settings(BaseSettings):
     # Browser origins (`https://app.example.com`; `*`: any) that may open a job's WebSocket besides the
     # API's own; other pages get close code 4403. Clients that send no Origin (CLI, Python) are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
-    # Seconds a client has (from its connection's start, and from each answer's end) to send a
-    # request's headers before the API closes it (uvicorn waits for ever): generous to a slow link,
-    # short for an attacker holding connections open (app/api/connections.py).
-    api_header_timeout_s: float = Field(default=10.0, gt=0)
     flower_port: int = 5555  # Flower's usual port
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
