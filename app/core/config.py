@@ -207,10 +207,8 @@ class Settings(BaseSettings):
     # anywhere every request is refused (401): the API never opens by accident. none: no
     # authentication, every request is tenant "anonymous" (`make run` on a laptop; a WARNING at start).
     auth: Literal["keys", "none"] = "keys"
-    # Where API keys are looked up. auto: the keys in api_keys when any are set (a deployment's
-    # secrets are then the whole list), else those `conveyor keys create` stored in Redis; both: both.
-    api_key_sources: Literal["auto", "both"] = "auto"
-    # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
+    # API keys: SHA-256 hex of the key -> tenant (JSON). When any are set they are the whole list (a
+    # deployment's secrets); else the keys `conveyor keys create` stored in Redis are looked up.
     api_keys: dict[str, str] = Field(default_factory=dict)
     # Tenants shown what /readyz knows of the deployment's inside: worker names and what each serves,
     # devices, unhealthy replicas, the Redis error. Everyone else sees counts and states only. Under

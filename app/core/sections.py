@@ -190,11 +190,10 @@ class RateLimiterSettings:
 @dataclass(frozen=True)
 class AuthenticatorSettings:
     """The authenticator's part of the settings (app/api/auth.py: the Authenticator and its
-    JwtVerifier), built once by `Settings.authenticator`: the auth and api_key* fields, by their
+    JwtVerifier), built once by `Settings.authenticator`: the auth and api_keys fields, by their
     names in `Settings` (described there), and the JWT section."""
 
     auth: Literal["keys", "none"]
-    api_key_sources: Literal["auto", "both"]
     api_keys: Mapping[str, str]  # SHA-256 hex of a key -> its tenant
     jwt: JwtSettings
 
