@@ -4,7 +4,6 @@ groups live beside it (`app/cli_up.py`, `app/cli_models.py`, `app/cli_keys.py`, 
 
 from __future__ import annotations
 
-import functools
 import json
 import ssl
 import time
@@ -63,12 +62,12 @@ def api(ssl_certfile: SslCertfile = None, ssl_keyfile: SslKeyfile = None) -> Non
     from app.api.connections import serving
 
     options = uvicorn_options(settings, ssl_certfile, ssl_keyfile)
-    uvicorn.run(create_app(settings), **options, **serving(header_timeout_s=settings.api_header_timeout_s))
+    uvicorn.run(create_app(settings), **options, **serving())
 
 
 def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | None) -> dict[str, Any]:
-    """uvicorn's arguments for the api: its address, and TLS when both files are given (no older
-    version than `tls_min_version`, see `tls_context`)."""
+    """uvicorn's arguments for the api: its address, and TLS when both files are given (1.3 at least,
+    see `tls_context`)."""
     options: dict[str, Any] = {
         "host": settings.api_host,
         "port": settings.api_port,
@@ -79,22 +78,23 @@ def uvicorn_options(settings: Settings, certfile: Path | None, keyfile: Path | N
         options.update(
             ssl_certfile=str(certfile),
             ssl_keyfile=str(keyfile),
-            ssl_context_factory=functools.partial(tls_context, minimum=settings.tls_min_version),
+            ssl_context_factory=tls_context,
         )
     elif certfile is not None or keyfile is not None:
         raise typer.BadParameter("--ssl-certfile and --ssl-keyfile go together")
     return options
 
 
-TLS_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+# The oldest TLS version the api accepts: 1.3 drops 1.2's negotiable weak ciphers and renegotiation.
+MIN_TLS_VERSION = ssl.TLSVersion.TLSv1_3
 
 
-def tls_context(config: Any, default: Callable[[], ssl.SSLContext], *, minimum: str) -> ssl.SSLContext:
+def tls_context(config: Any, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
     """uvicorn's `ssl_context_factory` (uvicorn 0.47+): its own context (certificate, key, ciphers)
-    with no TLS version older than `minimum` ("1.2" or "1.3"). uvicorn's `ssl_version` only picks
-    a protocol constant; the floor is a property of the context, so it is set here."""
+    with no TLS version older than MIN_TLS_VERSION. uvicorn's `ssl_version` only picks a protocol
+    constant; the floor is a property of the context, so it is set here."""
     context = default()
-    context.minimum_version = TLS_VERSIONS[minimum]
+    context.minimum_version = MIN_TLS_VERSION
     return context
 
 

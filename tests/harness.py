@@ -300,7 +300,7 @@ class Harness:
             port=port,
             log_level="warning",
             timeout_graceful_shutdown=5,
-            **serving(header_timeout_s=self.settings.api_header_timeout_s),
+            **serving(),
         )
         self.server = uvicorn.Server(config)
         self.url = f"http://127.0.0.1:{port}"

@@ -149,7 +149,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 async def _warn_if_open(auth: Authenticator, client: redis.asyncio.Redis, keys: Keys) -> None:
     """The loud line an operator must not miss: this API is open to anyone who reaches it, or it
-    refuses everyone because no credential exists yet."""
+    refuses everyone because no credential exists yet; and the keys stored in Redis it does not check."""
     try:
         stored = await client.hlen(keys.api_keys())
     except RedisError:
@@ -166,4 +166,10 @@ async def _warn_if_open(auth: Authenticator, client: redis.asyncio.Redis, keys: 
             "no API key and no JWT key is configured: every request is refused (401) until one exists. "
             "Create a key with `conveyor keys create --tenant NAME`, or serve without authentication "
             "with CONVEYOR_AUTH=none."
+        )
+    elif stored and not auth.redis_keys:
+        log.warning(
+            "the %d API keys stored in Redis are not checked: the keys in CONVEYOR_API_KEYS are the "
+            "whole list",
+            stored,
         )

@@ -24,8 +24,8 @@ Who may call is a setting, `Settings.auth` (CONVEYOR_AUTH), so that an API never
   `conveyor_anonymous_requests_total`, and the API logs a WARNING at start. `make run` chooses it
   for a laptop; credentials configured in settings with it are a contradiction that stops the start.
 
-API keys in settings (`CONVEYOR_API_KEYS`) are the only keys accepted unless
-`CONVEYOR_API_KEY_SOURCES=both` adds the ones stored in Redis; with none in settings, Redis's are.
+API keys in settings (`CONVEYOR_API_KEYS`), when any are set, are the only keys accepted (a
+deployment's secrets are the whole list); with none in settings, the ones stored in Redis are.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ class Authenticator:
                 "configured: set CONVEYOR_AUTH=keys to use them, or remove them"
             )
         self.jwt = JwtVerifier(settings) if configured else None
-        # Keys in settings are the whole list unless Redis's are asked for too.
-        self.redis_keys = not self.settings_keys or settings.api_key_sources == "both"
+        # Keys in settings are the whole list: Redis's are looked up only without them.
+        self.redis_keys = not self.settings_keys
 
     @property
     def configured(self) -> bool:

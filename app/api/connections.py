@@ -7,7 +7,7 @@ headers holds a file descriptor for ever, so 20,000 of them exhausted the proces
 and the API stopped accepting anyone. Here:
 
 - the soft limit of open files is raised to the hard limit at start (`raise_fd_limit`);
-- a connection has `header_timeout_s` from its start, and from the end of each response, to send
+- a connection has `HEADER_TIMEOUT_S` from its start, and from the end of each response, to send
   its next request's headers; then it is closed (`RequestGuard`);
 - at most three quarters of the connections the descriptors allow wait for a request; past that
   the one that has waited longest is closed for the newcomer, so idle connections can never keep a
@@ -25,6 +25,10 @@ import resource
 from typing import Any
 
 KEEP_ALIVE_S = 5  # uvicorn's default: the idle wait between two requests of one connection
+# Seconds a client has (from its connection's start, and from each answer's end) to send a request's
+# headers before the API closes it: generous to a slow link, short for an attacker holding
+# connections open.
+HEADER_TIMEOUT_S = 10.0
 # Descriptors kept for what is not a client: the Redis pool (100), model and tokenizer files,
 # logs, the threads' pipes and the pub/sub connection.
 RESERVED_FDS = 512
@@ -126,11 +130,11 @@ def guarded(*, header_timeout_s: float, max_connections: int) -> type[asyncio.Pr
     return type(f"Guarded{base.__name__}", (RequestGuard, base), attributes)
 
 
-def serving(*, header_timeout_s: float) -> dict[str, Any]:
+def serving() -> dict[str, Any]:
     """uvicorn's options for the API's connections; raises the descriptor limit first."""
     cap = max_connections(raise_fd_limit())
     return {
-        "http": guarded(header_timeout_s=header_timeout_s, max_connections=cap),
+        "http": guarded(header_timeout_s=HEADER_TIMEOUT_S, max_connections=cap),
         "limit_concurrency": cap,
         "timeout_keep_alive": KEEP_ALIVE_S,
     }

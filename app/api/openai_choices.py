@@ -12,8 +12,8 @@ same choices, and choice 0 is what the request with n=1 gives.
 
 The answer waits for every job, or streams their chunks as they come, each with its choice's index.
 One request's jobs end together: a job that fails, is cancelled or expires, a client that goes away,
-or a wait past `sync_timeout_s` cancels the others (a single job at the sync timeout is left running,
-to be polled).
+or a wait past the sync timeout (`JobService.sync_timeout_s`) cancels the others (a single job at
+the sync timeout is left running, to be polled).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from app.api.service import JobService, Submitted
 from app.api.streams import SSE_PING_S, Slot
 from app.api.toolformats import ToolFormat
 from app.core import aio
-from app.core.config import Settings
 from app.core.errors import RETRY_AFTER_S, ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
 from app.core.follow import Event
 from app.core.jobs import JobStatus
@@ -119,12 +118,10 @@ async def submit_all(
     return made
 
 
-async def wait_all(
-    request: Request, jobs: JobService, job_ids: list[str], settings: Settings
-) -> list[dict[str, str]] | None:
-    """Every job's record once it ends; None when the client went away (which cancels them, with
-    `cancel_on_disconnect`). Of a request of several jobs, the first that ends without succeeding
-    cancels the others at once, as the sync timeout does those still running; its error is raised."""
+async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> list[dict[str, str]] | None:
+    """Every job's record once it ends; None when the client went away (which cancels them). Of a
+    request of several jobs, the first that ends without succeeding cancels the others at once, as
+    the sync timeout does those still running; its error is raised."""
     ended: list[dict[str, str]] = []  # the first job that ended without succeeding
 
     def end_others(job_id: str, reason: str) -> None:
@@ -133,7 +130,7 @@ async def wait_all(
                 jobs.cancel_soon(other, reason)
 
     async def wait(job_id: str) -> dict[str, str] | None:
-        record = await wait_unless_gone(request, jobs, job_id, settings)
+        record = await wait_unless_gone(request, jobs, job_id)
         status = JobStatus(record["status"]) if record is not None else None
         if status is not None and status.is_finished and status != JobStatus.SUCCEEDED and not ended:
             ended.append(record)  # type: ignore[arg-type]
@@ -148,25 +145,26 @@ async def wait_all(
     for record in done:
         audit.note_job(request, record)
     if ended:
-        check_succeeded(ended[0], settings)
+        check_succeeded(ended[0], waited_s=jobs.sync_timeout_s)
     running = [r["id"] for r in done if not JobStatus(r["status"]).is_finished]
     if running and len(done) > 1:
-        end_others("", "its request was not answered within sync_timeout_s")
+        end_others("", f"its request was not answered within {jobs.sync_timeout_s:g} s")
         raise SyncTimeout(
-            f"jobs {running} did not finish within {settings.sync_timeout_s:g} s; the request's "
+            f"jobs {running} did not finish within {jobs.sync_timeout_s:g} s; the request's "
             f"{len(done)} jobs were cancelled",
             job_id=running[0],
         )
     for record in done:
-        check_succeeded(record, settings)
+        check_succeeded(record, waited_s=jobs.sync_timeout_s)
     return done
 
 
-def check_succeeded(record: dict[str, str], settings: Settings) -> None:
+def check_succeeded(record: dict[str, str], *, waited_s: float) -> None:
+    """Raise the error of a job that did not succeed; one not finished was waited on `waited_s`."""
     job_id, status = record["id"], JobStatus(record["status"])
     if not status.is_finished:
         raise SyncTimeout(
-            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            f"job {job_id} did not finish within {waited_s:g} s; poll /v1/jobs/{job_id}",
             job_id=job_id,
         )
     if status == JobStatus.SUCCEEDED:
@@ -215,7 +213,6 @@ def merged(
 def stream(
     jobs: JobService,
     choices: Sequence[tuple[str, Reply]],
-    settings: Settings,
     *,
     n: int,
     include_usage: bool,
@@ -302,7 +299,7 @@ def stream(
         generate(),
         ping=SSE_PING_S,
         sep="\n",  # as OpenAI frames its stream
-        client_close_handler_callable=disconnected if settings.cancel_on_disconnect else None,
+        client_close_handler_callable=disconnected,
     )
 
 

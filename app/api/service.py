@@ -52,6 +52,10 @@ from app.webhooks.intake import CallbackIntake
 log = logging.getLogger(__name__)
 
 POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up was missed
+# A request answered at its job's end (POST /v1/inference and the OpenAI routes without `stream`,
+# /v1/embeddings) waits this long for it, then is answered 504: ten minutes, longer than a job a
+# client waits on runs. A generation job goes on, to be polled; an embeddings job is cancelled.
+SYNC_TIMEOUT_S = 600.0
 # Drop an Idempotency-Key only if it still names the job it named when read (compare and delete).
 FORGET_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -68,6 +72,7 @@ class JobService:
 
     def __init__(self, settings: JobServiceSettings, redis: Any, catalog: Catalog, hub: EventHub) -> None:
         self.settings = settings
+        self.sync_timeout_s = SYNC_TIMEOUT_S  # the wait of a request answered at its job's end
         self.redis = redis
         self.catalog = catalog
         self.hub = hub
@@ -409,15 +414,14 @@ class JobService:
         await self.ratelimit.take_embedding(tenant, nbytes=padded_bytes(texts))  # the work, padded
         job_id = uuid.uuid4().hex
         await self._write_embedding(texts, tenant=tenant, job_id=job_id, priority="normal", deadline=None)
-        done = await self.wait(job_id, self.settings.sync_timeout_s)
+        done = await self.wait(job_id, self.sync_timeout_s)
         if not JobStatus(done["status"]).is_finished:
             done = await self._end_unanswered_embedding(job_id)
         if done["status"] == JobStatus.FAILED:
             raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)
         if done["status"] != JobStatus.SUCCEEDED:
             raise SyncTimeout(
-                f"embeddings job {job_id} did not finish in {self.settings.sync_timeout_s:g} s; "
-                "it was cancelled",
+                f"embeddings job {job_id} did not finish in {self.sync_timeout_s:g} s; it was cancelled",
                 job_id=job_id,
             )
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
@@ -469,8 +473,8 @@ class JobService:
         it), instead of staying queued or running until its record expires. One that ended meanwhile
         keeps its outcome, and is answered."""
         reason = (
-            f"no embeddings stage finished it within sync_timeout_s ({self.settings.sync_timeout_s:g} s); "
-            "its request was answered 504"
+            f"no embeddings stage finished it within {self.sync_timeout_s:g} s, the wait of its request; "
+            "the request was answered 504"
         )
         with suppress(JobFinished):
             await self.cancel(job_id, tenant=None, reason=reason)

@@ -31,7 +31,7 @@ from app.core.jobs import text_of
 from app.core.keys import Keys
 
 BUCKET_S = 1  # outcomes are counted per second; the window sums the last interval's buckets
-OUTCOME_TTL_S = 600  # a bucket outlives the longest interval allowed (Settings: 300 s)
+OUTCOME_TTL_S = 600  # a bucket outlives the interval (Policy.interval_s) many times over
 STATE_TTL_S = 86_400  # an open breaker nobody touches for a day is forgotten (reads as closed)
 
 
@@ -43,12 +43,13 @@ class State(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Policy:
-    """The thresholds `decide` applies; the API's are the breaker_* settings, built once into
-    `AdmissionSettings.breaker` (`Settings.admission`)."""
+    """The thresholds `decide` applies: the breaker opens when at least `min_requests` jobs ended
+    within `interval_s` and `error_threshold` of them failed; one probe job after the interval. The
+    API's are these defaults, held by `AdmissionSettings.breaker` (`Settings.admission`)."""
 
     error_threshold: float = 0.3
-    min_requests: int = 100
-    interval_s: float = 30.0
+    min_requests: int = 100  # fewer: a few failures of a quiet model are noise
+    interval_s: float = 30.0  # one-second buckets, read per submit
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,7 @@ from app.core.sections import (
     AuthenticatorSettings,
     BatcherSettings,
     BatchSettings,
-    BreakerSettings,
     CatalogSettings,
-    HealthSettings,
     JobServiceSettings,
     JwtSettings,
     RateLimiterSettings,
@@ -80,13 +78,6 @@ class Settings(BaseSettings):
     # Browser origins (`https://app.example.com`; `*`: any) that may open a job's WebSocket besides the
     # API's own; other pages get close code 4403. Clients that send no Origin (CLI, Python) are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
-    # Seconds a client has (from its connection's start, and from each answer's end) to send a
-    # request's headers before the API closes it (uvicorn waits for ever): generous to a slow link,
-    # short for an attacker holding connections open (app/api/connections.py).
-    api_header_timeout_s: float = Field(default=10.0, gt=0)
-    # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
-    # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
-    tls_min_version: Literal["1.2", "1.3"] = "1.3"
     flower_port: int = 5555  # Flower's usual port
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
@@ -170,8 +161,6 @@ class Settings(BaseSettings):
     # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
     heartbeat_ttl_s: float = 10.0
 
-    health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
-
     # Scheduling and recovery (the batcher). A waiting interactive job rises one priority class per
     # aging_s seconds, so a `normal` job outranks a fresh `realtime` one after 2 x aging_s: nothing
     # starves. The `batch` class does not age: it runs on what the interactive classes leave.
@@ -193,7 +182,6 @@ class Settings(BaseSettings):
     # 7.2+, else Redis must run with appendfsync always (the embedded one then does); the API refuses
     # to start on a Redis that offers neither (app/core/durability.py).
     submit_durability: Literal["memory", "fsync"] = "memory"
-    sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
 
     stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
 
@@ -208,11 +196,6 @@ class Settings(BaseSettings):
     # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
     overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
-    breaker: BreakerSettings = Field(
-        default_factory=BreakerSettings
-    )  # CONVEYOR_BREAKER_*, app/core/sections.py
-    # A client that disconnects from /v1/inference (waiting or streaming) cancels its job.
-    cancel_on_disconnect: bool = True
 
     batch: BatchSettings = Field(default_factory=BatchSettings)  # CONVEYOR_BATCH_*, app/core/sections.py
 
@@ -224,10 +207,8 @@ class Settings(BaseSettings):
     # anywhere every request is refused (401): the API never opens by accident. none: no
     # authentication, every request is tenant "anonymous" (`make run` on a laptop; a WARNING at start).
     auth: Literal["keys", "none"] = "keys"
-    # Where API keys are looked up. auto: the keys in api_keys when any are set (a deployment's
-    # secrets are then the whole list), else those `conveyor keys create` stored in Redis; both: both.
-    api_key_sources: Literal["auto", "both"] = "auto"
-    # API keys: SHA-256 hex of the key -> tenant (JSON); keys made by `conveyor keys create` live in Redis.
+    # API keys: SHA-256 hex of the key -> tenant (JSON). When any are set they are the whole list (a
+    # deployment's secrets); else the keys `conveyor keys create` stored in Redis are looked up.
     api_keys: dict[str, str] = Field(default_factory=dict)
     # Tenants shown what /readyz knows of the deployment's inside: worker names and what each serves,
     # devices, unhealthy replicas, the Redis error. Everyone else sees counts and states only. Under
@@ -353,7 +334,7 @@ class Settings(BaseSettings):
             self,
             stage_down_after_s=self.stage.down_after_s or 2 * self.heartbeat_ttl_s,
             limits=AdmissionLimits(depth, self.overload_limit),
-            breaker=BreakerPolicy(**self.breaker.model_dump()),
+            breaker=BreakerPolicy(),
             tenant_queue_default=queue_share(self.tenant.queue_share, depth),
             tenant_queue_limits=MappingProxyType(
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant.queue_shares.items()}

@@ -46,8 +46,11 @@ class Cause(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_temperature_c: float = 85.0
-    max_memory_fraction: float = 0.95
+    """A device hotter or fuller than these (or a Redis round trip slower) makes its replica
+    unhealthy; it comes back a cool-down later once a fresh report is under every threshold."""
+
+    max_temperature_c: float = 85.0  # where GPUs start to throttle (the DeviceTemperatureHigh alert)
+    max_memory_fraction: float = 0.95  # past it the next batch may not fit
     # 250 ms is a hundred times a healthy round trip in one zone: a network problem every hop pays.
     max_redis_rtt_ms: float = 250.0
     cooldown_s: float = 30.0  # as the breaker's interval: a throttled GPU cools
@@ -55,11 +58,7 @@ class Thresholds:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Thresholds:
-        return cls(
-            max_temperature_c=settings.health.max_temperature_c,
-            max_memory_fraction=settings.health.max_memory_fraction,
-            fresh_s=settings.heartbeat_ttl_s,
-        )
+        return cls(fresh_s=settings.heartbeat_ttl_s)
 
 
 @dataclass(frozen=True)

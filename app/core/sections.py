@@ -138,7 +138,7 @@ class AdmissionSettings:
     heartbeat_ttl_s: float
     stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
     limits: AdmissionLimits  # queue_depth_limit, overload_limit
-    breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
+    breaker: BreakerPolicy  # the circuit breaker's thresholds (app/core/breaker.py: Policy's defaults)
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
@@ -190,11 +190,10 @@ class RateLimiterSettings:
 @dataclass(frozen=True)
 class AuthenticatorSettings:
     """The authenticator's part of the settings (app/api/auth.py: the Authenticator and its
-    JwtVerifier), built once by `Settings.authenticator`: the auth and api_key* fields, by their
+    JwtVerifier), built once by `Settings.authenticator`: the auth and api_keys fields, by their
     names in `Settings` (described there), and the JWT section."""
 
     auth: Literal["keys", "none"]
-    api_key_sources: Literal["auto", "both"]
     api_keys: Mapping[str, str]  # SHA-256 hex of a key -> its tenant
     jwt: JwtSettings
 
@@ -244,7 +243,6 @@ class JobServiceSettings:
     tenant_priorities: Mapping[str, frozenset[str]]
     tenant_max_streams: int
     embedding_stages: int
-    sync_timeout_s: float
     life: Lifetimes  # of the jobs it cancels (Settings.lifetimes)
     admission: AdmissionSettings
     rate_limiter: RateLimiterSettings
@@ -254,20 +252,6 @@ class JobServiceSettings:
         """The classes `tenant` may submit to (aliases resolved): its own list, else `*`'s, else every
         class but `realtime`, which a tenant is given only by name."""
         return self.tenant_priorities.get(tenant, self.tenant_priorities.get("*", UNLISTED_PRIORITIES))
-
-
-class HealthSettings(BaseModel):
-    """A stage replica's health thresholds (app/core/health.py): CONVEYOR_HEALTH_*, read as
-    `Settings.health.<name>`."""
-
-    model_config = SECTION
-
-    # Health of a stage replica, judged at each heartbeat from its own report (app/core/health.py):
-    # a device hotter or fuller than these (or a Redis round trip over 250 ms) marks the replica
-    # unhealthy and it takes no new batches; it comes back 30 s later once a fresh report is under
-    # every threshold. 85 C is where GPUs start to throttle (the DeviceTemperatureHigh alert).
-    max_temperature_c: float = Field(default=85.0, gt=0)
-    max_memory_fraction: float = Field(default=0.95, gt=0, le=1)  # past it the next batch may not fit
 
 
 class BatchSettings(BaseModel):
@@ -389,19 +373,6 @@ class TenantSettings(BaseModel):
         return self
 
 
-class BreakerSettings(BaseModel):
-    """The circuit breaker of each model pipeline (app/core/breaker.py): CONVEYOR_BREAKER_*, read as
-    `Settings.breaker.<name>`."""
-
-    model_config = SECTION
-
-    # Circuit breaker per model pipeline: opens when at least breaker_min_requests jobs ended within
-    # breaker_interval_s and breaker_error_threshold of them failed; one probe job after the interval.
-    error_threshold: float = Field(default=0.3, gt=0.0, le=1.0)
-    min_requests: int = Field(default=100, ge=1)  # fewer: a few failures of a quiet model are noise
-    interval_s: float = Field(default=30.0, gt=0.0, le=300.0)  # one-second buckets, read per submit
-
-
 class StageSettings(BaseModel):
     """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
 
@@ -415,9 +386,7 @@ class StageSettings(BaseModel):
 # The sections `Settings` holds, by name: CONVEYOR_<NAME>_<SETTING> is `Settings.<name>.<setting>`.
 SECTIONS: dict[str, type[BaseModel]] = {
     "stage": StageSettings,
-    "breaker": BreakerSettings,
     "tenant": TenantSettings,
-    "health": HealthSettings,
     "batch": BatchSettings,
     "webhook": WebhookSettings,
     "jwt": JwtSettings,

@@ -9,6 +9,7 @@ pipeline and what is submitted after it waits where a test can count it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import threading
 import time
@@ -27,7 +28,7 @@ from tiny import make_tiny_model
 
 from app.core import admission as adm
 from app.core.admission import Admission, StageSeen, Ticket
-from app.core.breaker import record
+from app.core.breaker import Policy, record
 from app.core.config import Settings
 from app.core.errors import (
     CircuitOpen,
@@ -54,16 +55,21 @@ def settings() -> Settings:
         heartbeat_ttl_s=10.0,
         queue_depth_limit=3,
         overload_limit=5,
-        breaker_min_requests=10,
         tenant_queue_share=1.0,  # one tenant here: the class's limits are the point (tests/security)
     )
 
 
+# A breaker that opens on 10 outcomes rather than 100: the tests record a few.
+QUICK_BREAKER = Policy(min_requests=10)
+
+
 def gates(redis_url: str, settings: Settings, body: Callable[[Admission], Awaitable[Any]]) -> Any:
+    section = dataclasses.replace(settings.admission, breaker=QUICK_BREAKER)
+
     async def main() -> Any:
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            return await body(Admission(client, Keys(settings.namespace), settings.admission))
+            return await body(Admission(client, Keys(settings.namespace), section))
         finally:
             await client.aclose()
 
@@ -216,7 +222,7 @@ def test_a_failing_pipeline_opens_the_breaker(redis, redis_url, settings):  # ty
     pipe.execute()
     with pytest.raises(CircuitOpen) as refused:
         check(redis_url, settings, now=now)
-    assert refused.value.status == 503 and refused.value.retry_after_s == settings.breaker.interval_s
+    assert refused.value.status == 503 and refused.value.retry_after_s == QUICK_BREAKER.interval_s
     with pytest.raises(CircuitOpen):
         check(redis_url, settings, now=now + 10)
     beat(redis, settings, now + 31)

@@ -306,16 +306,18 @@ def test_an_unanswered_request_is_504_and_its_job_ends_cancelled_not_running(
     from app.api.app import create_app
     from tests.tinyapi import forget_namespace, tiny_settings
 
-    settings = tiny_settings(redis_url, tiny_model, auth="none", embedding_stages=2, sync_timeout_s=0.5)
+    settings = tiny_settings(redis_url, tiny_model, auth="none", embedding_stages=2)
     try:
         with TestClient(create_app(settings)) as api:  # no embeddings stage worker runs
+            api.app.state.jobs.sync_timeout_s = 0.5  # type: ignore[attr-defined]
             answer = api.post("/v1/embeddings", json={"input": TEXTS})
             assert answer.status_code == 504, answer.text
             error = answer.json()["error"]
             assert error["code"] == "timeout" and "it was cancelled" in error["message"]
             job = api.get(f"/v1/jobs/{error['details']['job_id']}").json()
         assert job["status"] == "cancelled"
-        assert "no embeddings stage finished it within sync_timeout_s (0.5 s)" in job["error"]["message"]
+        reason = "no embeddings stage finished it within 0.5 s, the wait of its request"
+        assert reason in job["error"]["message"]
 
         stages = Stages(redis)
         stages.keys = Keys(settings.namespace)

@@ -250,12 +250,16 @@ def test_what_is_not_served_is_refused_naming_it(served, path, fields, named):  
 @pytest.fixture()
 def queue_only(redis_url: str, tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
     """The API with a live stage worker registered but none running: jobs stay queued. The test's
-    own settings come as the fixture's parameter."""
-    settings = tiny_settings(redis_url, tiny_model, auth="none", **request.param)
+    own settings come as the fixture's parameter, and `sync_timeout_s` there is the job service's."""
+    overrides = dict(request.param)
+    sync_timeout_s = overrides.pop("sync_timeout_s", None)
+    settings = tiny_settings(redis_url, tiny_model, auth="none", **overrides)
     keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
     redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})
     try:
         with TestClient(create_app(settings)) as client:
+            if sync_timeout_s is not None:
+                client.app.state.jobs.sync_timeout_s = sync_timeout_s  # type: ignore[attr-defined]
             yield client, keys, redis
     finally:
         forget_namespace(redis_url, settings.namespace)

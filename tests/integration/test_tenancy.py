@@ -1,5 +1,5 @@
 """Auth, tenants, rate limits, audit and TLS over the network, on one stack started with credentials
-(API keys in settings and in Redis, an RS256 JWT key, per-tenant limits, prompts audited).
+(API keys in Redis, an RS256 JWT key, per-tenant limits, prompts audited).
 
 - who may call: no credentials, bad API keys and every refused JWT are 401 with WWW-Authenticate;
   a valid RS256 token is 202; health and docs stay open;
@@ -9,7 +9,7 @@
 - the audit stream: one entry per request with its fields;
 - request body size: 413 on Content-Length and on a chunked body;
 - TLS: `conveyor api --ssl-certfile/--ssl-keyfile` answers /healthz over https, and refuses a
-  client that offers nothing newer than TLS 1.2 (CONVEYOR_TLS_MIN_VERSION's default, 1.3).
+  client that offers nothing newer than TLS 1.2 (1.3 at least).
 """
 
 from __future__ import annotations
@@ -78,14 +78,6 @@ def secured(
         default_model="tiny",
         extra_env={
             "CONVEYOR_TORCH_THREADS": "1",
-            "CONVEYOR_API_KEYS": json.dumps(
-                {
-                    key_digest(KEY_A): "tenant-a",
-                    key_digest(KEY_LIMITED): "limited",
-                    key_digest(KEY_TOKENS): "tokens",
-                }
-            ),
-            "CONVEYOR_API_KEY_SOURCES": "both",  # and tenant B's, made by `conveyor keys create`
             "CONVEYOR_JWT_KEY": public_pem(signer),
             "CONVEYOR_JWT_AUDIENCE": AUD,
             "CONVEYOR_JWT_ISSUER": ISS,
@@ -95,6 +87,12 @@ def secured(
             "CONVEYOR_AUDIT_PROMPTS": "true",
         },
     )
+    # Stored as `conveyor keys create` stores a key (tenant B's is made by the command itself): keys
+    # in CONVEYOR_API_KEYS would be the whole list, and Redis's not checked.
+    stored = redis_lib.Redis.from_url(redis_url)
+    for key, tenant in ((KEY_A, "tenant-a"), (KEY_LIMITED, "limited"), (KEY_TOKENS, "tokens")):
+        record = json.dumps({"tenant": tenant, "created_at": time.time()})
+        stored.hset(Keys(stack.namespace).api_keys(), key_digest(key), record)
     yield stack
     stack.stop()
 
@@ -496,7 +494,7 @@ def test_the_api_serves_https_with_the_given_certificate(tmp_path, redis_url, ti
         assert answer.json()["status"] == "ok"
         with pytest.raises(httpx.TransportError):  # and nothing in clear text on that port
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-        # TLS 1.3 at least (the default): a client that stops at 1.2 fails the handshake.
+        # TLS 1.3 at least: a client that stops at 1.2 fails the handshake.
         assert handshake(port, cert, maximum=ssl.TLSVersion.TLSv1_2) is None
         assert handshake(port, cert, minimum=ssl.TLSVersion.TLSv1_3) == "TLSv1.3"
         assert "NO AUTHENTICATION" in log.read_text()  # served without credentials: the loud line

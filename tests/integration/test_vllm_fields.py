@@ -45,11 +45,12 @@ def fields_model(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
 
 @pytest.fixture()
 def api(redis_url: str, fields_model: Path) -> Iterator[tuple[TestClient, Keys, redis_lib.Redis]]:
-    settings = tiny_settings(redis_url, fields_model, auth="none", sync_timeout_s=0.05)
+    settings = tiny_settings(redis_url, fields_model, auth="none")
     keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
     redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})  # a live stage worker: jobs queue
     try:
         with TestClient(create_app(settings)) as client:
+            client.app.state.jobs.sync_timeout_s = 0.05  # type: ignore[attr-defined]
             yield client, keys, redis
     finally:
         forget_namespace(redis_url, settings.namespace)
@@ -236,11 +237,12 @@ def defaults_api(redis_url, fields_model, tmp_path):  # type: ignore[no-untyped-
     config = json.loads((path / "generation_config.json").read_text())
     config |= GENERATION_DEFAULTS | {"top_p": 1e-9}  # below MIN_TOP_P: left out
     (path / "generation_config.json").write_text(json.dumps(config))
-    settings = tiny_settings(redis_url, path, auth="none", sync_timeout_s=0.05)
+    settings = tiny_settings(redis_url, path, auth="none")
     keys, redis = Keys(settings.namespace), redis_lib.Redis.from_url(redis_url)
     redis.zadd(keys.workers("tiny", 0), {"w0": time.time() + 600})
     try:
         with TestClient(create_app(settings)) as client:
+            client.app.state.jobs.sync_timeout_s = 0.05  # type: ignore[attr-defined]
             yield client, keys, redis
     finally:
         forget_namespace(redis_url, settings.namespace)

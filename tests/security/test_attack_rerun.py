@@ -38,13 +38,13 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from app.api.auth import key_digest, new_api_key
+from app.api.connections import HEADER_TIMEOUT_S
 from app.webhooks import signing
 
 pytestmark = pytest.mark.e2e
 ATTACKER, NEIGHBOUR = new_api_key(), new_api_key()
 SHARED = "whsec_" + base64.b64encode(b"the shared secret of jobs without a tenant").decode()
 MASTER = signing.generate()
-HEADER_TIMEOUT_S = 2
 HELD = 300  # header-less connections of class 1 (bench/results/slow_clients.md: 20,000)
 
 
@@ -91,7 +91,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
             "CONVEYOR_API_KEYS": json.dumps(
                 {key_digest(ATTACKER): "mallory", key_digest(NEIGHBOUR): "alice"}
             ),
-            "CONVEYOR_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
             "CONVEYOR_EMBEDDING_STAGES": "2",
             "CONVEYOR_RATE_LIMITS": json.dumps(
                 {

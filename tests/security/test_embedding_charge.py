@@ -4,7 +4,8 @@ charged 363 bytes. Now the tenant's `embedding_bytes_per_min` is charged the pad
 bytes each (`intake.padded_bytes`), or the bytes if more.
 
 The real API app in process over a real Redis, embeddings on, no worker (a request that passes the
-limit waits `sync_timeout_s` and is answered 504: the charge is what the test looks at).
+limit waits the job service's `sync_timeout_s`, shortened here, and is answered 504: the charge is
+what the test looks at).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def api(redis_url: str, tiny_model: Path, request: pytest.FixtureRequest) -> Ite
         auth="none",
         embedding_stages=2,
         stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
-        sync_timeout_s=0.2,
         rate_limits={"anonymous": {"embedding_bytes_per_min": request.param}},
     )
     try:
         with TestClient(create_app(settings)) as client:
+            client.app.state.jobs.sync_timeout_s = 0.2  # type: ignore[attr-defined]
             yield client
     finally:
         forget_namespace(redis_url, settings.namespace)

@@ -28,6 +28,7 @@ from deploy_render import (
 )
 from typer.main import get_command
 
+from app.api.service import SYNC_TIMEOUT_S
 from app.cli import cli
 from app.core.config import Settings
 
@@ -214,7 +215,7 @@ def test_the_proxy_is_the_apis_front_with_deadlines_and_per_client_caps():
     assert all(0 < s <= 30 for s in seconds.values()), seconds
     assert conf["client_max_body_size"] == ["1m"] and Settings().max_body_bytes == 1024 * 1024
     assert conf["limit_conn"][0].startswith("per_client_conn ") and conf["limit_req"]
-    assert int(conf["proxy_read_timeout"][0].removesuffix("s")) > Settings().sync_timeout_s
+    assert int(conf["proxy_read_timeout"][0].removesuffix("s")) > SYNC_TIMEOUT_S
     assert conf["proxy_buffering"] == ["off"]  # SSE streams go out as written
     assert conf["pid"] == ["/tmp/nginx.pid"]  # a read-only root filesystem: everything under /tmp
 

@@ -62,7 +62,7 @@ def test_a_stale_or_missing_report_neither_trips_nor_ends_a_cool_down():
     assert judge(sick, None, LIMITS, now=140.0) == sick
 
 
-def test_thresholds_come_from_the_settings():
+def test_the_thresholds_are_fixed_and_freshness_follows_the_heartbeat():
     limits = Thresholds.from_settings(Settings())
     assert (limits.max_temperature_c, limits.max_memory_fraction, limits.max_redis_rtt_ms) == (
         85.0,

@@ -26,9 +26,6 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
         heartbeat_ttl_s=7.0,
         queue_depth_limit=100,
         overload_limit=150,
-        breaker_error_threshold=0.5,
-        breaker_min_requests=20,
-        breaker_interval_s=60.0,
         tenant_queue_shares={"batch-import": 0.29, "tiny": 0.001},
         job_ttl_s=3600,
         stages=3,
@@ -41,7 +38,7 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     limits = section.limits
     assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 2.0)
     breaker = section.breaker
-    assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.5, 20, 60.0)
+    assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.3, 100, 30.0)
     assert section.tenant_queue_limit("anyone") == 50  # the default share, a half
     assert section.tenant_queue_limit("batch-import") == 29  # 0.29 x 100, not 28.999...
     assert section.tenant_queue_limit("tiny") == 1  # at least one job
@@ -93,9 +90,9 @@ def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
     assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 2048
     assert settings.flower_port == 1234
     # By keyword as by variable, over what the environment gives the same section.
-    given = Settings(webhook_concurrency=9, jwt_key="k", health_max_temperature_c=70.0)
+    given = Settings(webhook_concurrency=9, jwt_key="k", audit_maxlen=70)
     assert (given.webhook.concurrency, given.webhook.secrets, given.jwt.key) == (9, ["whsec_a"], "k")
-    assert given.health.max_temperature_c == 70.0 and given.authenticator.jwt is given.jwt
+    assert given.audit.maxlen == 70 and given.authenticator.jwt is given.jwt
 
 
 def test_no_setting_outside_a_section_is_named_as_one_of_its_variables() -> None:

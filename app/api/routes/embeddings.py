@@ -73,7 +73,7 @@ class EmbeddingsPublic(BaseModel):
 
 
 # 429 rate_limited; 502 job_failed; 503 not_served where no embeddings pipeline runs, or unavailable;
-# 504 when the job does not finish within sync_timeout_s.
+# 504 when the job does not finish within the sync timeout (app/api/service.py, SYNC_TIMEOUT_S).
 @router.post(
     "/v1/embeddings",
     response_model=EmbeddingsPublic,

@@ -41,7 +41,7 @@ async def inference(
 ) -> JobPublic | EventSourceResponse | Response:
     """Run a job to its end and return it; with `stream: true`, answer with its server-sent events.
 
-    A client that disconnects before the end cancels the job (`cancel_on_disconnect`)."""
+    A client that disconnects before the end cancels the job."""
     job = JobCreate.model_validate(body.model_dump(exclude={"stream"}))
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
@@ -54,37 +54,34 @@ async def inference(
             after=None,
             notes=audit.fields(request),
             slot=slot,
-            cancel_on_disconnect=settings.cancel_on_disconnect,
+            cancel_on_disconnect=True,
         )
         mark_submitted(request, stream, submitted, job)
         return stream
     mark_submitted(request, response, submitted, job)
-    record = await wait_unless_gone(request, jobs, job_id, settings)
+    record = await wait_unless_gone(request, jobs, job_id)
     if record is None:
         return Response(status_code=CLIENT_CLOSED)
     audit.note_job(request, record)
     if not JobStatus(record["status"]).is_finished:
         raise SyncTimeout(
-            f"job {job_id} did not finish within {settings.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
+            f"job {job_id} did not finish within {jobs.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
             job_id=job_id,
         )
     return JobPublic.from_record(record)
 
 
-async def wait_unless_gone(
-    request: Request, jobs: JobService, job_id: str, settings: Settings
-) -> dict[str, str] | None:
+async def wait_unless_gone(request: Request, jobs: JobService, job_id: str) -> dict[str, str] | None:
     """The job's record once it ends (or at the sync timeout); None when the client went away first,
-    which cancels the job if `cancel_on_disconnect`."""
-    waiter = asyncio.ensure_future(jobs.wait(job_id, settings.sync_timeout_s))
+    which cancels the job."""
+    waiter = asyncio.ensure_future(jobs.wait(job_id, jobs.sync_timeout_s))
     try:
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
             if done:
                 return waiter.result()
             if await request.is_disconnected():
-                if settings.cancel_on_disconnect:
-                    jobs.cancel_soon(job_id, "the client disconnected")
+                jobs.cancel_soon(job_id, "the client disconnected")
                 return None
     finally:
         await aio.stop(waiter)

@@ -161,12 +161,11 @@ async def completions(
     request: Request,
     response: Response,
     jobs: JobService = Depends(get_jobs),
-    settings: Settings = Depends(get_settings),
     tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> BaseModel | Response:
     """OpenAI's (legacy) completions: one prompt, one choice; `stream: true` answers with its chunks."""
-    return await _answer(body, CompletionReply, request, response, jobs, settings, tenant, idempotency_key)
+    return await _answer(body, CompletionReply, request, response, jobs, tenant, idempotency_key)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=SYNC_ERRORS)
@@ -175,12 +174,11 @@ async def chat_completions(
     request: Request,
     response: Response,
     jobs: JobService = Depends(get_jobs),
-    settings: Settings = Depends(get_settings),
     tenant: str = Depends(current_tenant),
     idempotency_key: str | None = IDEMPOTENCY_KEY,
 ) -> BaseModel | Response:
     """OpenAI's chat completions, rendered with the model's chat template; one choice."""
-    return await _answer(body, ChatReply, request, response, jobs, settings, tenant, idempotency_key)
+    return await _answer(body, ChatReply, request, response, jobs, tenant, idempotency_key)
 
 
 async def _answer(
@@ -189,13 +187,11 @@ async def _answer(
     request: Request,
     response: Response,
     jobs: JobService,
-    settings: Settings,
     tenant: str,
     idempotency_key: str | None,
 ) -> BaseModel | Response:
     """Submit the request's jobs, one per choice (app/api/openai_choices.py); stream them, or wait
-    for their end. A client that goes away first cancels them (`cancel_on_disconnect`), as on
-    /v1/inference."""
+    for their end. A client that goes away first cancels them, as on /v1/inference."""
     tool_format = None
     if isinstance(body, ChatCompletionCreate):  # before each message is converted (CPU per message)
         jobs.check_messages(len(body.messages))
@@ -211,7 +207,6 @@ async def _answer(
         answer = stream(
             jobs,
             list(zip(job_ids, replies, strict=True)),
-            settings,
             n=body.n or 1,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
@@ -223,7 +218,7 @@ async def _answer(
         return answer
     for submitted, choice in zip(made, choices, strict=True):
         mark_submitted(request, response, submitted, choice.job)
-    records = await wait_all(request, jobs, job_ids, settings)
+    records = await wait_all(request, jobs, job_ids)
     if records is None:
         return Response(status_code=CLIENT_CLOSED)
     answers = []
