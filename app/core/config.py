@@ -109,20 +109,11 @@ class Settings(BaseSettings):
     # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
     # once, which is what latency wants when the pipeline has nothing else to do.
     min_batch_size: int = Field(default=1, ge=1)
-    # Batches in flight (being prefilled, or waiting in the stage queue) per live replica of a model's
-    # thinnest stage (at least one replica counted; app/batching/budget.py). A replica's four task
-    # threads hold four and 12 wait in the queue: 1.5x the autoscaler's target of 8 waiting per
-    # replica (deploy/k8s ScaledObjects), so a saturated stage shows KEDA a queue to scale on.
-    replica_batches: int = Field(default=16, ge=1)
-    # A fixed number of batches in flight per pipeline, whatever the replicas; None: replica_batches
-    # per live replica (and never fewer than stages + 1, which keeps every stage busy).
-    max_inflight_batches: int | None = None
-    # Continuous batching: a fixed number of sequences scheduled or running per pipeline (the KV cache
-    # every stage holds), whatever the replicas; None: max_running_sequences per live replica of the
-    # thinnest stage, so a replica added raises it at its first heartbeat and one that stops beating
-    # lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
-    max_inflight_sequences: int | None = None
-    # Sequences in one running batch, joiners included; past it a new batch runs on its own.
+    # Sequences in one running batch, joiners included; past it a new batch runs on its own. Also one
+    # live replica's share of its pipeline's sequences scheduled or running (the KV cache every stage
+    # holds): the pipeline takes this many per live replica of its thinnest stage
+    # (app/batching/budget.py), so a replica added raises it at its first heartbeat and one that stops
+    # beating lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
     # running one only if rows x padded positions stays under this (the KV cache a stage holds for

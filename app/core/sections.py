@@ -103,9 +103,6 @@ class BatcherSettings:
     max_prefill_tokens: int
     min_batch_size: int
     max_running_sequences: int
-    replica_batches: int
-    max_inflight_batches: int | None
-    max_inflight_sequences: int | None
     stall_timeout_s: float
     heartbeat_ttl_s: float
     life: (

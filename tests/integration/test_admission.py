@@ -233,7 +233,8 @@ LONG = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Harness]:
-    """One job at a time (one batch of one sequence in flight), small queues, a long context."""
+    """One job at a time (one live replica's share of one sequence in flight), small queues, a long
+    context."""
     tmp = tmp_path_factory.mktemp("admission")
     model = make_tiny_model(tmp / "tiny-long", context=4096)
     stack = start_harness(
@@ -242,7 +243,6 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
         models={"tiny": model},
         default_model="tiny",
         extra_env={
-            "CONVEYOR_MAX_INFLIGHT_BATCHES": "1",
             "CONVEYOR_MAX_BATCH_SIZE": "1",
             "CONVEYOR_MAX_RUNNING_SEQUENCES": "1",
             "CONVEYOR_TORCH_THREADS": "1",
