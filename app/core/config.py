@@ -39,7 +39,6 @@ from app.core.sections import (
     JwtSettings,
     RateLimiterSettings,
     RoutePolicy,
-    StageSettings,
     TenantLimits,
     TenantSettings,
     WebhookSettings,
@@ -158,7 +157,9 @@ class Settings(BaseSettings):
     # it. A CPU this process may not use is refused.
     cpus: str = ""
     # A worker not heard of for this long is not live. It reports five times as often (every 2 s), so
-    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
+    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone. A stage with
+    # no live worker for twice this refuses submits (503 stage_unavailable): long enough for the
+    # launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
     heartbeat_ttl_s: float = 10.0
 
     health: HealthSettings = Field(default_factory=HealthSettings)  # CONVEYOR_HEALTH_*, app/core/sections.py
@@ -185,8 +186,6 @@ class Settings(BaseSettings):
     # to start on a Redis that offers neither (app/core/durability.py).
     submit_durability: Literal["memory", "fsync"] = "memory"
     sync_timeout_s: float = 600.0  # POST /v1/inference waits this long for a non-streamed result
-
-    stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
@@ -342,7 +341,7 @@ class Settings(BaseSettings):
         return build(
             AdmissionSettings,
             self,
-            stage_down_after_s=self.stage.down_after_s or 2 * self.heartbeat_ttl_s,
+            stage_down_after_s=2 * self.heartbeat_ttl_s,
             limits=AdmissionLimits(depth, self.overload_limit),
             breaker=BreakerPolicy(**self.breaker.model_dump()),
             tenant_queue_default=queue_share(self.tenant.queue_share, depth),

@@ -133,7 +133,7 @@ class AdmissionSettings:
     stages: int
     embedding_stages: int
     heartbeat_ttl_s: float
-    stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
+    stage_down_after_s: float  # 2 x heartbeat_ttl_s
     limits: AdmissionLimits  # queue_depth_limit, overload_limit
     breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
@@ -399,19 +399,8 @@ class BreakerSettings(BaseModel):
     interval_s: float = Field(default=30.0, gt=0.0, le=300.0)  # one-second buckets, read per submit
 
 
-class StageSettings(BaseModel):
-    """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
-
-    model_config = SECTION
-
-    # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
-    # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
-    down_after_s: float | None = None
-
-
 # The sections `Settings` holds, by name: CONVEYOR_<NAME>_<SETTING> is `Settings.<name>.<setting>`.
 SECTIONS: dict[str, type[BaseModel]] = {
-    "stage": StageSettings,
     "breaker": BreakerSettings,
     "tenant": TenantSettings,
     "health": HealthSettings,

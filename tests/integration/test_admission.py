@@ -117,7 +117,7 @@ def queue(redis_url: str, settings: Settings, priority: str, n: int) -> list[str
 
 
 def test_a_stage_down_longer_than_the_grace_refuses(redis, redis_url, settings):  # type: ignore[no-untyped-def]
-    assert settings.stage.down_after_s is None  # the default: 2 x heartbeat_ttl_s = 20 s
+    assert settings.admission.stage_down_after_s == 20  # 2 x heartbeat_ttl_s
     check(redis_url, settings, now=T0)  # never seen a worker: marked down now, within the grace
     with pytest.raises(StageUnavailable) as refused:
         check(redis_url, settings, now=T0 + 21)

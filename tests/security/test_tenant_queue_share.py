@@ -42,7 +42,7 @@ def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str
         redis_url,
         tiny_model,
         api_keys={key_digest(k): t for t, k in keys.items()},
-        stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
+        heartbeat_ttl_s=5e8,  # no workers: the stage gate would refuse after its grace (2 x this)
         queue_depth_limit=DEPTH,
     )
     namespace = settings.namespace

@@ -36,8 +36,7 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     )
     section = settings.admission
     assert section is settings.admission  # built once
-    assert section.stage_down_after_s == 14.0  # unset: 2 x heartbeat_ttl_s
-    assert Settings(stage_down_after_s=5.0).admission.stage_down_after_s == 5.0
+    assert section.stage_down_after_s == 14.0  # 2 x heartbeat_ttl_s
     limits = section.limits
     assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 2.0)
     breaker = section.breaker
