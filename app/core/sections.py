@@ -300,10 +300,9 @@ class WebhookSettings(BaseModel):
     # checks credentials (the callbacks worker exits without it); `conveyor up` makes one
     # (home/webhook_master_key) if unset. Only the open API's jobs are signed with webhook_secrets.
     master_key: str | None = None
-    # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
-    # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
-    tenant_concurrency: int = Field(default=2, ge=1)
-    concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
+    # Threads of the callbacks worker (I/O bound); one tenant holds two at most
+    # (app/webhooks/delivery.py, TENANT_CONCURRENCY).
+    concurrency: int = Field(default=8, ge=1)
 
 
 class JwtSettings(BaseModel):
