@@ -194,9 +194,9 @@ class Settings(BaseSettings):
     # Admission and overload (API).
     # Jobs waiting per priority class (its intake stream's length): past it 429 queue_full. About the
     # batcher's window (1,024 intake entries): a deeper queue only adds wait a client gives up on.
+    # Jobs waiting over every class past twice this (2000): 503 overloaded (the stack is behind, not
+    # one class busy).
     queue_depth_limit: int = Field(default=1000, ge=1)
-    # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
-    overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
     breaker: BreakerSettings = Field(
         default_factory=BreakerSettings
@@ -342,7 +342,7 @@ class Settings(BaseSettings):
             AdmissionSettings,
             self,
             stage_down_after_s=2 * self.heartbeat_ttl_s,
-            limits=AdmissionLimits(depth, self.overload_limit),
+            limits=AdmissionLimits(depth, 2 * depth),
             breaker=BreakerPolicy(**self.breaker.model_dump()),
             tenant_queue_default=queue_share(self.tenant.queue_share, depth),
             tenant_queue_limits=MappingProxyType(

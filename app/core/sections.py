@@ -119,7 +119,7 @@ class AdmissionLimits:
     checks them again) and the Retry-After it answers when no completion rate is measured."""
 
     class_depth: int  # queue_depth_limit
-    overall: int  # overload_limit
+    overall: int  # over every class: 2 x queue_depth_limit
     retry_after_s: float = RETRY_AFTER_S
 
 
@@ -134,7 +134,7 @@ class AdmissionSettings:
     embedding_stages: int
     heartbeat_ttl_s: float
     stage_down_after_s: float  # 2 x heartbeat_ttl_s
-    limits: AdmissionLimits  # queue_depth_limit, overload_limit
+    limits: AdmissionLimits  # queue_depth_limit, and twice it over every class
     breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
     # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.

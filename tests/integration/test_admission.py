@@ -52,8 +52,7 @@ def settings() -> Settings:
         namespace=f"test-adm-{uuid.uuid4().hex[:8]}",
         stages=2,
         heartbeat_ttl_s=10.0,
-        queue_depth_limit=3,
-        overload_limit=5,
+        queue_depth_limit=3,  # and 6 over every class
         breaker_min_requests=10,
         tenant_queue_share=1.0,  # one tenant here: the class's limits are the point (tests/security)
     )
@@ -145,11 +144,12 @@ def test_down_since_is_pure() -> None:
 
 def test_depth_limits_hold_under_the_atomic_write(redis, redis_url, settings):  # type: ignore[no-untyped-def]
     assert queue(redis_url, settings, "normal", 4) == ["ok", "ok", "ok", "queue_full"]
-    assert queue(redis_url, settings, "high", 3) == ["ok", "ok", "overloaded"]  # 5 waiting overall
+    assert queue(redis_url, settings, "high", 3) == ["ok", "ok", "ok"]
+    assert queue(redis_url, settings, "batch", 1) == ["overloaded"]  # 6 waiting overall: 2 x the depth
     beat(redis, settings, time.time())
     with pytest.raises(Overloaded) as refused:
         check(redis_url, settings, now=time.time(), priority="realtime")
-    assert refused.value.status == 503 and refused.value.details["waiting"] == 5
+    assert refused.value.status == 503 and refused.value.details["waiting"] == 6
 
 
 def test_queue_full_is_429_per_class(redis, redis_url, settings):  # type: ignore[no-untyped-def]
@@ -227,7 +227,8 @@ def test_a_failing_pipeline_opens_the_breaker(redis, redis_url, settings):  # ty
 
 # --- the stack ---------------------------------------------------------------------------------
 
-DEPTH, OVERALL = 4, 6
+DEPTH = 4
+OVERALL = 2 * DEPTH  # jobs waiting over every class past which submits are 503 overloaded
 LONG = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
@@ -248,7 +249,6 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
             "CONVEYOR_TORCH_THREADS": "1",
             "CONVEYOR_MAX_TOKENS_LIMIT": "4000",
             "CONVEYOR_QUEUE_DEPTH_LIMIT": str(DEPTH),
-            "CONVEYOR_OVERLOAD_LIMIT": str(OVERALL),
             "CONVEYOR_TENANT_QUEUE_SHARE": "1",  # one tenant fills a class here
         },
     )

@@ -74,8 +74,7 @@ def settings(url: str, model: Path, **overrides: object) -> Settings:
         # batcher: the intake holds every cancelled job's entry (what the batcher would delete), so
         # the queue limits are raised.
         "heartbeat_ttl_s": 5e8,
-        "queue_depth_limit": 2 * JOBS,
-        "overload_limit": 4 * JOBS,
+        "queue_depth_limit": 2 * JOBS,  # and 4 x JOBS over every class
         "allowed_hosts": [*TEST_HOSTS, "api"],  # the flood's client calls it `api`
         **overrides,
     }

@@ -25,7 +25,6 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     settings = Settings(
         heartbeat_ttl_s=7.0,
         queue_depth_limit=100,
-        overload_limit=150,
         breaker_error_threshold=0.5,
         breaker_min_requests=20,
         breaker_interval_s=60.0,
@@ -38,7 +37,7 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     assert section is settings.admission  # built once
     assert section.stage_down_after_s == 14.0  # 2 x heartbeat_ttl_s
     limits = section.limits
-    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 2.0)
+    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 200, 2.0)  # overall: 2 x
     breaker = section.breaker
     assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.5, 20, 60.0)
     assert section.tenant_queue_limit("anyone") == 50  # the default share, a half
