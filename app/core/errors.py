@@ -248,7 +248,7 @@ class BatchFinished(ConveyorError):
 
 
 class FileQuotaExceeded(ConveyorError):
-    """An upload past the tenant's stored-file bytes (`batch_tenant_file_bytes`): delete files, or
+    """An upload past the tenant's stored-file bytes (8 x `batch_file_max_bytes`): delete files, or
     wait for them to expire."""
 
     code = "file_quota_exceeded"

@@ -163,6 +163,7 @@ class AdmissionSettings:
 
 
 RETAINED_SHARE_OF_MAXMEMORY = 4  # a tenant's default retained-bytes quota: maxmemory / this
+TENANT_FILES = 8  # a tenant's uploaded files may hold this many times batch_file_max_bytes
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -274,11 +275,15 @@ class BatchSettings(BaseModel):
     model_config = SECTION
 
     # OpenAI's Batch API (/v1/files, /v1/batches; docs/batches.md). An uploaded JSONL file's bytes at
-    # most: its lines are copied once more when its batch starts, and both live in Redis.
+    # most: its lines are copied once more when its batch starts, and both live in Redis. One tenant
+    # may store eight times this in uploaded files at once (256 MiB): past it 429 file_quota_exceeded
+    # until it deletes files (or they expire). Output files do not count.
     file_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
-    # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
-    # deletes files (or they expire). Output files do not count.
-    tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+
+    @property
+    def tenant_file_bytes(self) -> int:
+        """Bytes of uploaded files one tenant may store at once: eight of the largest."""
+        return TENANT_FILES * self.file_max_bytes
 
 
 class WebhookSettings(BaseModel):

@@ -84,11 +84,11 @@ def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
     monkeypatch.setenv("CONVEYOR_WEBHOOK_CONCURRENCY", "3")
     monkeypatch.setenv("CONVEYOR_WEBHOOK_SECRETS", '["whsec_a"]')
     monkeypatch.setenv("CONVEYOR_JWT_ALGORITHMS", '["HS256"]')
-    monkeypatch.setenv("CONVEYOR_BATCH_TENANT_FILE_BYTES", "2048")
+    monkeypatch.setenv("CONVEYOR_BATCH_FILE_MAX_BYTES", "2048")
     monkeypatch.setenv("CONVEYOR_FLOWER_PORT", "1234")  # nor of `flower`
     settings = Settings()
     assert (settings.webhook.concurrency, settings.webhook.secrets) == (3, ["whsec_a"])
-    assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 2048
+    assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 8 * 2048
     assert settings.flower_port == 1234
     # By keyword as by variable, over what the environment gives the same section.
     given = Settings(webhook_concurrency=9, jwt_key="k", health_max_temperature_c=70.0)
