@@ -86,12 +86,12 @@ class Settings(BaseSettings):
     # HTTPS (`conveyor api --ssl-certfile/--ssl-keyfile`): the oldest TLS version the api accepts. 1.3
     # drops 1.2's negotiable weak ciphers and renegotiation; 1.2 for clients that cannot do 1.3.
     tls_min_version: Literal["1.2", "1.3"] = "1.3"
-    flower_port: int = 5555  # Flower's usual port
+    # Flower, Celery's dashboard, on this port (5555: its usual one): `conveyor up` starts it, and the
+    # workers send it their task events. 0: neither (`conveyor up --no-flower`).
+    flower_port: int = Field(default=5555, ge=0)
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
     metrics_port: int | None = 9100
-    # Flower, Celery's dashboard: `conveyor up` starts it, and the workers send it their task events.
-    flower: bool = True
     # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
     # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
     flower_basic_auth: str | None = None
@@ -307,6 +307,11 @@ class Settings(BaseSettings):
         for name in _derived(type(self)):
             copied.__dict__.pop(name, None)
         return copied
+
+    @property
+    def flower(self) -> bool:
+        """Flower runs (`conveyor up`) and the workers send it task events: flower_port is not 0."""
+        return self.flower_port != 0
 
     @property
     def heartbeat_interval_s(self) -> float:
