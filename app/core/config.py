@@ -43,6 +43,7 @@ from app.core.sections import (
     TenantSettings,
     WebhookSettings,
     build,
+    TENANT_QUEUE_SHARE,
     queue_share,
 )
 
@@ -349,7 +350,7 @@ class Settings(BaseSettings):
             stage_down_after_s=2 * self.heartbeat_ttl_s,
             limits=AdmissionLimits(depth, 2 * depth),
             breaker=BreakerPolicy(**self.breaker.model_dump()),
-            tenant_queue_default=queue_share(self.tenant.queue_share, depth),
+            tenant_queue_default=queue_share(TENANT_QUEUE_SHARE, depth),
             tenant_queue_limits=MappingProxyType(
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant.queue_shares.items()}
             ),

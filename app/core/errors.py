@@ -124,7 +124,7 @@ class QueueFull(Refused):
 
 class TenantQueueFull(Refused):
     """The tenant already has its share of the job's priority class waiting
-    (`Settings.tenant.queue_share`); other tenants are still admitted while the class has room."""
+    (`AdmissionSettings.tenant_queue_limit`); other tenants are still admitted while the class has room."""
 
     code = "tenant_queue_full"
     status = 429

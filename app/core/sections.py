@@ -136,7 +136,7 @@ class AdmissionSettings:
     stage_down_after_s: float  # 2 x heartbeat_ttl_s
     limits: AdmissionLimits  # queue_depth_limit, and twice it over every class
     breaker: BreakerPolicy  # breaker_error_threshold, breaker_min_requests, breaker_interval_s
-    # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
+    # Jobs of one tenant that may wait in one class: TENANT_QUEUE_SHARE of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
@@ -163,6 +163,9 @@ class AdmissionSettings:
 
 
 RETAINED_SHARE_OF_MAXMEMORY = 4  # a tenant's default retained-bytes quota: maxmemory / this
+# The share of a class's queue_depth_limit a tenant's waiting jobs may fill, unless tenant_queue_shares
+# gives it its own: half, so a tenant that floods a class leaves the other half to everyone else.
+TENANT_QUEUE_SHARE = 0.5
 TENANT_FILES = 8  # a tenant's uploaded files may hold this many times batch_file_max_bytes
 
 
@@ -351,11 +354,10 @@ class TenantSettings(BaseModel):
 
     model_config = SECTION
 
-    # The part of a class's queue_depth_limit one tenant's waiting jobs may fill (at least one job);
-    # past it 429 tenant_queue_full while other tenants are still admitted. Half: a tenant that floods
-    # a class leaves the other half to everyone else; 1: one tenant may fill the class alone.
-    queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    # Per-tenant overrides of tenant_queue_share (JSON, tenant -> share): {"batch-import": 0.1}.
+    # The part of a class's queue_depth_limit one tenant's waiting jobs may fill (at least one job),
+    # per tenant (JSON, tenant -> share): {"batch-import": 0.1}; past it 429 tenant_queue_full while
+    # other tenants are still admitted. Unlisted: half, so a tenant that floods a class leaves the
+    # other half to everyone else; 1: the tenant may fill the class alone.
     queue_shares: dict[str, float] = Field(default_factory=dict)
     # Bytes one tenant's jobs may hold in Redis, live and ended until their records expire (each
     # counted at what it may weigh: its prompt, every token it may generate); past it 429

@@ -54,7 +54,8 @@ def settings() -> Settings:
         heartbeat_ttl_s=10.0,
         queue_depth_limit=3,  # and 6 over every class
         breaker_min_requests=10,
-        tenant_queue_share=1.0,  # one tenant here: the class's limits are the point (tests/security)
+        # One tenant here (the records name none): the class's limits are the point (tests/security).
+        tenant_queue_shares={"": 1.0},
     )
 
 
@@ -249,7 +250,7 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
             "CONVEYOR_TORCH_THREADS": "1",
             "CONVEYOR_MAX_TOKENS_LIMIT": "4000",
             "CONVEYOR_QUEUE_DEPTH_LIMIT": str(DEPTH),
-            "CONVEYOR_TENANT_QUEUE_SHARE": "1",  # one tenant fills a class here
+            "CONVEYOR_TENANT_QUEUE_SHARES": '{"anonymous": 1}',  # one tenant fills a class here
         },
     )
     yield stack
