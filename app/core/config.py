@@ -226,12 +226,11 @@ class Settings(BaseSettings):
     admin_tenants: list[str] = Field(default_factory=list)
     jwt: JwtSettings = Field(default_factory=JwtSettings)  # CONVEYOR_JWT_*, app/core/sections.py
     # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
-    # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
-    # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
-    # 50/s: well above one client's closed loop (the c32 benchmark submits under 10/s), well below what
-    # one API process takes.
+    # 0 turns a limit off. The request limit bounds submits per second per tenant, two seconds' worth
+    # of them at once (the burst: 2 x this, rounded up). Tokens: max_tokens charged at submit, per
+    # minute (a minute's worth at once). 50/s: well above one client's closed loop (the c32 benchmark
+    # submits under 10/s), well below what one API process takes.
     rate_limit_rps: float = Field(default=50.0, ge=0)
-    rate_limit_burst: int = Field(default=100, ge=1)  # submits a tenant may send at once
     # Off: it depends on the deployment's capacity (a 2-core CPU stack generates about 6,600 tokens a
     # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
@@ -241,7 +240,8 @@ class Settings(BaseSettings):
     # their job runs: 16 MiB lets a tenant send sixteen of the largest requests (max_body_bytes) a
     # minute, and no tenant fill Redis with them. 0: off.
     embedding_bytes_per_min: int = Field(default=16 * 1024 * 1024, ge=0)
-    # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
+    # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}; a
+    # tenant given rps without burst may send 2 x its rps at once.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     # Request bodies larger than this are refused (413) before they are parsed: the longest job a
     # 8192-token context allows is tens of KB of JSON, 64 embedding texts a few hundred KB.

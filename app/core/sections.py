@@ -54,7 +54,7 @@ class TenantLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rps: float | None = Field(default=None, ge=0)
-    burst: int | None = Field(default=None, ge=1)
+    burst: int | None = Field(default=None, ge=1)  # None: 2 x its rps, rounded up
     tokens_per_min: int | None = Field(default=None, ge=0)
     embedding_bytes_per_min: int | None = Field(default=None, ge=0)
     retained_bytes: int | None = Field(default=None, ge=0)  # TenantSettings.retained_bytes
@@ -181,8 +181,7 @@ class RateLimiterSettings:
     tenant's override (`TenantLimits`) names them, and the overrides (`rate_limits`); the fields are
     described in `Settings`."""
 
-    rps: float
-    burst: int
+    rps: float  # its burst: 2 x this, rounded up (app/core/ratelimit.py, default_burst)
     tokens_per_min: int
     embedding_bytes_per_min: int
     tenants: Mapping[str, TenantLimits]  # rate_limits
