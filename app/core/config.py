@@ -26,6 +26,7 @@ from app.core.jobstore import EVENTS_BESIDE_TOKENS, Lifetimes
 from app.core.keys import PRIORITY_ALIASES
 from app.core.sections import (
     SECTIONS,
+    TENANT_QUEUE_SHARE,
     AdmissionLimits,
     AdmissionSettings,
     AuditSettings,
@@ -43,7 +44,6 @@ from app.core.sections import (
     TenantSettings,
     WebhookSettings,
     build,
-    TENANT_QUEUE_SHARE,
     queue_share,
 )
 
