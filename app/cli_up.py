@@ -29,7 +29,13 @@ def up(
     plan: Annotated[
         Path | None, typer.Option(help="A `conveyor plan --out` file: one worker per stage.")
     ] = None,
-    flower: Annotated[bool | None, typer.Option(help="Run Flower, Celery's dashboard.")] = None,
+    flower: Annotated[
+        bool | None,
+        typer.Option(
+            help="Run Flower, Celery's dashboard (--no-flower: as CONVEYOR_FLOWER_PORT=0, no Flower and no "
+            "task events).",
+        ),
+    ] = None,
     model: Annotated[
         list[str] | None,
         typer.Option(help="Serve this model (repeatable; the first is the default of requests)."),
@@ -98,7 +104,9 @@ def plan_stack(
         from app.partitions.planner import Plan
 
         stages = len(Plan.from_json(plan.read_text()).stages)
-    settings = load_settings(stages=stages, replicas=replicas, flower=flower, plan_file=plan)
+    settings = load_settings(stages=stages, replicas=replicas, plan_file=plan)
+    if flower is not None:
+        settings = settings.model_copy(update={"flower_port": flower_port(settings, flower)})
     exit_on_known_secrets(settings)
     if (
         settings.redis_url
@@ -116,6 +124,7 @@ def plan_stack(
         raise typer.BadParameter("--plan cuts one model; serve one --model with it")
     env = dict(os.environ)
     env["CONVEYOR_STAGES"] = str(settings.stages)
+    env["CONVEYOR_FLOWER_PORT"] = str(settings.flower_port)  # 0: the workers send no task events either
     # Every child learns which models this stack serves: the api lists them (and only them) and
     # refuses the rest; the first is the default of requests that name none.
     env["CONVEYOR_DEFAULT_MODEL"] = served[0]
@@ -155,6 +164,14 @@ def plan_stack(
         needs_models=run_api or any(part.kind == "stage" and selection.wants(part) for part, _ in planned),
         https=certfile is not None,
     )
+
+
+def flower_port(settings: Settings, flower: bool) -> int:
+    """`--no-flower`: 0 (no Flower); `--flower`: CONVEYOR_FLOWER_PORT, or Flower's usual port where
+    that is 0."""
+    if not flower:
+        return 0
+    return settings.flower_port or int(Settings.model_fields["flower_port"].default)
 
 
 def launch(stack: StackPlan) -> int:

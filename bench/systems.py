@@ -252,7 +252,7 @@ def conveyor_env(api_port: int, workdir: Path) -> dict[str, str]:
     """The user's environment (REDIS_URL and any CONVEYOR_* pass through) plus this run's own stack."""
     env = dict(os.environ)
     env.update(
-        CONVEYOR_FLOWER="false",
+        CONVEYOR_FLOWER_PORT="0",  # no Flower
         CONVEYOR_API_PORT=str(api_port),
         CONVEYOR_NAMESPACE=f"bench-{secrets.token_hex(4)}",
         CONVEYOR_EMBEDDED_REDIS_PORT=str(free_port()),

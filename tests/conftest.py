@@ -180,8 +180,7 @@ def start_stack(
             "CONVEYOR_NAMESPACE": namespace,
             "CONVEYOR_API_PORT": str(port),
             "CONVEYOR_EMBEDDED_REDIS_PORT": str(free_port()),
-            "CONVEYOR_FLOWER_PORT": str(free_port()),
-            "CONVEYOR_FLOWER": "true" if flower else "false",
+            "CONVEYOR_FLOWER_PORT": str(free_port()) if flower else "0",  # 0: no Flower
             "CONVEYOR_MODELS": "{" + ",".join(f'"{k}": "{v}"' for k, v in models.items()) + "}",
             "CONVEYOR_DEFAULT_MODEL": default_model,
             "CONVEYOR_EMBEDDING_STAGES": "0",  # the embeddings pipeline only where a test asks for it

@@ -367,7 +367,7 @@ def start_harness(
         "CONVEYOR_DEFAULT_MODEL": default_model,
         "CONVEYOR_EMBEDDING_STAGES": "0",
         "CONVEYOR_METRICS_PORT": "0",
-        "CONVEYOR_FLOWER": "false",
+        "CONVEYOR_FLOWER_PORT": "0",  # no Flower: the workers send no task events
         "CONVEYOR_DTYPE": "float32",
         "CONVEYOR_TORCH_THREADS": "1",
         **(extra_env or {}),

@@ -28,6 +28,11 @@ from app.core.jobs import text_of
 from app.core.keys import Keys
 
 MIN_REPLICAS = 1  # the floor: a pipeline with no live heartbeat still gets one replica's budget
+# Batches in flight (being prefilled, or waiting in the stage queue) per live replica of a model's
+# thinnest stage. A replica's four task threads hold four and 12 wait in the queue: 1.5x the
+# autoscaler's target of 8 waiting per replica (deploy/k8s ScaledObjects), so a saturated stage
+# shows KEDA a queue to scale on.
+REPLICA_BATCHES = 16
 LIVE_REFRESH_S = 1.0  # live replicas are read this often (heartbeats come every 2 s)
 
 
@@ -53,19 +58,13 @@ def pipeline_replicas(live_per_stage: Sequence[int]) -> int:
     return max(MIN_REPLICAS, min(live_per_stage, default=0))
 
 
-def budget(
-    live_per_stage: Sequence[int],
-    share: Share,
-    *,
-    max_batches: int | None = None,
-    max_sequences: int | None = None,
-) -> Budget:
-    """One pipeline's budget: `share` times its replicas, unless a fixed bound (a setting) is given."""
+def budget(live_per_stage: Sequence[int], share: Share) -> Budget:
+    """One pipeline's budget: `share` times its replicas."""
     replicas = pipeline_replicas(live_per_stage)
     stages = len(live_per_stage)
     # A pipeline of N stages keeps N batches circulating (one per stage), so never fewer slots.
-    batches = max_batches or replicas * max(share.batches, stages + 1)
-    sequences = None if share.sequences is None else max_sequences or replicas * share.sequences
+    batches = replicas * max(share.batches, stages + 1)
+    sequences = None if share.sequences is None else replicas * share.sequences
     return Budget(replicas=replicas, batches=batches, sequences=sequences)
 
 

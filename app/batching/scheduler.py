@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.batching import fairshare, intake, windows
-from app.batching.budget import Budget, Census, Share, budget
+from app.batching.budget import REPLICA_BATCHES, Budget, Census, Share, budget
 from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
 from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
@@ -99,7 +99,7 @@ class Batcher:
         self.census = Census(
             redis, self.keys, stages=settings.stages_of, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
         )
-        self.share = Share(settings.replica_batches, settings.max_running_sequences)
+        self.share = Share(REPLICA_BATCHES, settings.max_running_sequences)
         self.last_sweep = -float("inf")
         self.waiting_for_room = False
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
@@ -179,14 +179,8 @@ class Batcher:
 
     def budgets(self, models: set[str]) -> dict[str, Budget]:
         """Each model's budget now, from its live stage replicas (app/batching/budget.py)."""
-        s = self.settings
         budgets = {
-            model: budget(
-                live,
-                EMBEDDING_SHARE if model == EMBEDDING_MODEL else self.share,
-                max_batches=s.max_inflight_batches,
-                max_sequences=s.max_inflight_sequences,
-            )
+            model: budget(live, EMBEDDING_SHARE if model == EMBEDDING_MODEL else self.share)
             for model, live in self.census.live(models).items()
         }
         for model, b in budgets.items():

@@ -6,10 +6,10 @@ The gates, in order; the first that refuses answers, with a Retry-After:
    (read at most once a second per API process; below `maxmemory`, so that running jobs' tokens,
    heartbeats, the batcher and the workers always have room to write);
 1. a stage of the model's pipeline without a live worker for longer than `stage_down_after_s`
-   (default 2 x heartbeat_ttl_s)                                      -> 503 stage_unavailable
+   (2 x heartbeat_ttl_s)                                              -> 503 stage_unavailable
    (shorter gaps are a worker being restarted: jobs accepted meanwhile wait in the intake);
 2. the model's circuit breaker is open, or half-open with its probe out -> 503 circuit_open;
-3. jobs waiting over every class >= `overload_limit`                   -> 503 overloaded;
+3. jobs waiting over every class >= 2 x `queue_depth_limit`            -> 503 overloaded;
 4. jobs waiting in the job's class >= `queue_depth_limit`              -> 429 queue_full;
 5. the predicted queue wait is longer than the job's `timeout_s`       -> 429 deadline_unmeetable;
 6. the tenant's jobs waiting in the job's class >= its share of `queue_depth_limit`

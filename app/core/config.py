@@ -26,6 +26,7 @@ from app.core.jobstore import EVENTS_BESIDE_TOKENS, Lifetimes
 from app.core.keys import PRIORITY_ALIASES
 from app.core.sections import (
     SECTIONS,
+    TENANT_QUEUE_SHARE,
     AdmissionLimits,
     AdmissionSettings,
     AuditSettings,
@@ -37,7 +38,6 @@ from app.core.sections import (
     JwtSettings,
     RateLimiterSettings,
     RoutePolicy,
-    StageSettings,
     TenantLimits,
     TenantSettings,
     WebhookSettings,
@@ -78,12 +78,12 @@ class Settings(BaseSettings):
     # Browser origins (`https://app.example.com`; `*`: any) that may open a job's WebSocket besides the
     # API's own; other pages get close code 4403. Clients that send no Origin (CLI, Python) are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
-    flower_port: int = 5555  # Flower's usual port
+    # Flower, Celery's dashboard, on this port (5555: its usual one): `conveyor up` starts it, and the
+    # workers send it their task events. 0: neither (`conveyor up --no-flower`).
+    flower_port: int = Field(default=5555, ge=0)
     # Prometheus metrics of a process other than the api (which serves /metrics on its own port): this
     # port on api_host's address, `conveyor up` giving each child its own upwards; None or 0: none.
     metrics_port: int | None = 9100
-    # Flower, Celery's dashboard: `conveyor up` starts it, and the workers send it their task events.
-    flower: bool = True
     # "user:password[,user2:password2]": Flower's logins. Unset: `conveyor up` makes one, user `conveyor`
     # with the password in <home>/flower_password (Flower shows every task's arguments: never open).
     flower_basic_auth: str | None = None
@@ -100,20 +100,11 @@ class Settings(BaseSettings):
     # the window, before it starts a batch (realtime and high never wait). 1 starts the first job at
     # once, which is what latency wants when the pipeline has nothing else to do.
     min_batch_size: int = Field(default=1, ge=1)
-    # Batches in flight (being prefilled, or waiting in the stage queue) per live replica of a model's
-    # thinnest stage (at least one replica counted; app/batching/budget.py). A replica's four task
-    # threads hold four and 12 wait in the queue: 1.5x the autoscaler's target of 8 waiting per
-    # replica (deploy/k8s ScaledObjects), so a saturated stage shows KEDA a queue to scale on.
-    replica_batches: int = Field(default=16, ge=1)
-    # A fixed number of batches in flight per pipeline, whatever the replicas; None: replica_batches
-    # per live replica (and never fewer than stages + 1, which keeps every stage busy).
-    max_inflight_batches: int | None = None
-    # Continuous batching: a fixed number of sequences scheduled or running per pipeline (the KV cache
-    # every stage holds), whatever the replicas; None: max_running_sequences per live replica of the
-    # thinnest stage, so a replica added raises it at its first heartbeat and one that stops beating
-    # lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
-    max_inflight_sequences: int | None = None
-    # Sequences in one running batch, joiners included; past it a new batch runs on its own.
+    # Sequences in one running batch, joiners included; past it a new batch runs on its own. Also one
+    # live replica's share of its pipeline's sequences scheduled or running (the KV cache every stage
+    # holds): the pipeline takes this many per live replica of its thinnest stage
+    # (app/batching/budget.py), so a replica added raises it at its first heartbeat and one that stops
+    # beating lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
     # running one only if rows x padded positions stays under this (the KV cache a stage holds for
@@ -158,7 +149,9 @@ class Settings(BaseSettings):
     # it. A CPU this process may not use is refused.
     cpus: str = ""
     # A worker not heard of for this long is not live. It reports five times as often (every 2 s), so
-    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone.
+    # a lost beat or two (a GC pause, a slow Redis) never makes a live worker look gone. A stage with
+    # no live worker for twice this refuses submits (503 stage_unavailable): long enough for the
+    # launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
     heartbeat_ttl_s: float = 10.0
 
     # Scheduling and recovery (the batcher). A waiting interactive job rises one priority class per
@@ -183,8 +176,6 @@ class Settings(BaseSettings):
     # to start on a Redis that offers neither (app/core/durability.py).
     submit_durability: Literal["memory", "fsync"] = "memory"
 
-    stage: StageSettings = Field(default_factory=StageSettings)  # CONVEYOR_STAGE_*, app/core/sections.py
-
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
     # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
     embedding_stages: int = 2
@@ -192,9 +183,9 @@ class Settings(BaseSettings):
     # Admission and overload (API).
     # Jobs waiting per priority class (its intake stream's length): past it 429 queue_full. About the
     # batcher's window (1,024 intake entries): a deeper queue only adds wait a client gives up on.
+    # Jobs waiting over every class past twice this (2000): 503 overloaded (the stack is behind, not
+    # one class busy).
     queue_depth_limit: int = Field(default=1000, ge=1)
-    # Jobs waiting over every class: past it 503 overloaded (the stack is behind, not one class busy).
-    overload_limit: int = Field(default=2000, ge=1)
     tenant: TenantSettings = Field(default_factory=TenantSettings)  # CONVEYOR_TENANT_*, app/core/sections.py
 
     batch: BatchSettings = Field(default_factory=BatchSettings)  # CONVEYOR_BATCH_*, app/core/sections.py
@@ -216,12 +207,11 @@ class Settings(BaseSettings):
     admin_tenants: list[str] = Field(default_factory=list)
     jwt: JwtSettings = Field(default_factory=JwtSettings)  # CONVEYOR_JWT_*, app/core/sections.py
     # Per-tenant rate limits (GCRA in Redis, shared by every API process), on job-creating requests.
-    # 0 turns a limit off. The request limit bounds submits per second per tenant; burst is how many
-    # may arrive at once. Tokens: max_tokens charged at submit, per minute (a minute's worth at once).
-    # 50/s: well above one client's closed loop (the c32 benchmark submits under 10/s), well below what
-    # one API process takes.
+    # 0 turns a limit off. The request limit bounds submits per second per tenant, two seconds' worth
+    # of them at once (the burst: 2 x this, rounded up). Tokens: max_tokens charged at submit, per
+    # minute (a minute's worth at once). 50/s: well above one client's closed loop (the c32 benchmark
+    # submits under 10/s), well below what one API process takes.
     rate_limit_rps: float = Field(default=50.0, ge=0)
-    rate_limit_burst: int = Field(default=100, ge=1)  # submits a tenant may send at once
     # Off: it depends on the deployment's capacity (a 2-core CPU stack generates about 6,600 tokens a
     # minute); set it when tenants share one.
     rate_limit_tokens_per_min: int = Field(default=0, ge=0)
@@ -231,7 +221,8 @@ class Settings(BaseSettings):
     # their job runs: 16 MiB lets a tenant send sixteen of the largest requests (max_body_bytes) a
     # minute, and no tenant fill Redis with them. 0: off.
     embedding_bytes_per_min: int = Field(default=16 * 1024 * 1024, ge=0)
-    # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}.
+    # Per-tenant overrides (JSON): {"acme": {"rps": 5, "burst": 10, "tokens_per_min": 20000}}; a
+    # tenant given rps without burst may send 2 x its rps at once.
     rate_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     # Request bodies larger than this are refused (413) before they are parsed: the longest job a
     # 8192-token context allows is tens of KB of JSON, 64 embedding texts a few hundred KB.
@@ -300,6 +291,11 @@ class Settings(BaseSettings):
         return copied
 
     @property
+    def flower(self) -> bool:
+        """Flower runs (`conveyor up`) and the workers send it task events: flower_port is not 0."""
+        return self.flower_port != 0
+
+    @property
     def heartbeat_interval_s(self) -> float:
         """How often a worker reports it is live: five beats per heartbeat_ttl_s."""
         return self.heartbeat_ttl_s / 5
@@ -332,10 +328,10 @@ class Settings(BaseSettings):
         return build(
             AdmissionSettings,
             self,
-            stage_down_after_s=self.stage.down_after_s or 2 * self.heartbeat_ttl_s,
-            limits=AdmissionLimits(depth, self.overload_limit),
+            stage_down_after_s=2 * self.heartbeat_ttl_s,
+            limits=AdmissionLimits(depth, 2 * depth),
             breaker=BreakerPolicy(),
-            tenant_queue_default=queue_share(self.tenant.queue_share, depth),
+            tenant_queue_default=queue_share(TENANT_QUEUE_SHARE, depth),
             tenant_queue_limits=MappingProxyType(
                 {tenant: queue_share(share, depth) for tenant, share in self.tenant.queue_shares.items()}
             ),

@@ -124,7 +124,7 @@ class QueueFull(Refused):
 
 class TenantQueueFull(Refused):
     """The tenant already has its share of the job's priority class waiting
-    (`Settings.tenant.queue_share`); other tenants are still admitted while the class has room."""
+    (`AdmissionSettings.tenant_queue_limit`); other tenants are still admitted while the class has room."""
 
     code = "tenant_queue_full"
     status = 429
@@ -248,7 +248,7 @@ class BatchFinished(ConveyorError):
 
 
 class FileQuotaExceeded(ConveyorError):
-    """An upload past the tenant's stored-file bytes (`batch_tenant_file_bytes`): delete files, or
+    """An upload past the tenant's stored-file bytes (8 x `batch_file_max_bytes`): delete files, or
     wait for them to expire."""
 
     code = "file_quota_exceeded"

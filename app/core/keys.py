@@ -266,10 +266,10 @@ class Keys:
         """Hash: tenant -> how many of its events wait in `webhook_retries` (the per-tenant retry cap)."""
         return f"{self.namespace}:webhooks:retry-counts"
 
-    @lives(ttl="the latest slot's lapse", cap="webhook_tenant_concurrency")
+    @lives(ttl="the latest slot's lapse", cap="webhooks.delivery.TENANT_CONCURRENCY")
     def webhook_slots(self, tenant: str) -> str:
         """Sorted set: one tenant's deliveries in progress, scored by when their slot lapses (a worker
-        that died mid-attempt frees it then); at most webhook_tenant_concurrency members."""
+        that died mid-attempt frees it then); at most webhooks.delivery.TENANT_CONCURRENCY members."""
         return f"{self.namespace}:webhooks:slots:{tenant}"
 
     def callbacks_queue(self) -> str:

@@ -2,7 +2,8 @@
 
 Three limits per tenant, checked and charged together at submit (all or nothing):
 
-- requests: `rps` job-creating requests per second, `burst` of them at once;
+- requests: `rps` job-creating requests per second, `burst` of them at once (two seconds' worth,
+  `default_burst`, unless a tenant's override gives its own);
 - tokens: `tokens_per_min` generated tokens per minute, a minute's worth at once. A job is charged
   its `max_tokens` when it is submitted (what it may generate, not what it will: simple and never
   under-charged); a job that is then not queued (admission refused it) is refunded;
@@ -33,6 +34,8 @@ from typing import Any
 from app.core.config import RateLimiterSettings
 from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
+
+BURST_S = 2  # a tenant's burst, unless its override gives one: this many seconds of its request rate
 
 # KEYS[1] = the tenant's hash. ARGV[1] = now in ms ('' = Redis's clock). Then per bucket b = 1
 # (requests), 2 (tokens), 3 (embedding bytes), at ARGV[3b-1 .. 3b+1]: interval in ms per unit
@@ -110,11 +113,18 @@ class Policy:
     embedding_bytes: Bucket | None = None
 
 
+def default_burst(rps: float) -> int:
+    """Requests a tenant may send at once at `rps` a second, unless it is given a burst: BURST_S
+    seconds' worth, rounded up, at least one (100 at the default 50/s)."""
+    return max(1, math.ceil(BURST_S * rps))
+
+
 def policy_for(settings: RateLimiterSettings, tenant: str) -> Policy:
-    """The tenant's limits: its override in `rate_limits`, field by field, else the defaults."""
+    """The tenant's limits: its override in `rate_limits`, field by field, else the defaults; its
+    burst, unless given, follows its rate (`default_burst`)."""
     override = settings.tenants.get(tenant)
     rps = settings.rps if override is None or override.rps is None else override.rps
-    burst = settings.burst if override is None or override.burst is None else override.burst
+    burst = default_burst(rps) if override is None or override.burst is None else override.burst
     per_min = settings.tokens_per_min
     if override is not None and override.tokens_per_min is not None:
         per_min = override.tokens_per_min

@@ -54,7 +54,7 @@ class TenantLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rps: float | None = Field(default=None, ge=0)
-    burst: int | None = Field(default=None, ge=1)
+    burst: int | None = Field(default=None, ge=1)  # None: 2 x its rps, rounded up
     tokens_per_min: int | None = Field(default=None, ge=0)
     embedding_bytes_per_min: int | None = Field(default=None, ge=0)
     retained_bytes: int | None = Field(default=None, ge=0)  # TenantSettings.retained_bytes
@@ -103,9 +103,6 @@ class BatcherSettings:
     max_prefill_tokens: int
     min_batch_size: int
     max_running_sequences: int
-    replica_batches: int
-    max_inflight_batches: int | None
-    max_inflight_sequences: int | None
     stall_timeout_s: float
     heartbeat_ttl_s: float
     life: (
@@ -122,7 +119,7 @@ class AdmissionLimits:
     checks them again) and the Retry-After it answers when no completion rate is measured."""
 
     class_depth: int  # queue_depth_limit
-    overall: int  # overload_limit
+    overall: int  # over every class: 2 x queue_depth_limit
     retry_after_s: float = RETRY_AFTER_S
 
 
@@ -136,10 +133,10 @@ class AdmissionSettings:
     stages: int
     embedding_stages: int
     heartbeat_ttl_s: float
-    stage_down_after_s: float  # unset: 2 x heartbeat_ttl_s
-    limits: AdmissionLimits  # queue_depth_limit, overload_limit
+    stage_down_after_s: float  # 2 x heartbeat_ttl_s
+    limits: AdmissionLimits  # queue_depth_limit, and twice it over every class
     breaker: BreakerPolicy  # the circuit breaker's thresholds (app/core/breaker.py: Policy's defaults)
-    # Jobs of one tenant that may wait in one class: tenant_queue_share of queue_depth_limit, and
+    # Jobs of one tenant that may wait in one class: TENANT_QUEUE_SHARE of queue_depth_limit, and
     # each of tenant_queue_shares' tenants its own share of it.
     tenant_queue_default: int
     tenant_queue_limits: Mapping[str, int]
@@ -166,6 +163,10 @@ class AdmissionSettings:
 
 
 RETAINED_SHARE_OF_MAXMEMORY = 4  # a tenant's default retained-bytes quota: maxmemory / this
+# The share of a class's queue_depth_limit a tenant's waiting jobs may fill, unless tenant_queue_shares
+# gives it its own: half, so a tenant that floods a class leaves the other half to everyone else.
+TENANT_QUEUE_SHARE = 0.5
+TENANT_FILES = 8  # a tenant's uploaded files may hold this many times batch_file_max_bytes
 
 
 def queue_share(share: float, depth: int) -> int:
@@ -180,8 +181,7 @@ class RateLimiterSettings:
     tenant's override (`TenantLimits`) names them, and the overrides (`rate_limits`); the fields are
     described in `Settings`."""
 
-    rps: float
-    burst: int
+    rps: float  # its burst: 2 x this, rounded up (app/core/ratelimit.py, default_burst)
     tokens_per_min: int
     embedding_bytes_per_min: int
     tenants: Mapping[str, TenantLimits]  # rate_limits
@@ -261,11 +261,15 @@ class BatchSettings(BaseModel):
     model_config = SECTION
 
     # OpenAI's Batch API (/v1/files, /v1/batches; docs/batches.md). An uploaded JSONL file's bytes at
-    # most: its lines are copied once more when its batch starts, and both live in Redis.
+    # most: its lines are copied once more when its batch starts, and both live in Redis. One tenant
+    # may store eight times this in uploaded files at once (256 MiB): past it 429 file_quota_exceeded
+    # until it deletes files (or they expire). Output files do not count.
     file_max_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
-    # Bytes of uploaded files one tenant may store at once: past it 429 file_quota_exceeded until it
-    # deletes files (or they expire). Output files do not count.
-    tenant_file_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+
+    @property
+    def tenant_file_bytes(self) -> int:
+        """Bytes of uploaded files one tenant may store at once: eight of the largest."""
+        return TENANT_FILES * self.file_max_bytes
 
 
 class WebhookSettings(BaseModel):
@@ -287,10 +291,9 @@ class WebhookSettings(BaseModel):
     # checks credentials (the callbacks worker exits without it); `conveyor up` makes one
     # (home/webhook_master_key) if unset. Only the open API's jobs are signed with webhook_secrets.
     master_key: str | None = None
-    # Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
-    # hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
-    tenant_concurrency: int = Field(default=2, ge=1)
-    concurrency: int = Field(default=8, ge=1)  # threads of the callbacks worker (I/O bound)
+    # Threads of the callbacks worker (I/O bound); one tenant holds two at most
+    # (app/webhooks/delivery.py, TENANT_CONCURRENCY).
+    concurrency: int = Field(default=8, ge=1)
 
 
 class JwtSettings(BaseModel):
@@ -334,11 +337,10 @@ class TenantSettings(BaseModel):
 
     model_config = SECTION
 
-    # The part of a class's queue_depth_limit one tenant's waiting jobs may fill (at least one job);
-    # past it 429 tenant_queue_full while other tenants are still admitted. Half: a tenant that floods
-    # a class leaves the other half to everyone else; 1: one tenant may fill the class alone.
-    queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    # Per-tenant overrides of tenant_queue_share (JSON, tenant -> share): {"batch-import": 0.1}.
+    # The part of a class's queue_depth_limit one tenant's waiting jobs may fill (at least one job),
+    # per tenant (JSON, tenant -> share): {"batch-import": 0.1}; past it 429 tenant_queue_full while
+    # other tenants are still admitted. Unlisted: half, so a tenant that floods a class leaves the
+    # other half to everyone else; 1: the tenant may fill the class alone.
     queue_shares: dict[str, float] = Field(default_factory=dict)
     # Bytes one tenant's jobs may hold in Redis, live and ended until their records expire (each
     # counted at what it may weigh: its prompt, every token it may generate); past it 429
@@ -373,19 +375,8 @@ class TenantSettings(BaseModel):
         return self
 
 
-class StageSettings(BaseModel):
-    """When a stage counts as down: CONVEYOR_STAGE_*, read as `Settings.stage.<name>`."""
-
-    model_config = SECTION
-
-    # A stage with no live worker for this long refuses submits (503); None: 2 x heartbeat_ttl_s, long
-    # enough for the launcher to restart a killed worker (jobs accepted meanwhile wait in the intake).
-    down_after_s: float | None = None
-
-
 # The sections `Settings` holds, by name: CONVEYOR_<NAME>_<SETTING> is `Settings.<name>.<setting>`.
 SECTIONS: dict[str, type[BaseModel]] = {
-    "stage": StageSettings,
     "tenant": TenantSettings,
     "batch": BatchSettings,
     "webhook": WebhookSettings,

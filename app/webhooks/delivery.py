@@ -4,7 +4,7 @@ the retry.
 Called by the callbacks worker's Celery task (app/webhooks/worker.py) with a message from the
 dispatcher (a first attempt, or a retry come due). Rules:
 
-- A tenant has at most `webhook_tenant_concurrency` deliveries in progress (app/webhooks/retries.py
+- A tenant has at most TENANT_CONCURRENCY deliveries in progress (app/webhooks/retries.py
   `TenantSlots`); a message whose tenant has none free waits in Redis and comes back (not counted as
   an attempt), so a tenant whose receiver hangs holds that many threads and the others keep theirs.
 - An attempt has one wall-clock deadline, ATTEMPT_DEADLINE_S (connect, TLS, send, read;
@@ -49,6 +49,9 @@ from app.webhooks.ssrf import CallbackRefused, Deadline, Guard, Target, pinned_t
 DELIVER_TASK = "conveyor.webhooks.deliver"
 USER_AGENT = "Conveyor-Webhooks/0.1"
 SLOT_MARGIN_S = 60.0  # a slot outlives its attempt's deadline by this (DNS, recording) before it lapses
+# Deliveries of one tenant in progress at once, over all callbacks workers: a tenant whose receiver
+# hangs holds this many threads at most and the others keep theirs (webhook_concurrency is 8).
+TENANT_CONCURRENCY = 2
 # Wall-clock limit of one attempt, connect + TLS + send + read together (and of each of them): a
 # receiver that never answers, or trickles a byte a second, holds a delivery thread this long at most.
 ATTEMPT_DEADLINE_S = 10.0
@@ -151,7 +154,7 @@ class Deliverer:
         self.slots = TenantSlots(
             redis,
             keys,
-            per_tenant=settings.tenant_concurrency,
+            per_tenant=TENANT_CONCURRENCY,
             hold_s=ATTEMPT_DEADLINE_S + SLOT_MARGIN_S,
         )
 

@@ -7,9 +7,9 @@
   it in memory (an ETA task would: a restart re-delivers it, and thousands of them sit in a
   worker's heap). One retry per webhook id (scheduling one already waiting replaces its message and
   due time); at most TENANT_MAX_RETRIES of one tenant's.
-- `TenantSlots`: at most `webhook_tenant_concurrency` deliveries of one tenant in progress. A slot is a
-  member of the tenant's sorted set, scored by when it lapses (the attempt's deadline and a margin),
-  so a worker killed mid-attempt frees it then.
+- `TenantSlots`: at most `per_tenant` deliveries of one tenant in progress (TENANT_CONCURRENCY of
+  app/webhooks/delivery.py). A slot is a member of the tenant's sorted set, scored by when it lapses
+  (the attempt's deadline and a margin), so a worker killed mid-attempt frees it then.
 
 The dispatcher sends a due retry before removing it (`RetryQueue.remove` only takes a member still at
 the score it read): a crash in between sends it twice, and the second copy finds the event settled.

@@ -178,8 +178,9 @@ def run_worker(
         labels=(model, str(stage)),
         # Task threads and the lane thread queue their messages for the compute thread (urgent
         # first). Four task threads hold four prefills; further ones wait in the stage queue, where
-        # the autoscaler counts them (the batcher keeps CONVEYOR_REPLICA_BATCHES in flight per live
-        # replica). An urgent prefill waiting there is the next one fetched, as soon as a thread is free.
+        # the autoscaler counts them (the batcher keeps REPLICA_BATCHES, app/batching/budget.py, in
+        # flight per live replica). An urgent prefill waiting there is the next one fetched, as soon
+        # as a thread is free.
         slots=4,
         info=info,
         health=health,

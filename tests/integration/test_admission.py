@@ -53,9 +53,9 @@ def settings() -> Settings:
         namespace=f"test-adm-{uuid.uuid4().hex[:8]}",
         stages=2,
         heartbeat_ttl_s=10.0,
-        queue_depth_limit=3,
-        overload_limit=5,
-        tenant_queue_share=1.0,  # one tenant here: the class's limits are the point (tests/security)
+        queue_depth_limit=3,  # and 6 over every class
+        # One tenant here (the records name none): the class's limits are the point (tests/security).
+        tenant_queue_shares={"": 1.0},
     )
 
 
@@ -123,7 +123,7 @@ def queue(redis_url: str, settings: Settings, priority: str, n: int) -> list[str
 
 
 def test_a_stage_down_longer_than_the_grace_refuses(redis, redis_url, settings):  # type: ignore[no-untyped-def]
-    assert settings.stage.down_after_s is None  # the default: 2 x heartbeat_ttl_s = 20 s
+    assert settings.admission.stage_down_after_s == 20  # 2 x heartbeat_ttl_s
     check(redis_url, settings, now=T0)  # never seen a worker: marked down now, within the grace
     with pytest.raises(StageUnavailable) as refused:
         check(redis_url, settings, now=T0 + 21)
@@ -151,11 +151,12 @@ def test_down_since_is_pure() -> None:
 
 def test_depth_limits_hold_under_the_atomic_write(redis, redis_url, settings):  # type: ignore[no-untyped-def]
     assert queue(redis_url, settings, "normal", 4) == ["ok", "ok", "ok", "queue_full"]
-    assert queue(redis_url, settings, "high", 3) == ["ok", "ok", "overloaded"]  # 5 waiting overall
+    assert queue(redis_url, settings, "high", 3) == ["ok", "ok", "ok"]
+    assert queue(redis_url, settings, "batch", 1) == ["overloaded"]  # 6 waiting overall: 2 x the depth
     beat(redis, settings, time.time())
     with pytest.raises(Overloaded) as refused:
         check(redis_url, settings, now=time.time(), priority="realtime")
-    assert refused.value.status == 503 and refused.value.details["waiting"] == 5
+    assert refused.value.status == 503 and refused.value.details["waiting"] == 6
 
 
 def test_queue_full_is_429_per_class(redis, redis_url, settings):  # type: ignore[no-untyped-def]
@@ -233,13 +234,15 @@ def test_a_failing_pipeline_opens_the_breaker(redis, redis_url, settings):  # ty
 
 # --- the stack ---------------------------------------------------------------------------------
 
-DEPTH, OVERALL = 4, 6
+DEPTH = 4
+OVERALL = 2 * DEPTH  # jobs waiting over every class past which submits are 503 overloaded
 LONG = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Harness]:
-    """One job at a time (one batch of one sequence in flight), small queues, a long context."""
+    """One job at a time (one live replica's share of one sequence in flight), small queues, a long
+    context."""
     tmp = tmp_path_factory.mktemp("admission")
     model = make_tiny_model(tmp / "tiny-long", context=4096)
     stack = start_harness(
@@ -248,14 +251,12 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> I
         models={"tiny": model},
         default_model="tiny",
         extra_env={
-            "CONVEYOR_MAX_INFLIGHT_BATCHES": "1",
             "CONVEYOR_MAX_BATCH_SIZE": "1",
             "CONVEYOR_MAX_RUNNING_SEQUENCES": "1",
             "CONVEYOR_TORCH_THREADS": "1",
             "CONVEYOR_MAX_TOKENS_LIMIT": "4000",
             "CONVEYOR_QUEUE_DEPTH_LIMIT": str(DEPTH),
-            "CONVEYOR_OVERLOAD_LIMIT": str(OVERALL),
-            "CONVEYOR_TENANT_QUEUE_SHARE": "1",  # one tenant fills a class here
+            "CONVEYOR_TENANT_QUEUE_SHARES": '{"anonymous": 1}',  # one tenant fills a class here
         },
     )
     yield stack

@@ -150,16 +150,15 @@ def test_files_and_batches_are_the_tenants_own(start: Callable[..., Api]) -> Non
 
 
 def test_the_file_quota_refuses_with_429_until_a_file_is_deleted(start: Callable[..., Api]) -> None:
-    api = start(batch_tenant_file_bytes=1000)
-    acme, other = api.clients["acme"], api.clients["other"]
     content = jsonl([chat_line(i) for i in range(4)])  # about 650 bytes
-    assert 500 < len(content) <= 1000
-    first = acme.files.create(file=("a.jsonl", content), purpose="batch")
+    api = start(batch_file_max_bytes=len(content))  # a tenant's files hold 8 x this at most
+    acme, other = api.clients["acme"], api.clients["other"]
+    kept = [acme.files.create(file=(f"{n}.jsonl", content), purpose="batch") for n in range(8)]
     with pytest.raises(openai.RateLimitError) as refused:
         acme.files.create(file=("b.jsonl", content), purpose="batch")
     assert refused.value.code == "file_quota_exceeded"
     assert other.files.create(file=("b.jsonl", content), purpose="batch").bytes == len(content)
-    acme.files.delete(first.id)
+    acme.files.delete(kept[0].id)
     assert acme.files.create(file=("b.jsonl", content), purpose="batch").bytes == len(content)
     with pytest.raises(openai.UnprocessableEntityError):
         acme.files.create(file=("c.jsonl", content), purpose="fine-tune")

@@ -325,7 +325,7 @@ def test_a_request_of_several_jobs_past_the_sync_timeout_cancels_them(queue_only
 
 @pytest.mark.parametrize(
     "queue_only",
-    [{"rate_limit_tokens_per_min": 20, "rate_limit_rps": 100.0, "rate_limit_burst": 100}],
+    [{"rate_limit_tokens_per_min": 20, "rate_limit_rps": 100.0}],
     indirect=True,
 )
 def test_each_choice_is_charged_and_a_request_over_the_budget_leaves_no_job(queue_only):  # type: ignore[no-untyped-def]

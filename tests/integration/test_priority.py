@@ -11,14 +11,14 @@ from app.core.keys import BATCHER_GROUP, Keys
 
 
 def test_classes_drain_in_priority_order(tmp_path, redis_url, redis, tiny_model):  # type: ignore[no-untyped-def]
-    # One batch at a time, one job per batch, no joining: the order of dispatch is the order of service.
+    # One job at a time (one live replica's share of one sequence), one job per batch, no joining:
+    # the order of dispatch is the order of service.
     stack = start_harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},
         default_model="tiny",
         extra_env={
-            "CONVEYOR_MAX_INFLIGHT_BATCHES": "1",
             "CONVEYOR_MAX_BATCH_SIZE": "1",
             "CONVEYOR_MAX_RUNNING_SEQUENCES": "1",
             "CONVEYOR_TORCH_THREADS": "1",

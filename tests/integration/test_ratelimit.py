@@ -18,7 +18,7 @@ import redis.asyncio
 from app.core.config import Settings, TenantLimits
 from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
-from app.core.ratelimit import RateLimiter, policy_for
+from app.core.ratelimit import RateLimiter, default_burst, policy_for
 
 T0 = 1_700_000_000.0
 
@@ -27,13 +27,13 @@ T0 = 1_700_000_000.0
 def settings() -> Settings:
     return Settings(
         namespace=f"test-rl-{uuid.uuid4().hex[:8]}",
-        rate_limit_rps=2.0,
-        rate_limit_burst=3,
+        rate_limit_rps=2.0,  # 4 at once: two seconds' worth
         rate_limit_tokens_per_min=600,  # 10 tokens a second, 600 at once
         embedding_bytes_per_min=2048,
         rate_limits={
             "big": TenantLimits(rps=20.0, burst=10, tokens_per_min=0, embedding_bytes_per_min=0),
             "free": TenantLimits(rps=0, tokens_per_min=0),
+            "slow": TenantLimits(rps=1.25),  # its own rate, no burst: two seconds of it, rounded up
         },
     )
 
@@ -51,13 +51,17 @@ def run(redis_url: str, settings: Settings, body: Any) -> Any:
 
 def test_policies_resolve_overrides_field_by_field(settings):  # type: ignore[no-untyped-def]
     default = policy_for(settings.rate_limiter, "anyone")
-    assert default.requests is not None and default.requests.capacity == 3
+    assert default.requests is not None and default.requests.capacity == 4  # 2 x rps
     assert default.requests.interval_ms == 500.0
     assert (
         default.tokens is not None and default.tokens.capacity == 600 and default.tokens.interval_ms == 100.0
     )
     big = policy_for(settings.rate_limiter, "big")
     assert big.requests is not None and big.requests.interval_ms == 50.0 and big.tokens is None
+    assert big.requests.capacity == 10  # its own burst
+    slow = policy_for(settings.rate_limiter, "slow")
+    assert slow.requests is not None and (slow.requests.capacity, slow.requests.interval_ms) == (3, 800.0)
+    assert [default_burst(rps) for rps in (50.0, 0.001, 0.5, 1.25)] == [100, 1, 1, 3]
     free = policy_for(settings.rate_limiter, "free")
     assert free.requests is None and free.tokens is None
     assert free.embedding_bytes is not None and free.embedding_bytes.capacity == 2048  # not overridden
@@ -84,19 +88,19 @@ def test_embeddings_input_is_limited_in_bytes_per_tenant(redis_url, settings):  
 
 def test_burst_then_one_per_interval(redis, redis_url, settings):  # type: ignore[no-untyped-def]
     async def body(limiter: RateLimiter) -> None:
-        quotas = [await limiter.take("acme", tokens=1, now=T0) for _ in range(3)]
-        assert [q.remaining for q in quotas if q] == [2, 1, 0]
+        quotas = [await limiter.take("acme", tokens=1, now=T0) for _ in range(4)]
+        assert [q.remaining for q in quotas if q] == [3, 2, 1, 0]
         assert quotas[-1] is not None and quotas[-1].headers() == {
-            "RateLimit-Limit": "3",
+            "RateLimit-Limit": "4",
             "RateLimit-Remaining": "0",
-            "RateLimit-Reset": "2",  # 3 requests at 0.5 s each until the bucket is full again
+            "RateLimit-Reset": "2",  # 4 requests at 0.5 s each until the bucket is full again
         }
         with pytest.raises(RateLimited) as refused:
             await limiter.take("acme", tokens=1, now=T0 + 0.1)
         assert refused.value.status == 429 and refused.value.details["limit"] == "requests"
         assert refused.value.headers()["Retry-After"] == "1"  # 0.4 s, in whole seconds
         assert refused.value.headers()["RateLimit-Remaining"] == "0"
-        assert "2 requests per second (burst 3)" in refused.value.message
+        assert "2 requests per second (burst 4)" in refused.value.message
         await limiter.take("acme", tokens=1, now=T0 + 0.5)  # one interval later: one more
         with pytest.raises(RateLimited):
             await limiter.take("acme", tokens=1, now=T0 + 0.5)
@@ -116,9 +120,9 @@ def test_tokens_are_charged_with_the_request_all_or_nothing(redis_url, settings)
         assert refused.value.details["limit"] == "tokens"
         assert refused.value.retry_after_s == 10  # 100 tokens short at 10 a second
         assert refused.value.headers()["RateLimit-Limit"] == "600"
-        # The refused request was not charged to the request limit either: two more fit the burst.
-        await limiter.take("acme", tokens=0, now=T0)
-        await limiter.take("acme", tokens=0, now=T0)
+        # The refused request was not charged to the request limit either: three more fit the burst.
+        for _ in range(3):
+            await limiter.take("acme", tokens=0, now=T0)
         with pytest.raises(RateLimited):
             await limiter.take("acme", tokens=0, now=T0)
         # A job that was charged but not queued gets its tokens back.

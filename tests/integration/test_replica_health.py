@@ -129,7 +129,7 @@ def settings(redis_url: str) -> Settings:
     return Settings(
         namespace=f"test-health-{uuid.uuid4().hex[:8]}",
         redis_url=redis_url,
-        flower=False,
+        flower_port=0,
         heartbeat_ttl_s=1.0,  # a beat every 0.2 s
     )
 

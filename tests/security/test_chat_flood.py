@@ -28,7 +28,7 @@ EMPTY = {"role": "user", "content": ""}
 
 @pytest.fixture(scope="module")
 def client(redis_url: str, tiny_model: Path) -> Iterator[TestClient]:
-    settings = tiny_settings(redis_url, tiny_model, auth="none", stage_down_after_s=1e9)
+    settings = tiny_settings(redis_url, tiny_model, auth="none", heartbeat_ttl_s=5e8)  # no stage gate
     try:
         with TestClient(create_app(settings)) as api:
             yield api

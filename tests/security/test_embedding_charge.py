@@ -31,7 +31,7 @@ def api(redis_url: str, tiny_model: Path, request: pytest.FixtureRequest) -> Ite
         tiny_model,
         auth="none",
         embedding_stages=2,
-        stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
+        heartbeat_ttl_s=5e8,  # no workers: the stage gate would refuse after its grace (2 x this)
         rate_limits={"anonymous": {"embedding_bytes_per_min": request.param}},
     )
     try:

@@ -1,7 +1,7 @@
 """Fair share across tenants, on a stack started with two tenants' API keys (the tiny model).
 
-The pipeline holds 4 sequences at once (MAX_INFLIGHT_SEQUENCES), so whatever is queued beyond them
-waits and the batcher chooses, at every free seat, whose job goes next.
+The pipeline holds 4 sequences at once (its one live replica's MAX_RUNNING_SEQUENCES), so whatever is
+queued beyond them waits and the batcher chooses, at every free seat, whose job goes next.
 
 - a lone tenant gets the whole pipeline: every token;
 - two tenants both backlogged, one of which queued nearly 7x the other's jobs (and queued them
@@ -47,7 +47,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model:
             "CONVEYOR_API_KEYS": json.dumps({key_digest(HEAVY): "heavy", key_digest(LIGHT): "light"}),
             "CONVEYOR_RATE_LIMIT_RPS": "0",  # the tenants' pace is not what is tested
             "CONVEYOR_MAX_BATCH_SIZE": "4",
-            "CONVEYOR_MAX_INFLIGHT_SEQUENCES": "4",
+            "CONVEYOR_MAX_RUNNING_SEQUENCES": "4",  # one replica's share of sequences: the pipeline's
             "CONVEYOR_TENANT_PRIORITIES": json.dumps({"light": ["normal", "batch"]}),
         },
     )

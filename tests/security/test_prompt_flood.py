@@ -64,7 +64,7 @@ def api(redis_url: str, tiny_model: Path, **settings: object) -> Iterator[TestCl
 
 
 def test_the_rate_limit_is_charged_before_the_prompt_is_read(redis_url, tiny_model):  # type: ignore[no-untyped-def]
-    with api(redis_url, tiny_model, rate_limit_rps=0.001, rate_limit_burst=1) as client:
+    with api(redis_url, tiny_model, rate_limit_rps=0.001) as client:  # a burst of one
         first = client.post("/v1/jobs", json={"prompt": HUGE, "max_tokens": 1})
         assert first.status_code == 422  # the one request the burst allows: read, and refused
         second = client.post("/v1/jobs", json={"prompt": HUGE, "max_tokens": 1})

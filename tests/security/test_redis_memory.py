@@ -70,11 +70,11 @@ def settings(url: str, model: Path, **overrides: object) -> Settings:
         "default_model": "tiny",
         "embedding_stages": 0,
         "auth": "none",
-        # No workers here: the stage gate would refuse after its grace; no batcher: the intake holds
-        # every cancelled job's entry (what the batcher would delete), so the queue limits are raised.
-        "stage_down_after_s": 1e9,
-        "queue_depth_limit": 2 * JOBS,
-        "overload_limit": 4 * JOBS,
+        # No workers here: the stage gate would refuse after its grace (2 x heartbeat_ttl_s); no
+        # batcher: the intake holds every cancelled job's entry (what the batcher would delete), so
+        # the queue limits are raised.
+        "heartbeat_ttl_s": 5e8,
+        "queue_depth_limit": 2 * JOBS,  # and 4 x JOBS over every class
         "allowed_hosts": [*TEST_HOSTS, "api"],  # the flood's client calls it `api`
         **overrides,
     }

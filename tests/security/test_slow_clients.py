@@ -64,7 +64,8 @@ def api(
         "CONVEYOR_DEFAULT_MODEL": "tiny",
         "CONVEYOR_EMBEDDING_STAGES": "0",
         "CONVEYOR_API_KEYS": json.dumps({key_digest(key): "acme"}),
-        "CONVEYOR_STAGE_DOWN_AFTER_S": "1e9",  # no workers: the stage gate would refuse after its grace
+        # No workers: the stage gate would refuse after its grace (2 x the heartbeat TTL).
+        "CONVEYOR_HEARTBEAT_TTL_S": "5e8",
     }
     log = (tmp_path / "api.log").open("wb")
     process = subprocess.Popen(

@@ -1,5 +1,5 @@
 """One tenant cannot fill a priority class's queue and so refuse every other tenant: past its share of
-`queue_depth_limit` (CONVEYOR_TENANT_QUEUE_SHARE) its next job is 429 `tenant_queue_full` with a
+`queue_depth_limit` (TENANT_QUEUE_SHARE, a half) its next job is 429 `tenant_queue_full` with a
 Retry-After, while other tenants are admitted as long as the class has room; its count goes down as
 soon as its jobs leave `queued` (cancelled here: no batcher runs, so their intake entries stay).
 
@@ -30,6 +30,7 @@ from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobRecord, JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
+from app.core.sections import TENANT_QUEUE_SHARE
 from tests.tinyapi import forget_namespace, tiny_settings
 
 DEPTH = 10  # queue_depth_limit; the default share (0.5) lets one tenant hold 5
@@ -42,11 +43,11 @@ def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str
         redis_url,
         tiny_model,
         api_keys={key_digest(k): t for t, k in keys.items()},
-        stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
+        heartbeat_ttl_s=5e8,  # no workers: the stage gate would refuse after its grace (2 x this)
         queue_depth_limit=DEPTH,
     )
     namespace = settings.namespace
-    assert settings.tenant.queue_share == 0.5 and settings.admission.tenant_queue_limit("acme") == DEPTH // 2
+    assert TENANT_QUEUE_SHARE == 0.5 and settings.admission.tenant_queue_limit("acme") == DEPTH // 2
     try:
         with TestClient(create_app(settings)) as client:
             yield client, {t: {"X-API-Key": k} for t, k in keys.items()}

@@ -46,7 +46,7 @@ def api(redis_url: str, tiny_model: Path) -> Iterator[tuple[TestClient, dict[str
         redis_url,
         tiny_model,
         api_keys={key_digest(k): t for t, k in keys.items()},
-        stage_down_after_s=1e9,  # no workers: the stage gate would refuse after its grace
+        heartbeat_ttl_s=5e8,  # no workers: the stage gate would refuse after its grace (2 x this)
         tenant_retained_bytes=QUOTA,
         ended_job_ttl_s=ENDED_TTL_S,
     )
@@ -115,7 +115,7 @@ def used_share(client: redis_lib.Redis) -> float:
 def test_submits_stop_at_the_high_water_mark_before_redis_refuses_anything(tmp_path, tiny_model):  # type: ignore[no-untyped-def]
     with own_redis(tmp_path / "redis", "32mb") as url:
         client = redis_lib.Redis.from_url(url)
-        config = tiny_settings(url, tiny_model, auth="none", stage_down_after_s=1e9)
+        config = tiny_settings(url, tiny_model, auth="none", heartbeat_ttl_s=5e8)  # no stage gate
         with TestClient(create_app(config)) as api:
             job = api.post("/v1/jobs", json=JOB)
             assert job.status_code == 202, job.text

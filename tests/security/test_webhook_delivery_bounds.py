@@ -1,6 +1,6 @@
 """One tenant cannot block webhook delivery for the others: an attempt has one wall-clock deadline
 (a receiver that never answers, or trickles a byte at a time, holds its thread no longer), a tenant
-has at most `webhook_tenant_concurrency` deliveries in progress (the rest wait in Redis, not in a
+has at most `delivery.TENANT_CONCURRENCY` deliveries in progress (the rest wait in Redis, not in a
 thread), and retries wait in Redis, where a restarted worker finds them.
 
 Real receivers on loopback (allow-listed), the real delivery code and dispatcher, a real Redis; the
@@ -129,12 +129,12 @@ def settings(redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setattr(delivery, "ATTEMPT_DEADLINE_S", DEADLINE_S)
     monkeypatch.setattr(delivery, "BACKOFF_BASE_S", 0.2)
     monkeypatch.setattr(delivery, "BACKOFF_MAX_S", 0.4)
+    monkeypatch.setattr(delivery, "TENANT_CONCURRENCY", 1)
     config = Settings(
         redis_url=redis_url,
         namespace=f"test-{uuid.uuid4().hex[:8]}",
         webhook_secrets=[SECRET],
         webhook_allow_cidrs=["127.0.0.1/32"],
-        webhook_tenant_concurrency=1,
     )
     yield config
     keys = Keys(config.namespace)

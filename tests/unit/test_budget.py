@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.batching.budget import MIN_REPLICAS, Share, budget, pipeline_replicas
+from app.batching.budget import MIN_REPLICAS, REPLICA_BATCHES, Share, budget, pipeline_replicas
 
-SHARE = Share(batches=16, sequences=64)
+SHARE = Share(batches=REPLICA_BATCHES, sequences=64)
 
 
 def test_a_pipeline_is_as_wide_as_its_thinnest_stage():
@@ -29,14 +29,8 @@ def test_a_pipeline_whose_heartbeats_lapse_keeps_one_replicas_budget():
         assert (lapsed.replicas, lapsed.batches, lapsed.sequences) == (1, 16, 64), live
 
 
-def test_fixed_settings_override_the_replica_count():
-    fixed = budget([4, 4], SHARE, max_batches=3, max_sequences=10)
-    assert (fixed.replicas, fixed.batches, fixed.sequences) == (4, 3, 10)
-
-
 def test_request_level_batching_has_no_sequence_bound():
     assert budget([2], Share(batches=16, sequences=None)).sequences is None
-    assert budget([2], Share(batches=16, sequences=None), max_sequences=5).sequences is None
 
 
 def test_every_stage_keeps_a_batch_circulating_whatever_the_share():

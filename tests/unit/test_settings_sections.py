@@ -25,7 +25,6 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     settings = Settings(
         heartbeat_ttl_s=7.0,
         queue_depth_limit=100,
-        overload_limit=150,
         tenant_queue_shares={"batch-import": 0.29, "tiny": 0.001},
         job_ttl_s=3600,
         stages=3,
@@ -33,10 +32,9 @@ def test_admission_derives_its_grace_limits_breaker_and_tenant_shares_once() -> 
     )
     section = settings.admission
     assert section is settings.admission  # built once
-    assert section.stage_down_after_s == 14.0  # unset: 2 x heartbeat_ttl_s
-    assert Settings(stage_down_after_s=5.0).admission.stage_down_after_s == 5.0
+    assert section.stage_down_after_s == 14.0  # 2 x heartbeat_ttl_s
     limits = section.limits
-    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 150, 2.0)
+    assert (limits.class_depth, limits.overall, limits.retry_after_s) == (100, 200, 2.0)  # overall: 2 x
     breaker = section.breaker
     assert (breaker.error_threshold, breaker.min_requests, breaker.interval_s) == (0.3, 100, 30.0)
     assert section.tenant_queue_limit("anyone") == 50  # the default share, a half
@@ -83,11 +81,11 @@ def test_a_sections_settings_keep_their_variables_and_their_keyword_names(
     monkeypatch.setenv("CONVEYOR_WEBHOOK_CONCURRENCY", "3")
     monkeypatch.setenv("CONVEYOR_WEBHOOK_SECRETS", '["whsec_a"]')
     monkeypatch.setenv("CONVEYOR_JWT_ALGORITHMS", '["HS256"]')
-    monkeypatch.setenv("CONVEYOR_BATCH_TENANT_FILE_BYTES", "2048")
+    monkeypatch.setenv("CONVEYOR_BATCH_FILE_MAX_BYTES", "2048")
     monkeypatch.setenv("CONVEYOR_FLOWER_PORT", "1234")  # nor of `flower`
     settings = Settings()
     assert (settings.webhook.concurrency, settings.webhook.secrets) == (3, ["whsec_a"])
-    assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 2048
+    assert settings.jwt.algorithms == ["HS256"] and settings.batch.tenant_file_bytes == 8 * 2048
     assert settings.flower_port == 1234
     # By keyword as by variable, over what the environment gives the same section.
     given = Settings(webhook_concurrency=9, jwt_key="k", audit_maxlen=70)

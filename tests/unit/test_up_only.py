@@ -95,3 +95,24 @@ def test_a_host_running_part_of_the_stack_shares_its_cores_among_its_own_workers
     env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, here, cores=9)}
     assert env["stage1"] == {"CONVEYOR_TORCH_THREADS": "8"}  # the one worker here: every core but one
     assert env["stage0"] == {}  # another host's: not started here
+
+
+@pytest.mark.parametrize(
+    ("port", "flag", "runs_on"),
+    [(None, None, 5555), ("7000", None, 7000), ("0", None, 0), ("7000", False, 0), ("0", True, 5555)],
+)
+def test_no_flower_is_flower_port_zero_for_the_stack_and_its_workers(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch, port, flag, runs_on
+):
+    from app.cli_up import plan_stack
+
+    monkeypatch.setenv("CONVEYOR_HOME", str(tmp_path))
+    if port is None:
+        monkeypatch.delenv("CONVEYOR_FLOWER_PORT", raising=False)
+    else:
+        monkeypatch.setenv("CONVEYOR_FLOWER_PORT", port)
+    stack = plan_stack(
+        stages=None, replicas=None, plan=None, flower=flag, models=[], only=[], certfile=None, keyfile=None
+    )
+    assert stack.settings.flower_port == runs_on and stack.run_flower == bool(runs_on)
+    assert stack.env["CONVEYOR_FLOWER_PORT"] == str(runs_on)  # the workers send task events only to a Flower

@@ -57,7 +57,7 @@ async def upload_file(
     tenant: str = Depends(current_tenant),
 ) -> FileObject:
     """Store a batch input file (at most `batch_file_max_bytes`, else 413, 50,000 lines),
-    counted against the tenant's `batch_tenant_file_bytes` (429 file_quota_exceeded past it). Its
+    counted against the tenant's quota of 8 x `batch_file_max_bytes` (429 file_quota_exceeded past it). Its
     lines are checked when a batch is created from it."""
     limit = settings.batch.file_max_bytes
     content = await file.read(limit + 1)
