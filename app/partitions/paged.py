@@ -22,12 +22,13 @@ lengths, block tables, where each new token's key goes); each layer writes its n
 
 Grouped-query heads, sliding windows (a query at position q sees keys in (q - window, q], the
 stages' rule) and Gemma 2's attention-logit soft-capping are handled; the scale is the layer's
-(`LayerAttention.of`). Scores are taken in fp32 whatever the cache's dtype (SDPA's CPU kernel
-accumulates in fp32; the soft-capped path computes them so). torch 2.13's own ragged options lose
-on a CPU: variable-length attention (`torch.nn.attention.varlen`) has no CPU kernel, and compiled
-flex attention with a block mask and SDPA over nested tensors were 10-100x slower than this
-(docs/architecture.md, "The step engine"). Against the stages' decode path today:
-bench/results/paged_attention.md.
+(`LayerAttention.of`). Scores are accumulated in fp32 whatever the cache's dtype (SDPA's CPU
+kernel does); decode rows in half precision, from `WIDE_MIN_ROWS` rows on, and soft-capped layers
+take two matrix products instead, the softmax in fp32, as the batch engine's decode steps do.
+torch 2.13's own ragged options lose on a CPU: variable-length attention
+(`torch.nn.attention.varlen`) has no CPU kernel, and compiled flex attention with a block mask and
+SDPA over nested tensors were 10-100x slower than this (docs/architecture.md, "The step engine").
+Against the stages' decode path today: bench/results/paged_attention.md.
 
 The step engine's worker (`CONVEYOR_ENGINE=step`) runs on it through `app.partitions.ragged`; the
 batch engine's batches run over `app.partitions.kvcache`.
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from app.partitions.attention import HALF, WIDE_MIN_ROWS
 from app.partitions.families import SLIDING, attention_kinds
 
 
@@ -195,7 +197,13 @@ def _decode_rows(
     if layer.window is not None:
         allowed &= column > at - layer.window
     packed = query.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [Hkv, B, G, D]
-    out = _attend(packed, k, v, allowed[None, :, None, :], layer)  # [Hkv, B, G, D]
+    # Half precision from WIDE_MIN_ROWS rows on: two products, as the batch engine's decode steps
+    # (`app.partitions.attention`); SDPA's CPU kernel is slower there (bf16, SmolLM2's heads, 208
+    # keys, the call alone: 0.36 against 0.60-0.91 ms at 32 rows, 0.59-0.85 against 1.27-1.60 ms at
+    # 64; whole decode steps of SmolLM2 on two threads, interleaved: 1.04x faster at 16 rows, 1.16x
+    # at 32, 1.12x at 64).
+    products = query.dtype in HALF and rows >= WIDE_MIN_ROWS
+    out = _attend(packed, k, v, allowed[None, :, None, :], layer, products=products)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(rows, heads, dim)
 
 
@@ -233,13 +241,19 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor
 
 
 def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, layer: LayerAttention
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    layer: LayerAttention,
+    *,
+    products: bool = False,
 ) -> torch.Tensor:
     """softmax(cap(q k^T * scale) | allowed) v over [X, Y, M, D] queries and [X, Y, N, D] keys and
     values, the scores in fp32; `allowed` broadcasts to [X, Y, M, N] and allows every query a key.
-    Without soft-capping, PyTorch's fused SDPA kernel does it (it accumulates in fp32 too): 1.1-1.8x
-    faster than the three products on a CPU thread (SmolLM2's heads, 144 keys, 1-64 rows)."""
-    if layer.softcap is None:
+    Without soft-capping, and unless `products` asks for the matrix products, PyTorch's fused SDPA
+    kernel does it (it accumulates in fp32 too)."""
+    if layer.softcap is None and not products:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=layer.scale)
     scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(layer.scale)  # [B, Hkv, M, N]
     if layer.softcap is not None:

@@ -97,13 +97,19 @@ def test_soft_capped_logits_match_an_exact_softmax() -> None:
     assert (uncapped - reference).abs().max() > 0.1
 
 
-def test_in_bfloat16_a_step_stays_close_to_dense_attention() -> None:
-    cache, step, query, dense = batch(MIXED, heads=6, kv_heads=2, dtype=torch.bfloat16)
-    layer = LayerAttention(scale=0.25)
+# MIXED's four decode rows take the matrix products in half precision; the three rows of
+# MIXED[:3] (one of them a prompt), SDPA.
+@pytest.mark.parametrize("shape", [MIXED, MIXED[:3]], ids=["products", "sdpa"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_in_bfloat16_a_step_stays_close_to_dense_attention(
+    shape: list[tuple[int, int]], window: int | None
+) -> None:
+    cache, step, query, dense = batch(shape, heads=6, kv_heads=2, dtype=torch.bfloat16)
+    layer = LayerAttention(scale=0.25, window=window)
     out = ragged_attention(query, cache.keys[0], cache.values[0], step, layer)
     assert out.dtype == torch.bfloat16
     reference = dense_reference(
-        query.float(), [(k.float(), v.float()) for k, v in dense], MIXED, layer, heads=6
+        query.float(), [(k.float(), v.float()) for k, v in dense], shape, layer, heads=6
     )
     torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
 
