@@ -22,6 +22,8 @@ from app.core.config import DEFAULT_MODEL, EMBEDDING_MODEL, Settings
 if TYPE_CHECKING:
     from app.launcher import Child
 
+REDIS_WAIT_S = 10.0  # how long `up` waits for the REDIS_URL server to answer before it gives up
+
 
 def up(
     stages: Annotated[int | None, typer.Option(help="Pipeline stages (one worker each).")] = None,
@@ -191,7 +193,7 @@ def launch(stack: StackPlan) -> int:
     redis_process = None
     if settings.redis_url:
         url = settings.redis_url
-        if not wait_for_redis(url, timeout_s=10):
+        if not wait_for_redis(url, timeout_s=REDIS_WAIT_S):
             raise typer.BadParameter(f"no Redis answers at REDIS_URL={redacted(url)}")
         supervisor.say(f"using Redis at {redacted(url)}")
     else:

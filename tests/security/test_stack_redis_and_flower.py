@@ -22,6 +22,7 @@ import pytest
 from conftest import ROOT, free_port
 from typer.testing import CliRunner
 
+from app import cli_up
 from app.cli import cli
 from app.core.config import Settings
 from app.stack import flower_child, flower_login, passwordless_remote_redis
@@ -59,7 +60,10 @@ def up(tmp_path: Path, redis_url: str, **env: str) -> str:
     return " ".join(result.output.split())
 
 
-def test_up_refuses_a_remote_redis_without_a_password(tmp_path: Path) -> None:
+def test_up_refuses_a_remote_redis_without_a_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_up, "REDIS_WAIT_S", 0.5)  # none answers where the allowed ones go on to look
     said = up(tmp_path, "redis://192.0.2.10:6379/0")
     assert "without a password" in said and "CONVEYOR_ALLOW_PASSWORDLESS_REDIS" in said
     # allowed explicitly, or with a password, it goes on to look for the server (none answers there)
