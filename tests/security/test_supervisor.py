@@ -35,7 +35,9 @@ def test_sigkill_of_the_supervisor_leaves_no_child(tmp_path: Path, tiny_model: P
         assert len(children) >= 6, names  # redis, api, batcher, webhooks x2, stage0, flower
         stack.process.send_signal(signal.SIGKILL)
         stack.process.wait(10)
-        _, alive = psutil.wait_procs(children, timeout=5)
+        # They get SIGTERM and shut down as they would (a loaded machine took over 5 s once): a
+        # generous ceiling, the condition is that none is left.
+        _, alive = psutil.wait_procs(children, timeout=60)
         assert not [p for p in alive if running(p)], [(p.pid, p.name()) for p in alive if running(p)]
     finally:
         for child in children:  # on a failure: ours to clean up, by pid
