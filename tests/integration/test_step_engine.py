@@ -17,6 +17,8 @@ from integration.test_generation import reference_tokens
 from integration.test_openai_choices import reference
 from transformers import AutoTokenizer
 
+from app.workers import echo
+
 # A step of at most 16 tokens, 4 sequences at once: the longer prompts arrive in chunks, and the
 # fifth and sixth jobs wait for a sequence to end.
 ENGINE = {
@@ -118,6 +120,24 @@ def test_echo_on_the_step_engine_gives_the_prompts_log_softmax(tmp_path, redis_u
         assert len(logprobs["tokens"]) == len(ids) + 3
     for p, (job, got) in zip(PROMPTS[2:4], plain, strict=True):
         assert job["status"] == "succeeded" and got == reference_tokens(tiny_model, p, 8)
+
+
+def test_an_echo_that_cannot_be_computed_fails_its_job_alone(tmp_path, redis_url, tiny_model, monkeypatch):  # type: ignore[no-untyped-def]
+    def broken(*args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the head failed")
+
+    monkeypatch.setattr(echo, "prompt_logprobs", broken)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "echo": True, "logprobs": 1}
+    with (
+        engine_stack(tmp_path, redis_url, tiny_model) as stack,
+        stack.client() as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        beside = pool.submit(greedy, client, PROMPTS[3], 6)
+        response = client.post("/v1/completions", json=body)
+        job, got = beside.result()
+    assert response.status_code >= 500 and "the head failed" in response.text, response.text
+    assert job["status"] == "succeeded" and got == reference_tokens(tiny_model, PROMPTS[3], 6)
 
 
 def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]

@@ -180,8 +180,9 @@ class EngineRuntime(StageRuntime):
         kept = self._choose([self.rows[j] for j in sampling], logits) if sampling else []
         tokens = dict.fromkeys(sampling, 0) | {seq.job_id: token for seq, token, _ in kept}
         scheduler.update(plan, tokens)
-        echoes = self._prompt_logprobs([seq.job_id for seq, _, _ in kept])
-        kept = [k for k in kept if k[0].job_id in echoes or k[0].job_id not in self.echoes]
+        asking = {seq.job_id for seq, _, _ in kept if seq.job_id in self.echoes}
+        echoes = self._prompt_logprobs(sorted(asking))
+        kept = [k for k in kept if k[0].job_id in echoes or k[0].job_id not in asking]
         chosen = {seq.job_id for seq, _, _ in kept}
         for job_id in sampling:
             if job_id not in chosen:  # its sampling or its echo failed: failed alone already
@@ -209,12 +210,10 @@ class EngineRuntime(StageRuntime):
             flat += len(row.tokens)
 
     def _prompt_logprobs(self, job_ids: list[str]) -> dict[str, echo.Entries]:
-        """The prompt logprobs of the jobs among `job_ids` that asked for them (this step gave
-        their first token). A job whose columns do not cover its prompt fails alone."""
+        """The prompt logprobs of `job_ids`, jobs that asked for them and got their first token
+        this step. A job whose columns do not cover its prompt fails alone (it is left out)."""
         out = {}
         for job_id in job_ids:
-            if job_id not in self.echoes:
-                continue
             ids, columns = self.echoes.pop(job_id)
             try:
                 parts, position = [], 0
