@@ -212,7 +212,7 @@ class EngineRuntime(StageRuntime):
     def _prompt_logprobs(self, job_ids: list[str]) -> dict[str, echo.Entries]:
         """The prompt logprobs of `job_ids`, jobs that asked for them and got their first token
         this step. A job whose columns do not cover its prompt fails alone (it is left out)."""
-        out = {}
+        out: dict[str, echo.Entries] = {}
         for job_id in job_ids:
             ids, columns = self.echoes.pop(job_id)
             try:
@@ -221,9 +221,11 @@ class EngineRuntime(StageRuntime):
                     part = columns[position]
                     parts.append(part)
                     position += part.shape[0]
-                hidden = torch.cat(parts) if parts else torch.zeros(0, 0)
+                if not parts:  # a one-token prompt: nothing before its token to predict it
+                    out[job_id] = []
+                    continue
                 top = self.rows[job_id].params.prompt_logprobs or 0
-                out[job_id] = echo.prompt_logprobs(self.partition, hidden, list(ids), top) if parts else []
+                out[job_id] = echo.prompt_logprobs(self.partition, torch.cat(parts), list(ids), top)
             except Exception as exc:  # a position never run (a bug): this job fails, not the step
                 self._fail_row(job_id, exc)
         return out
