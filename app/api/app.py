@@ -43,6 +43,7 @@ from app.core.batchstore import BatchStore
 from app.core.config import Settings
 from app.core.durability import FsyncWatch, fsync_mode
 from app.core.errors import ConveyorError
+from app.core.heap import trim_heap_every
 from app.core.keys import Keys
 from app.core.known_secrets import refuse_known_secrets
 
@@ -91,6 +92,7 @@ def create_app(settings: Settings) -> FastAPI:
         recorder: asyncio.Task[None] | None = None
         feeder: BatchFeeder | None = None
         feeding: asyncio.Task[None] | None = None
+        trimming = asyncio.create_task(trim_heap_every())  # the C heap's free pages back (app/core/heap.py)
         try:  # from here on, a start that fails stops the hub's listener too (it would outlive the app)
             app.state.settings = settings
             app.state.redis = redis
@@ -106,6 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
             feeding = asyncio.create_task(feeder.run())
             yield
         finally:
+            trimming.cancel()
             if feeder is not None and feeding is not None:
                 await feeder.stop(feeding)
             if recorder is not None:

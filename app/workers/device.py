@@ -6,11 +6,9 @@ without it, torch still gives the memory. On the CPU there is nothing to report.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
-from functools import cache
 from typing import Any
 
 import torch
@@ -31,24 +29,6 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
     runs; later calls change nothing."""
     for name in KERNEL_CACHES:
         os.environ[name] = str(entries)
-
-
-# How often a worker hands the free pages of its C heap back (`trim_heap`, from its heartbeat thread).
-TRIM_EVERY_S = 30.0
-
-
-@cache
-def _malloc_trim() -> Any:
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
-
-
-def trim_heap() -> bool:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`). A CPU stage's prefix
-    cache frees and allocates entries of every prompt length once it is full: glibc kept the freed
-    pages, and the soak's stage worker grew by ~20 MiB a minute of free heap while what it held stayed
-    flat (one trim gave 125 MiB back). False where there is no `malloc_trim` or nothing went back."""
-    trim = _malloc_trim()
-    return trim is not None and bool(trim(0))
 
 
 def device_stats(device: str) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 Each beat also measures what the replica's health is judged on (app/core/health.py): its device's
 temperature and memory use (a GPU), and the beat's own Redis round trip; `observe` gets that report.
-Every `TRIM_EVERY_S` the thread also gives the C heap's free pages back (`device.trim_heap`).
+Every `TRIM_EVERY_S` the thread also gives the C heap's free pages back (`app.core.heap.trim_heap`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 from app.core import metrics
 from app.core.health import Report
-from app.workers.device import TRIM_EVERY_S, device_stats, trim_heap
+from app.core.heap import TRIM_EVERY_S, trim_heap
+from app.workers.device import device_stats
 
 log = logging.getLogger(__name__)
 

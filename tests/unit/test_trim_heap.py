@@ -12,7 +12,7 @@ import pytest
 
 PROBE = """
 import ctypes
-from app.workers.device import trim_heap
+from app.core.heap import trim_heap
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
