@@ -42,8 +42,8 @@ from app.core.errors import (
     SyncTimeout,
 )
 from app.core.follow import Event, follow, is_over
+from app.core.jobrecord import JobRecord, JobRequest
 from app.core.jobs import JobStatus
-from app.core.jobstore import JobRecord, JobRequest
 from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.core.sampling import SamplingParams

@@ -23,7 +23,6 @@ spending an attempt on a pipeline that is still warming up.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -133,22 +132,3 @@ class Monitor:
         if before is None:  # first look: assume the pipeline just formed
             self.joined_at.setdefault(model, now - self.stall_timeout_s)
         return all(live) and now - self.joined_at.get(model, -float("inf")) >= self.stall_timeout_s
-
-    def prune_inflight(self, model: str) -> int:
-        """Forget in-flight batches none of whose jobs is still progressing (their slot is free)."""
-        entries = self.redis.hgetall(self.keys.inflight(model))
-        if not entries:
-            return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for job_ids in entries.values():
-            for job_id in json.loads(job_ids):
-                pipe.zscore(self.keys.progress(), job_id)
-        scores = iter(pipe.execute())
-        dead = []
-        for batch_id, job_ids in entries.items():
-            alive = [score for _ in json.loads(job_ids) if (score := next(scores)) is not None]
-            if not alive:
-                dead.append(batch_id)
-        if dead:
-            self.redis.hdel(self.keys.inflight(model), *dead)
-        return len(dead)

@@ -10,7 +10,6 @@ goes to that pipeline's first queue as one `embed_batch` message instead of a pr
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -105,7 +104,6 @@ class Batcher:
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
         self.unstarted: dict[str, tuple[str, float]] = {}
         self.tenant_clock: dict[str, float] = {}  # tenant -> its fair-share virtual time (fairshare.py)
-        self.seeded = False  # inflight_models holds every model with an inflight hash (see recover)
 
     def run(self, stop: threading.Event) -> None:
         intake.ensure_groups(self.redis, self.keys)
@@ -152,14 +150,7 @@ class Batcher:
     def recover(self) -> None:
         """Stalled jobs go back to the intake (or fail); batches no job progresses in free their slot."""
         self.monitor.sweep()
-        if not self.seeded:  # hashes a release without the set left behind: one scan per process
-            prefix = self.keys.inflight("")
-            found = [_text(k)[len(prefix) :] for k in self.redis.scan_iter(match=f"{prefix}*", count=1000)]
-            if found:
-                self.redis.sadd(self.keys.inflight_models(), *found)
-            self.seeded = True
-        for model in sorted(_text(m) for m in self.redis.smembers(self.keys.inflight_models())):
-            self.monitor.prune_inflight(model)
+        self.jobs.prune_batches()
 
     def expire_late(self) -> None:
         """Jobs still waiting at their deadline end `expired`; their entries are acknowledged."""
@@ -296,8 +287,7 @@ class Batcher:
         pipe = self.redis.pipeline(transaction=True)
         for move in moves:
             self.jobs.enqueue(pipe, move, now)
-        pipe.hset(self.keys.inflight(batch.model), batch_id, json.dumps(job_ids))
-        pipe.sadd(self.keys.inflight_models(), batch.model)
+        self.jobs.batch_sent(pipe, batch.model, batch_id, job_ids)
         self.jobs.progressed(job_ids, now, pipe=pipe)
         results = pipe.execute()
         self.census.dispatched(batch.model, job_ids)
@@ -305,10 +295,7 @@ class Batcher:
         if len(scheduled) < len(job_ids):
             # A job cancelled while it waited in this window was not scheduled: it takes no seat.
             self.jobs.unprogressed([j for j in job_ids if j not in set(scheduled)])
-            if scheduled:
-                self.redis.hset(self.keys.inflight(batch.model), batch_id, json.dumps(scheduled))
-            else:
-                self.redis.hdel(self.keys.inflight(batch.model), batch_id)
+            self.jobs.batch_narrowed(batch.model, batch_id, scheduled)
         if scheduled:
             self._observe(batch, set(scheduled))
             if batch.priority < windows.URGENT:
@@ -338,7 +325,7 @@ class Batcher:
                 self.send(message, queue)
             except Exception:
                 # The broker refused: put the jobs back as they were; the entries stay unacknowledged.
-                self.redis.hdel(self.keys.inflight(batch.model), batch_id)
+                self.jobs.batch_out(batch.model, batch_id)
                 self.jobs.unprogressed(scheduled)
                 self.jobs.apply([Transition(j, JobStatus.QUEUED) for j in scheduled], strict=False)
                 raise
@@ -359,10 +346,6 @@ class Batcher:
         longest = max(it.prompt_tokens for it in items)
         padding = 1.0 - sum(it.prompt_tokens for it in items) / (longest * len(items)) if longest else 0.0
         metrics.BATCH_PADDING.labels(batch.model).observe(padding)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def run_batcher(settings: Settings) -> None:

@@ -56,7 +56,8 @@ from app.core.errors import (
     TenantQueueFull,
     TenantQuotaExceeded,
 )
-from app.core.jobstore import AsyncJobStore, JobRecord
+from app.core.jobrecord import JobRecord
+from app.core.jobstore import AsyncJobStore
 from app.core.keys import PRIORITIES, Keys
 
 MAX_RETRY_AFTER_S = 60.0  # a drain estimate past a minute is a guess; ask again within one

@@ -200,7 +200,7 @@ class Keys:
     @lives(ttl="job_ttl_s, renewed by each of the tenant's submits")
     def tenant_retained(self, tenant: str) -> str:
         """Sorted set: the tenant's jobs that Redis still holds, members `{bytes} {job id}` (what the
-        job may weigh, `jobstore.retained_bytes`), scored by when the job's record expires (unix ms;
+        job may weigh, `jobrecord.retained_bytes`), scored by when the job's record expires (unix ms;
         moved earlier when the job ends). Its quota (admission's retained-bytes gate). Written only
         by app/core/jobstore.py; a member leaves once its record has expired."""
         return f"{self.namespace}:tenant-retained:{tenant}"

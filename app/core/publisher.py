@@ -68,7 +68,7 @@ class Publisher:
         """A batch is over: it leaves the model's in-flight batches, and the batcher, woken on its
         control stream, plans with the room it leaves at once (instead of at its next poll)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hdel(self.keys.inflight(model), batch_id)
+        self.jobs.batch_out(model, batch_id, pipe=pipe)
         pipe.xadd(
             self.keys.control(),
             {"type": "batch_done", "model": model, "batch_id": batch_id},

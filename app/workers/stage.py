@@ -26,8 +26,9 @@ import torch
 from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.grammar import Grammar
+from app.core.jobrecord import JobRequest
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import JobRequest, JobStore
+from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
 from app.core.protocol import StepMessage
 from app.core.publisher import Publisher, TokenOut

@@ -38,8 +38,8 @@ from app.core.errors import (
     Refused,
     StageUnavailable,
 )
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
-from app.core.jobstore import JobRecord
 from app.core.keys import PRIORITIES, Keys
 
 # --- the gates, on the real Redis, clock passed in -----------------------------------------------

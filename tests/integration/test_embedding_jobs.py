@@ -20,8 +20,9 @@ from transformers import AutoTokenizer
 from app.batching import intake
 from app.batching.scheduler import Batcher
 from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
-from app.core.jobstore import AsyncJobStore, JobRecord, JobStore, Lifetimes
+from app.core.jobstore import AsyncJobStore, JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel

@@ -13,8 +13,9 @@ import redis.asyncio
 
 from app.core.errors import JobNotFound
 from app.core.follow import Event, follow
+from app.core.jobrecord import JobRecord, JobRequest
 from app.core.jobs import JobStatus
-from app.core.jobstore import ADMIT_FIELDS, AsyncJobStore, JobRecord, JobRequest, Lifetimes
+from app.core.jobstore import ADMIT_FIELDS, AsyncJobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.sampling import SamplingParams
 

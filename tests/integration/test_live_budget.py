@@ -146,8 +146,7 @@ def test_a_pipeline_whose_heartbeats_lapsed_keeps_one_replicas_budget(redis, key
 
 
 def test_the_monitor_finds_in_flight_batches_without_scanning_the_keyspace(redis, keys, batcher):  # type: ignore[no-untyped-def]
-    """The in-flight hashes are found through the `inflightmodels` set; the one scan is the first
-    sweep's, for hashes an older release left without the set."""
+    """The in-flight hashes are found through the `inflightmodels` set: the monitor never scans."""
     scans: list[str] = []
     scan_iter = redis.scan_iter
 
@@ -156,20 +155,16 @@ def test_the_monitor_finds_in_flight_batches_without_scanning_the_keyspace(redis
         return scan_iter(*args, **kwargs)
 
     batcher.redis.scan_iter = counted
-    redis.hset(keys.inflight("old"), "b-old", '["gone-1"]')  # left by an older release, no job progressing
-    batcher.recover()
-    assert scans == [keys.inflight("") + "*"] and not redis.exists(keys.inflight("old"))
-
     for stage in range(2):
         replica(redis, keys, "a", stage)
     submit(redis, keys, "a", 2)
     settle(batcher)
-    assert redis.smembers(keys.inflight_models()) == {b"old", b"a"}
+    assert redis.smembers(keys.inflight_models()) == {b"a"}
     assert redis.hlen(keys.inflight("a")) == 2
     redis.zrem(keys.progress(), *[j for m in batcher.sent for j in m.seq_ids])  # every job ended
     for _ in range(3):
         batcher.recover()
-    assert len(scans) == 1  # no sweep after the first scans
+    assert scans == []
     assert redis.hlen(keys.inflight("a")) == 0  # yet the finished batches were found and freed
 
 

@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from app.batching.recovery import Monitor
+from app.core.jobstore import JobStore
 from app.core.keys import Keys
 
 
@@ -29,7 +30,7 @@ def running_job(redis, keys, *, attempts: int = 0, last_progress: float, batch: 
     record |= {"completion_tokens": 5, "attempts": attempts, "batch_id": batch}
     redis.hset(keys.job(job), mapping=record)
     redis.zadd(keys.progress(), {job: last_progress})
-    redis.hset(keys.inflight("m"), batch, json.dumps([job]))
+    JobStore(redis, keys, ttl_s=3600).batch_sent(redis, "m", batch, [job])
     return job
 
 
@@ -90,6 +91,7 @@ def test_an_ended_or_cancelled_job_is_only_forgotten(redis, keys):  # type: igno
 def test_batches_whose_jobs_all_stopped_progressing_are_pruned(redis, keys):  # type: ignore[no-untyped-def]
     now = time.time()
     running_job(redis, keys, last_progress=now, batch="alive")
-    redis.hset(keys.inflight("m"), "lost", json.dumps(["gone-1", "gone-2"]))
-    assert monitor(redis, keys).prune_inflight("m") == 1
+    store = JobStore(redis, keys, ttl_s=3600)
+    store.batch_sent(redis, "m", "lost", ["gone-1", "gone-2"])
+    assert store.prune_batches() == 1
     assert set(redis.hkeys(keys.inflight("m"))) == {b"alive"}

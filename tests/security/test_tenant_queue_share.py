@@ -26,8 +26,9 @@ from app.api.auth import key_digest, new_api_key
 from app.core.admission import Admission, Ticket
 from app.core.config import Settings
 from app.core.errors import Refused
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus, Transition
-from app.core.jobstore import JobRecord, JobStore, Lifetimes
+from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
 from app.core.publisher import Publisher
 from app.core.sections import TENANT_QUEUE_SHARE

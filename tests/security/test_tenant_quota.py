@@ -33,7 +33,7 @@ from app.core.keys import Keys
 from app.core.redis import start_embedded
 from tests.tinyapi import forget_namespace, tiny_settings
 
-JOB = {"prompt": "hi", "max_tokens": 2}  # counted at ~7.2 KB (jobstore.retained_bytes)
+JOB = {"prompt": "hi", "max_tokens": 2}  # counted at ~7.2 KB (jobrecord.retained_bytes)
 QUOTA = 25_000  # three such jobs, not four
 ENDED_TTL_S = 2
 HIGH_WATER = 0.9  # of maxmemory (app/core/admission.py)

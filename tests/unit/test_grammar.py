@@ -7,7 +7,7 @@ import json
 import torch
 
 from app.core.grammar import Grammar, grammar_problem, json_schema
-from app.core.jobstore import JobRequest
+from app.core.jobrecord import JobRequest
 from app.core.sampling import SamplingParams
 from app.workers.grammar import apply_token_masks
 

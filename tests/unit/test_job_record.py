@@ -8,8 +8,8 @@ import json
 import re
 
 from app.core import jobscripts as scripts
+from app.core.jobrecord import JobRecord, JobRequest
 from app.core.jobs import FINAL_EVENT, FINAL_EVENTS, TERMINAL, TRANSITIONS, WAITING, JobStatus
-from app.core.jobstore import JobRecord, JobRequest
 from app.core.sampling import SamplingParams
 from app.webhooks.events import FAILED_EVENTS
 

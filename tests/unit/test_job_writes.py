@@ -1,12 +1,14 @@
 """One owner for the job: `app/core/jobstore.py` (with its scripts, `app/core/jobscripts.py`) is the
 only module of `app/` that writes a job's
-record (`job:{id}`), its event stream (`job:{id}:events`), the `progress` set or the tenants' waiting
-sets (kept in step with the status). Every other module calls its methods. This reads the source of
+record (`job:{id}`), its event stream (`job:{id}:events`), the `progress` set, the tenants' waiting
+sets (kept in step with the status) or the batch record (`inflight:{model}`, `inflight_models`: the
+batches out at a model's stages). Every other module calls its methods. This reads the source of
 every other module and fails on:
 
 - a Redis write command (hset, xadd, expire, delete, zadd, ...) on a job, event, progress or
   tenant-waiting key, built by `keys.job()` / `keys.events()` / `keys.progress()` /
-  `keys.tenant_waiting()` / `keys.tenant_waiting_expiry()`, spelt as a `...:job:...` string, or
+  `keys.tenant_waiting()` / `keys.tenant_waiting_expiry()` / `keys.inflight()` /
+  `keys.inflight_models()`, spelt as a `...:job:...` string, or
   held in a variable assigned from either;
 - a script called with such a key (`script(keys=[keys.job(j)], ...)`);
 - Lua text that writes a job's record or stream (a write command beside a record field name);
@@ -21,15 +23,24 @@ from pathlib import Path
 
 import pytest
 
-from app.core.jobstore import JobRecord
+from app.core.jobrecord import JobRecord
 
 APP = Path(__file__).resolve().parents[2] / "app"
 OWNER = "core/jobstore.py"
 SCRIPTS = "core/jobscripts.py"  # the store's Lua, run by the store alone
-BUILDERS = {"job", "events", "progress", "tenant_waiting", "tenant_waiting_expiry"}
+BUILDERS = {
+    "job",
+    "events",
+    "progress",
+    "tenant_waiting",
+    "tenant_waiting_expiry",
+    "inflight",
+    "inflight_models",
+}
 WRITES = {
     "hset", "hsetnx", "hmset", "hincrby", "hincrbyfloat", "hdel",
     "xadd", "xtrim", "xdel",
+    "sadd", "srem", "smove", "spop",
     "zadd", "zrem", "zincrby", "zremrangebyscore", "zremrangebyrank", "zpopmin", "zpopmax",
     "set", "setex", "getdel", "getex", "delete", "unlink", "rename", "renamenx", "copy",
     "expire", "pexpire", "expireat", "pexpireat", "persist",
@@ -132,6 +143,9 @@ def test_the_store_itself_is_what_the_scan_would_flag() -> None:
         "self.redis.zadd(self.keys.progress(), {j: 1.0})",
         "pipe.zrem(self.keys.tenant_waiting(), member)",
         "redis.delete(keys.tenant_waiting_expiry())",
+        "redis.hset(self.keys.inflight(m), b, '[]')",
+        "self.redis.hdel(self.keys.inflight(batch.model), batch_id)",
+        "pipe.sadd(self.keys.inflight_models(), model)",
         "key = self.keys.job(j)\nself.redis.expire(key, 5)",
         "names = [self.keys.job(j)]\nredis.delete(*names)",
         "redis.delete(f'{ns}:job:{j}')",
@@ -152,7 +166,6 @@ def test_a_job_write_elsewhere_is_found(source: str) -> None:
         "pipe.hmget(self.keys.job(j), ['model'])",
         "redis.xrange(self.keys.events(j), '-', '+')",
         "redis.zrangebyscore(self.keys.progress(), '-inf', 1)",
-        "redis.hset(self.keys.inflight(m), b, '[]')",
         "redis.zadd(self.keys.workers(m, 0), {w: 1.0})",
         "X = \"redis.call('HSET', KEYS[1], 'state', 'open')\"",
         "s = redis.register_script(FORGET_LUA)",
