@@ -10,12 +10,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.core import metrics
 from app.core.errors import RETRY_AFTER_S, ConveyorError, Refused, StoreFull, Unavailable
+from app.core.redis import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,6 @@ HTTP_CODES = {
 # Room comes back as ended jobs expire, over minutes, not at once: ask clients for more patience
 # than a busy queue needs.
 STORE_FULL_RETRY_S = 30.0
-
-
-def is_out_of_memory(exc: ResponseError) -> bool:
-    """A write Redis refused at its maxmemory, as a command or inside a script."""
-    return isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc)
 
 
 def problem(
@@ -81,6 +77,8 @@ def install(app: FastAPI) -> None:
         if not is_out_of_memory(exc):
             return await unexpected(request, exc)
         log.warning("Redis is at its memory limit (maxmemory); refusing a write: %s", exc)
+        if (jobs := getattr(request.app.state, "jobs", None)) is not None:
+            jobs.admission.refused_for_memory()
         return error_response(
             StoreFull(
                 "the job store (Redis) is full and takes no new work; retry later",

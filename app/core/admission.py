@@ -271,6 +271,12 @@ class Admission:
             last = self._memory = Memory(int(info["used_memory"]), int(info.get("maxmemory", 0)), now)
         return last
 
+    def refused_for_memory(self) -> None:
+        """Redis refused a write at its maxmemory (any write of a request: the rate limiter's, the
+        submit's): whatever gate 0 last read, the next submit reads INFO memory again, instead of
+        passing on a reading of up to MEMORY_READ_S ago into a Redis that has just freed a little."""
+        self._memory = None
+
     async def depths(self) -> dict[str, int]:
         """Jobs waiting per priority class."""
         pipe = self.redis.pipeline(transaction=False)

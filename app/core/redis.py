@@ -23,6 +23,15 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from redis.exceptions import OutOfMemoryError
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A write Redis refused at its maxmemory, as a command (OutOfMemoryError) or inside a script
+    (a ResponseError quoting "-OOM")."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, redis.exceptions.ResponseError) and "OOM command not allowed" in str(exc)
+    )
 
 
 def sync_client(url: str) -> redis.Redis:

@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient
 from tiny import make_tiny_model
 
 from app.api.app import create_app
+from app.core import admission
 from app.core.config import Settings
 from app.core.keys import Keys
 from app.core.redis import start_embedded
@@ -150,6 +151,9 @@ def test_a_full_redis_answers_503_with_retry_after_and_recovers(tmp_path, tiny_m
             job = api.post("/v1/jobs", json={"prompt": "before", "max_tokens": 2})
             assert job.status_code == 202, job.text
             filler = fill(client)  # Redis at its bound, as a flood would leave it
+            # and held there: what Redis frees on its own (the filling client's query buffer) would
+            # give a submit room again, and a job queued with no worker, `/v1/completions` waits on.
+            client.config_set("maxmemory", used_memory(client) - 2**20)
 
             for path, body in [
                 ("/v1/jobs", {"prompt": "hello", "max_tokens": 2}),
@@ -165,7 +169,29 @@ def test_a_full_redis_answers_503_with_retry_after_and_recovers(tmp_path, tiny_m
 
             for n in range(0, len(filler), 1000):  # room again (as ended jobs expire)
                 client.delete(*filler[n : n + 1000])
+            client.config_set("maxmemory", "16mb")
             assert api.post("/v1/jobs", json={"prompt": "after", "max_tokens": 2}).status_code == 202
+
+
+def test_once_redis_refuses_a_write_the_next_submit_reads_its_memory_again(tmp_path, tiny_model, monkeypatch):  # type: ignore[no-untyped-def]
+    """Gate 0 reads INFO memory at most every MEMORY_READ_S while under the high-water mark. Once
+    Redis has refused a write at its bound, the next submit reads it again: the little room Redis
+    frees on its own (a client's buffer) is under the mark, no room for new jobs. (Before: the
+    reading from before the bound passed the submit, and a `/v1/completions` request waited on a
+    job queued into a full store.)"""
+    monkeypatch.setattr(admission, "MEMORY_READ_S", 3600.0)  # the first reading would stand
+    with own_redis(tmp_path / "redis", "16mb") as url:
+        client = redis_lib.Redis.from_url(url)
+        with TestClient(create_app(settings(url, tiny_model))) as api:
+            assert api.post("/v1/jobs", json={"prompt": "before", "max_tokens": 2}).status_code == 202
+            filler = fill(client)
+            refused = api.post("/v1/jobs", json={"prompt": "full", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_full"
+            client.delete(*filler[:3])  # ~192 KB of room: still past 90% of maxmemory
+            again = api.post("/v1/jobs", json={"prompt": "a little room", "max_tokens": 2})
+            assert again.status_code == 503, again.text
+            error = again.json()["error"]
+            assert error["code"] == "store_full" and error["details"]["used_memory"] >= 0.9 * 16 * 2**20
 
 
 def fill(client: redis_lib.Redis) -> list[str]:
