@@ -85,6 +85,5 @@ def send_embedding(app: Celery, message: dict[str, Any], queue: str) -> None:
     """Send a batch of embeddings jobs to an embeddings stage (their token ids or hidden states
     travel in it), shown in monitoring by its summary only."""
     stage = "tensors" if message.get("tensors") else "input"
-    jobs = message.get("job_ids") or [message["job_id"]]  # one job: a message of an earlier release
-    summary = f"<embed {stage} batch {str(message.get('batch_id', '-'))[:8]} {len(jobs)} jobs>"
+    summary = f"<embed {stage} batch {str(message['batch_id'])[:8]} {len(message['job_ids'])} jobs>"
     send_redacted(app, EMBED_TASK, message, queue=queue, summary=summary)

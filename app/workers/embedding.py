@@ -68,10 +68,9 @@ class EmbeddingStage:
         return self.stage == len(self.plan.partitions) - 1
 
     def handle(self, message: dict[str, Any]) -> None:
-        # A message of an earlier release names one job and no batch: it was never scheduled.
-        batch_id: str | None = message.get("batch_id")
-        job_ids: list[str] = message.get("job_ids") or [message["job_id"]]
-        guard = {"batch_id": batch_id} if batch_id else {}
+        batch_id: str = message["batch_id"]
+        job_ids: list[str] = message["job_ids"]
+        guard = {"batch_id": batch_id}
         handed_on = False
         try:
             self._check_plan(message.get(PLAN))
@@ -82,17 +81,15 @@ class EmbeddingStage:
                 job_ids, rows, values = started
             else:
                 values = {name: decode_tensor(wire) for name, wire in message["tensors"].items()}
-                # An earlier release's stage 0 sends one job and no row counts: all rows are its own.
-                rows = [int(n) for n in message.get("rows") or [values[MASK].shape[0]]]
+                rows = [int(n) for n in message["rows"]]
             values.update(self._run(values))
             if self.is_last:
                 self._finish(job_ids, rows, values, guard)
             else:
                 keep = {n for p in self.plan.partitions[self.stage + 1 :] for n in p.input_names} | {MASK}
-                forward = {"job_ids": job_ids, "rows": rows, PLAN: self.fingerprint}
+                forward: dict[str, Any] = {"batch_id": batch_id, "job_ids": job_ids, "rows": rows}
+                forward[PLAN] = self.fingerprint
                 forward["tensors"] = {name: encode_tensor(v) for name, v in values.items() if name in keep}
-                if batch_id:
-                    forward["batch_id"] = batch_id
                 self.send(forward, self.next_queue or "")
                 handed_on = True
         except PlanMismatch as exc:
@@ -102,7 +99,7 @@ class EmbeddingStage:
             log.exception("embedding batch of %d jobs failed on stage %d", len(job_ids), self.stage)
             self._fail(job_ids, guard, f"{type(exc).__name__}: {exc}")
         finally:
-            if batch_id and not handed_on:  # the batch ends here: its slot is free
+            if not handed_on:  # the batch ends here: its slot is free
                 self.publisher.batch_done(EMBEDDING_MODEL, batch_id)
 
     def _check_plan(self, fingerprint: str | None) -> None:
@@ -121,8 +118,6 @@ class EmbeddingStage:
     ) -> tuple[list[str], list[int], dict[str, torch.Tensor]] | None:
         """Move the batch's jobs to running (those still scheduled in it) and tokenize their texts
         into one batch: (the jobs started, each one's row count, the first piece's inputs)."""
-        if not guard:  # an earlier release's API sent the job straight here, queued
-            self.jobs.apply([Transition(j, JobStatus.SCHEDULED) for j in job_ids], strict=False)
         moves = [Transition(j, JobStatus.RUNNING, when=guard) for j in job_ids]
         started = self.jobs.apply(moves, strict=False)
         if not started:

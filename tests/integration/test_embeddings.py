@@ -253,22 +253,6 @@ def test_a_job_of_another_batch_is_not_run_by_this_one(redis, worker_plans):  # 
     assert stages.jobs.get(job_id)["status"] == "succeeded"  # type: ignore[index]
 
 
-def test_a_message_of_an_earlier_release_still_runs_its_job(redis, worker_plans):  # type: ignore[no-untyped-def]
-    """During a rolling upgrade an API of the earlier release sends a queued job straight to stage 0,
-    as {"job_id"}: it runs (and is scheduled on the way); a stage 0 of the earlier release hands the
-    next stage one job without row counts: that runs too."""
-    stages = Stages(redis)
-    first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
-    job_id = stages.new_job(TEXTS, batch_id=None)
-    first.handle({"job_id": job_id})
-    ((_, message),) = stages.sent
-    assert "batch_id" not in message and message["job_ids"] == [job_id]
-    # and what an earlier release's stage 0 hands on (one job, no row counts) runs on a later stage
-    earlier = {"job_id": job_id, "plan": message["plan"], "tensors": message["tensors"]}
-    last.handle(earlier)
-    assert stages.jobs.get(job_id)["status"] == "succeeded"  # type: ignore[index]
-
-
 @pytest.mark.parametrize("sender", ["another plan", "no plan", "a 3-stage worker"])
 def test_plan_mismatch_fails_the_job(redis, worker_plans, sender):  # type: ignore[no-untyped-def]
     stages = Stages(redis)
