@@ -187,12 +187,8 @@ class StageRuntime:
             msg = msg.forward(routes=routes)
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
             mask = decode_tensor(msg.tensors["attention_mask"]).long()
-            # The prompts' ids come with the hidden states (a stage 0 of an older release sends none:
-            # then nothing is looked up here).
-            ids = decode_tensor(msg.tensors["input_ids"]) if "input_ids" in msg.tensors else None
-            prompts = None
-            if ids is not None:
-                prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+            ids = decode_tensor(msg.tensors["input_ids"])  # the prompts' ids come with the hidden states
+            prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
         return msg, Prefill(self.prefixes, self.partition, msg.seq_ids, prompts, mask), x
 
     def _prefilled(self, prefill: Prefill, state: BatchState, out: torch.Tensor) -> torch.Tensor:
