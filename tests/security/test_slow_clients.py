@@ -33,6 +33,9 @@ from conftest import ROOT, free_port
 from app.api.auth import key_digest, new_api_key
 from tests.tinyapi import forget_namespace
 
+# The module's tests share one API process (seconds to start): one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("slow-clients")
+
 SOFT, HARD = 1024, 2048  # the API's descriptor limits at its start
 IDLE = 2500  # connections that never send their headers: more than either limit
 HEADER_TIMEOUT_S = 2.0  # the API's is 10 s: the test waits seconds, not tens
