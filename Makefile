@@ -33,27 +33,36 @@ run: $(STAMP)
 	CONVEYOR_TENANT_PRIORITIES=$${CONVEYOR_TENANT_PRIORITIES:-'{"anonymous": ["realtime", "high", "normal", "batch"]}'} \
 	CONVEYOR_AUTH=$${CONVEYOR_AUTH:-none} $(BIN)/conveyor up
 
-# The gate. The in-process tests (the stack itself in process: tests/harness.py) run in TEST_WORKERS
-# processes (pytest-xdist; each has its own embedded Redis when REDIS_URL is unset); then the e2e tier
-# (whole `conveyor up` stacks: SIGKILL, supervisor, --only hosts, Redis outage, README, browser) and the
-# slow tests (the real SmolLM2), one at a time, since each e2e test starts processes of its own. The
-# bench/ and deployment-manifest tests have targets of their own (test-bench, test-deploy).
+# The gate, in two lanes at once. The in-process tests (the stack itself in process: tests/harness.py),
+# the slow ones on the real models included, run in TEST_WORKERS processes (pytest-xdist; each has its
+# own embedded Redis when REDIS_URL is unset). Beside them, in the background, mypy and then the e2e
+# tier (whole `conveyor up` stacks: SIGKILL, supervisor, --only hosts, Redis outage, README, browser)
+# one test at a time: its stacks wait on heartbeats, restarts and timeouts more than they compute, so
+# the lanes share the two cores instead of taking turns. The background lane's output is printed when
+# both are done (and kept in .e2e.log). The bench/ and deployment-manifest tests have targets of their
+# own (test-bench, test-deploy).
 TEST_WORKERS ?= 2
-APART := not bench and not deploy
-FAST  := -m "not slow and not e2e and $(APART)"
-LATE  := -m "(slow or e2e) and $(APART)"
+APART  := not bench and not deploy
+FAST   := -m "not slow and not e2e and $(APART)"
+INPROC := -m "not e2e and $(APART)"
+E2E    := -m "e2e and $(APART)"
+LATE   := -m "(slow or e2e) and $(APART)"
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
-	$(BIN)/mypy
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
-	$(BIN)/python -m pytest $(LATE)
+	@{ $(BIN)/mypy; lint=$$?; $(BIN)/python -m pytest $(E2E); e2e=$$?; \
+	   echo "mypy exit $$lint, e2e tier exit $$e2e"; [ $$lint = 0 ] && [ $$e2e = 0 ]; } > .e2e.log 2>&1 & \
+	lane=$$!; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(INPROC); inproc=$$?; \
+	wait $$lane; lane=$$?; \
+	echo "===== mypy and the e2e tier ====="; cat .e2e.log; \
+	[ $$inproc = 0 ] && [ $$lane = 0 ]
 
 # The in-process tier alone: the logic and the stack in process, on a real Redis.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(FAST)
 
-# The whole-stack and real-model tier alone.
+# The whole-stack and real-model tests alone, one at a time.
 test-e2e: $(STAMP) chromium
 	$(BIN)/python -m pytest $(LATE)
 
