@@ -262,21 +262,18 @@ class JobStore:
     def prune_batches(self) -> int:
         """Every model's batches none of whose jobs still progresses leave the record; how many left."""
         pruned = 0
-        for raw in sorted(self.redis.smembers(self.keys.inflight_models())):
-            model = raw.decode() if isinstance(raw, bytes) else raw
+        for model in sorted(map(text_of, self.redis.smembers(self.keys.inflight_models()))):
             entries = self.redis.hgetall(self.keys.inflight(model))
-            if not entries:
-                continue
             pipe = self.redis.pipeline(transaction=False)
             for job_ids in entries.values():
                 for job_id in json.loads(job_ids):
                     pipe.zscore(self.keys.progress(), job_id)
             scores = iter(pipe.execute())
-            dead = [
-                batch_id
-                for batch_id, job_ids in entries.items()
-                if not [score for _ in json.loads(job_ids) if (score := next(scores)) is not None]
-            ]
+            dead = []
+            for batch_id, job_ids in entries.items():
+                progressing = [next(scores) is not None for _ in json.loads(job_ids)]
+                if not any(progressing):
+                    dead.append(batch_id)
             if dead:
                 self.redis.hdel(self.keys.inflight(model), *dead)
                 pruned += len(dead)
