@@ -24,8 +24,8 @@ from app.batching.recovery import Monitor
 from app.core.jobs import JobStatus, Transition, decode_record
 from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
+from app.core.outcomes import Outcomes
 from app.core.protocol import StepMessage
-from app.core.publisher import Publisher
 from app.partitions.layers import LayerRange
 from app.partitions.prefix import PrefixCache
 from app.workers.main import _pad_id, eos_token_ids, load_partition
@@ -167,7 +167,7 @@ def build(
                 partition=partition,
                 tokenizer=tokenizer if partition.is_last else None,
                 jobs=jobs,
-                publisher=Publisher(redis, keys, jobs, life=Lifetimes(600, 600, 1000)),
+                outcomes=Outcomes(redis, keys, jobs, life=Lifetimes(600, 600, 1000)),
                 redis=redis,
                 keys=keys,
                 send=lambda message, _queue: pipeline.outbox.append(message),

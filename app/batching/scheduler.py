@@ -28,8 +28,8 @@ from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
 from app.core.jobs import JobStatus, Transition, text_of
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
+from app.core.outcomes import Outcomes
 from app.core.protocol import StepMessage, embed_batch
-from app.core.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Batcher:
             min_batch_size=settings.min_batch_size,
         )
         self.pending: list[windows.Item] = []
-        self.publisher = Publisher(redis, self.keys, self.jobs, life=settings.life)
+        self.outcomes = Outcomes(redis, self.keys, self.jobs, life=settings.life)
         self.monitor = Monitor(
             redis,
             self.keys,
@@ -157,7 +157,7 @@ class Batcher:
         late = windows.expired(self.pending, self.clock())
         if not late:
             return
-        done = self.publisher.expire(
+        done = self.outcomes.expire(
             [it.job_id for it in late], reason="the job was not started before its timeout_s passed"
         )
         log.info("%d jobs expired in the queue", len(done))

@@ -157,7 +157,7 @@ def record(pipe: Any, keys: Keys, model: str, *, succeeded: int, failed: int, no
 def recorder(
     redis: Any, keys: Keys, model: str, clock: Callable[[], float] = time.time
 ) -> Callable[[int, int], None]:
-    """`(succeeded, failed) -> None` for one model, each call one round trip (a Publisher's `outcomes`).
+    """`(succeeded, failed) -> None` for one model, each call one round trip (an `Outcomes`' `breaker`).
     Count what says whether the pipeline works: not cancelled or expired jobs."""
 
     def outcomes(succeeded: int, failed: int) -> None:

@@ -6,12 +6,12 @@ Who calls what:
 - the API (`AsyncJobStore`): `admit` (the record with its intake entry, at submit, for every job
   kind), `cancel`, `forget_embedding` (an embeddings job's vectors, once its caller has them);
 - the batcher (`JobStore`): `enqueue` / `apply` (scheduled, back to queued), `progressed`, `recover`
-  (the monitor), `end` (a queued job expires, through `Publisher`), and the batch record:
+  (the monitor), `end` (a queued job expires, through `Outcomes`), and the batch record:
   `batch_sent`, `batch_narrowed`, `batch_out`, `prune_batches`;
 - the stage and embeddings workers (`JobStore`): `apply` (running), `progressed`, `step` (one decode
   step's tokens, and the end of the sequences it finishes), `set_prompt_tokens` (an embeddings
   job's, once tokenized), `end` (succeeded with a result, failed), `batch_out` (through
-  `Publisher.batch_done`).
+  `Outcomes.batch_done`).
 
 Every move is one Lua script (app/core/jobscripts.py) that checks the job's current status and
 writes the new one with its timestamp atomically. The states a script may move a job from are

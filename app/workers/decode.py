@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from app.core.publisher import TokenOut
+from app.core.outcomes import TokenOut
 from app.workers.grammar import Matcher
 from app.workers.sampling import Logprobs, SamplingParams, token_seed
 from app.workers.textstream import TextStream

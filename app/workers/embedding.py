@@ -24,8 +24,8 @@ import torch
 from app.core.config import EMBEDDING_MODEL
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import EVENTS_BESIDE_TOKENS, JobStore
+from app.core.outcomes import Outcomes
 from app.core.protocol import EMBED_TASK
-from app.core.publisher import Publisher
 from app.partitions.codecs import decode_tensor, encode_tensor
 from app.partitions.embedding import BATCH_SIZE, load_piece, plan_on_meta, pool_and_normalize, tokenize
 from app.partitions.graph import GraphPlan
@@ -55,7 +55,7 @@ class EmbeddingStage:
     plan: GraphPlan
     stage: int
     jobs: JobStore
-    publisher: Publisher
+    outcomes: Outcomes
     send: Any  # (message: dict, queue: str) -> None
     next_queue: str | None
     fingerprint: str = field(init=False)
@@ -100,7 +100,7 @@ class EmbeddingStage:
             self._fail(job_ids, guard, f"{type(exc).__name__}: {exc}")
         finally:
             if not handed_on:  # the batch ends here: its slot is free
-                self.publisher.batch_done(EMBEDDING_MODEL, batch_id)
+                self.outcomes.batch_done(EMBEDDING_MODEL, batch_id)
 
     def _check_plan(self, fingerprint: str | None) -> None:
         """Stage 0's message comes from the batcher, which knows no plan; every later one must carry ours."""
@@ -162,11 +162,11 @@ class EmbeddingStage:
             job_id: {"embedding": json.dumps(mine.tolist()), "finish_reason": "stop"}
             for job_id, mine in zip(job_ids, vectors.split(rows), strict=True)
         }
-        self.publisher.finish(results, when=guard)
+        self.outcomes.finish(results, when=guard)
 
     def _fail(self, job_ids: list[str], guard: dict[str, str], message: str) -> None:
         """Fail the batch's jobs that are still its own (a job recovered into another batch is not)."""
-        self.publisher.fail(job_ids, code="worker_error", message=message, when=dict.fromkeys(job_ids, guard))
+        self.outcomes.fail(job_ids, code="worker_error", message=message, when=dict.fromkeys(job_ids, guard))
 
 
 def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel: str = "INFO") -> None:
@@ -211,7 +211,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
         plan=plan,
         stage=stage,
         jobs=jobs,
-        publisher=Publisher(
+        outcomes=Outcomes(
             redis,
             keys,
             jobs,

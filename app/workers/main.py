@@ -21,8 +21,8 @@ from app.core.health import Thresholds
 from app.core.jobstore import JobStore
 from app.core.keys import Keys
 from app.core.modelstore import registered_dtype
+from app.core.outcomes import Outcomes
 from app.core.protocol import StepMessage
-from app.core.publisher import Publisher
 from app.core.redis import sync_client
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.layers import LayerRange, StagePartition
@@ -245,12 +245,12 @@ def stage_runtime(
         partition=partition,
         tokenizer=tokenizer,
         jobs=jobs,
-        publisher=Publisher(
+        outcomes=Outcomes(
             redis,
             keys,
             jobs,
             life=settings.lifetimes,
-            outcomes=breaker.recorder(redis, keys, identity.model),  # the breaker counts what ends here
+            breaker=breaker.recorder(redis, keys, identity.model),  # the breaker counts what ends here
         ),
         redis=redis,
         keys=keys,

@@ -30,8 +30,8 @@ from app.core.jobrecord import JobRequest
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
+from app.core.outcomes import Outcomes, TokenOut
 from app.core.protocol import StepMessage
-from app.core.publisher import Publisher, TokenOut
 from app.core.steps import Steps, complete
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.codecs import CodecSpec, decode_tensor, encode_tensor
@@ -68,7 +68,7 @@ class StageRuntime:
     partition: StagePartition
     tokenizer: Any  # only used on the last stage
     jobs: JobStore
-    publisher: Publisher
+    outcomes: Outcomes
     redis: Any
     keys: Keys
     send: Send  # Celery: a shared stage queue
@@ -99,20 +99,20 @@ class StageRuntime:
         its jobs; the worker keeps serving."""
         now = time.monotonic()
         for batch_id, idle in self.batches.stale(now, self.stale_after_s):
-            if batch_id in self.batches:  # not forgotten already, as a joiner of another
+            if batch_id in self.batches:  # not discarded already, as a joiner of another
                 log.warning("batch %s: no step for %.0f s, dropping its state", batch_id, idle)
-                self._forget(batch_id)
+                self._discard(batch_id)
         if msg.kind != "release":
             self.batches.touch(msg.batch_id, now)
         if msg.kind == "release":
             for batch_id in (msg.batch_id, *msg.merge):
-                self._drop(batch_id)
+                self._free(batch_id)
             return
         try:
             yield from self._step(msg)
         except BatchGone as gone:
             log.warning("batch %s step %d on stage %d: %s", msg.batch_id, msg.step, self.identity.stage, gone)
-            self._abandon(msg)
+            self._discard_batch(msg)
         except Exception as exc:  # the worker's error boundary
             log.exception("batch %s step %d failed on stage %d", msg.batch_id, msg.step, self.identity.stage)
             self._fail(msg, exc)
@@ -124,7 +124,7 @@ class StageRuntime:
         if msg.kind == "prefill":
             msg, prefill, x = self._begin(msg)
             if not msg.seq_ids:
-                self._finish_batch(msg)
+                self._end_batch(msg)
                 return
             sequences = self._load_sequences(msg.batch_id, msg.seq_ids) if self.partition.is_last else None
             keep = echo.asked(sequences or {})  # then every prompt column is computed here, and read
@@ -205,7 +205,7 @@ class StageRuntime:
         """The prompt; for a recovered job, the prompt and the tokens it had already streamed."""
         ids: list[int] = json.loads(record["prompt_ids"])
         if int(record.get("attempts", "0")):
-            ids += self.publisher.emitted(job_id)
+            ids += self.outcomes.emitted(job_id)
         return ids
 
     def _load_sequences(self, batch_id: str, job_ids: list[str]) -> dict[str, Sequence]:
@@ -245,7 +245,7 @@ class StageRuntime:
             grammar=self._grammar(request.grammar),
         )
         if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
-            for token in self.publisher.emitted(job_id):
+            for token in self.outcomes.emitted(job_id):
                 seq.text.push(token)
                 seq.generated += 1
                 if seq.grammar is not None:  # its matcher replays the tokens it had
@@ -281,7 +281,7 @@ class StageRuntime:
         rows = [seq for seq, _, _ in kept]
         tokens = [token for _, token, _ in kept]
         outs = echo.attach([advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept], echoes)
-        gone = self.publisher.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
+        gone = self.outcomes.tokens(outs)  # cancelled, or recovered elsewhere: these rows leave now
         self._observe(rows, outs, gone)
         alive = settle(sequences, rows, tokens, gone)
         if msg.kind == "prefill" and alive and self._join_running(msg, alive):
@@ -289,7 +289,7 @@ class StageRuntime:
         if msg.kind == "prefill":
             # Prefilled: the batch no longer takes one of the pipeline's prefill slots; its
             # sequences count against the pipeline's sequence budget (the progress set) instead.
-            self.publisher.batch_done(msg.model, msg.batch_id)
+            self.outcomes.batch_done(msg.model, msg.batch_id)
         self._continue(msg, alive)
 
     def _choose(
@@ -375,7 +375,7 @@ class StageRuntime:
         )
         code = exc.code if isinstance(exc, ConveyorError) else "worker_error"
         message = exc.message if isinstance(exc, ConveyorError) else f"{type(exc).__name__}: {exc}"
-        failed = self.publisher.fail(
+        failed = self.outcomes.fail(
             [job_id], code=code, message=f"stage {self.identity.stage} could not run this job: {message}"
         )
         metrics.job_ended(self.identity.model, "failed", code, failed)
@@ -414,7 +414,7 @@ class StageRuntime:
         if host is None:
             return False
         self.batches.park(host, Join(msg, alive))
-        self.publisher.batch_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
+        self.outcomes.batch_done(msg.model, msg.batch_id)  # it no longer takes a prefill slot
         self.redis.xadd(
             self.keys.batch_log(),
             {"batch_id": msg.batch_id, "model": msg.model, "size": len(alive), "joined": host},
@@ -429,7 +429,7 @@ class StageRuntime:
         for join in joins:
             alive = alive + join.alive
         if not alive:
-            self._finish_batch(msg)
+            self._end_batch(msg)
             return
         ids = torch.tensor([t for _, t in alive], dtype=torch.long)[:, None]  # [B', 1]
         nxt = msg.forward(
@@ -445,14 +445,13 @@ class StageRuntime:
         else:
             self.send(nxt, self.identity.first_queue)
 
-    def _finish_batch(self, msg: StepMessage) -> None:
-        """The batch is over here: free its state on every other stage and tell the batcher."""
-        for stage, lane in enumerate(msg.routes):
-            if lane and stage != self.identity.stage:
-                self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
+    def _end_batch(self, msg: StepMessage) -> None:
+        """The batch is over (finished, or failed): its state freed on every stage, the batches
+        waiting to join it go on alone, the batcher told."""
+        self._release_elsewhere(msg)
         for batch_id in (msg.batch_id, *msg.merge):
-            self._drop(batch_id)
-        self.publisher.batch_done(msg.model, msg.batch_id)
+            self._free(batch_id)
+        self.outcomes.batch_done(msg.model, msg.batch_id)
 
     def _fail(self, msg: StepMessage, exc: Exception) -> None:
         """Fail the jobs this batch still holds. A job recovered meanwhile (re-queued, or scheduled
@@ -468,29 +467,34 @@ class StageRuntime:
             for job_id, r in zip(job_ids, records, strict=True)
             if r.get("batch_id") in owned and r.get("status") in (JobStatus.SCHEDULED, JobStatus.RUNNING)
         }
-        failed = self.publisher.fail(
+        failed = self.outcomes.fail(
             list(mine),
             code="worker_error",
             message=f"stage {self.identity.stage} failed: {type(exc).__name__}: {exc}",
             when=mine,
         )
         metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
-        self._finish_batch(msg)
+        self._end_batch(msg)
 
-    def _abandon(self, msg: StepMessage) -> None:
-        """Let go of a batch this stage cannot step: the other stages free its state and its slot is
+    def _discard_batch(self, msg: StepMessage) -> None:
+        """A batch this stage cannot step: its state and its joiners' discarded on every stage, its slot
         given back; its jobs, no longer progressing, are recovered by the monitor, not failed."""
         for batch_id in (msg.batch_id, *msg.merge):
-            self._forget(batch_id)
+            self._discard(batch_id)
+        self._release_elsewhere(msg)
+        self.outcomes.batch_done(msg.model, msg.batch_id)
+
+    def _release_elsewhere(self, msg: StepMessage) -> None:  # every other stage of its route frees it
         for stage, lane in enumerate(msg.routes):
             if lane and stage != self.identity.stage:
                 self.hand_off(msg.forward(stage=stage, kind="release", seq_ids=[], tensors={}), lane)
-        self.publisher.batch_done(msg.model, msg.batch_id)
 
-    def _forget(self, batch_id: str) -> None:
+    def _discard(self, batch_id: str) -> None:
+        """Free a batch's state here, and that of the batches waiting to join it."""
         for join in self.batches.drop(batch_id):
-            self._forget(join.msg.batch_id)
+            self._discard(join.msg.batch_id)
 
-    def _drop(self, batch_id: str) -> None:
-        for join in self.batches.drop(batch_id):  # the host is gone: the joiner goes on alone
+    def _free(self, batch_id: str) -> None:
+        """Free a batch's state here; the batches waiting to join it go on alone."""
+        for join in self.batches.drop(batch_id):
             self._continue(join.msg, join.alive)

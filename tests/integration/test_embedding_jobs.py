@@ -24,7 +24,7 @@ from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
 from app.core.jobstore import AsyncJobStore, JobStore, Lifetimes
 from app.core.keys import Keys
-from app.core.publisher import Publisher
+from app.core.outcomes import Outcomes
 from app.partitions.embedding import EmbeddingModel
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
@@ -65,14 +65,14 @@ class Line:
         )
         intake.ensure_groups(redis, self.keys)
         self.jobs = JobStore(redis, self.keys, ttl_s=60)
-        publisher = Publisher(redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16))
+        outcomes = Outcomes(redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16))
         self.stages = [
             EmbeddingStage(
                 tokenizer=AutoTokenizer.from_pretrained(str(MODEL)) if k == 0 else None,
                 plan=plan,
                 stage=k,
                 jobs=self.jobs,
-                publisher=publisher,
+                outcomes=outcomes,
                 send=self._send,
                 next_queue=self.keys.embed_queue(1) if k == 0 else None,
             )

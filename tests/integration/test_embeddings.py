@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
+from app.core.outcomes import Outcomes
 from app.core.protocol import embed_batch
-from app.core.publisher import Publisher
 from app.partitions.embedding import EmbeddingModel, plan_encoder
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
@@ -170,7 +170,7 @@ class Stages:
             plan=plan,
             stage=k,
             jobs=self.jobs,
-            publisher=Publisher(self.redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16)),
+            outcomes=Outcomes(self.redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16)),
             send=lambda message, queue: self.sent.append((queue, message)),
             next_queue=None if last else self.keys.embed_queue(k + 1),
         )

@@ -30,7 +30,7 @@ from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
-from app.core.publisher import Publisher
+from app.core.outcomes import Outcomes
 from app.core.sections import TENANT_QUEUE_SHARE
 from tests.tinyapi import forget_namespace, tiny_settings
 
@@ -161,7 +161,7 @@ def test_every_move_out_of_and_back_into_the_queue_keeps_the_count(redis_url, st
     limit = settings.admission.tenant_queue_limit
     assert limit("acme") == 1 and limit("other") == 5
     life = Lifetimes(ttl_s=settings.job_ttl_s, ended_ttl_s=60, stream_maxlen=100)
-    publisher = Publisher(client, keys, jobs, life=Lifetimes(settings.job_ttl_s, 60, 100))
+    outcomes = Outcomes(client, keys, jobs, life=Lifetimes(settings.job_ttl_s, 60, 100))
 
     job = uuid.uuid4().hex
     assert admit(redis_url, settings, "acme", job) == "ok"
@@ -175,7 +175,7 @@ def test_every_move_out_of_and_back_into_the_queue_keeps_the_count(redis_url, st
 
     jobs.apply([Transition(job, JobStatus.QUEUED)])  # the broker refused the batch: back in the queue
     assert admit(redis_url, settings, "acme") == "tenant_queue_full"
-    publisher.expire([job], reason="not started before its timeout_s")  # expired in the queue
+    outcomes.expire([job], reason="not started before its timeout_s")  # expired in the queue
     assert client.hget(keys.job(job), "status") == b"expired"
 
     # The monitor recovers the stalled `second`: it waits in the intake again, and counts again.
@@ -198,7 +198,7 @@ def test_every_move_out_of_and_back_into_the_queue_keeps_the_count(redis_url, st
 
     third = uuid.uuid4().hex
     assert admit(redis_url, settings, "acme", third) == "ok"
-    assert publisher.fail([third], code="worker_error", message="failed while queued") == 1
+    assert outcomes.fail([third], code="worker_error", message="failed while queued") == 1
     assert admit(redis_url, settings, "acme") == "ok"
     # What is left counted: that last job and the other tenant's one; `second` is scheduled.
     assert client.zcard(keys.tenant_waiting()) == 2 == client.zcard(keys.tenant_waiting_expiry())

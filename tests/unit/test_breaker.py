@@ -163,7 +163,7 @@ def test_decide_is_pure() -> None:
     assert decide(failing, Policy(min_requests=101), now).action == Action.ADMIT
 
 
-def test_recorder_is_a_publishers_outcomes_callback(redis, redis_url, keys):  # type: ignore[no-untyped-def]
+def test_recorder_counts_what_an_outcomes_breaker_callback_is_given(redis, redis_url, keys):  # type: ignore[no-untyped-def]
     outcomes = recorder(redis, keys, MODEL, clock=lambda: T0)
     outcomes(3, 1)
     outcomes(0, 0)  # nothing to count: no command

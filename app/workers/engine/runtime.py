@@ -8,7 +8,7 @@ inside another, no decode step goes through a lane, nothing joins or is padded.
 
 It is the stage runtime (`StageRuntime`) for everything around the model: reading jobs, their
 sampling rules, grammars and stop strings, publishing tokens, failing a job alone, metrics. A batch
-is reported done to the batcher (`Publisher.batch_done`) once each of its jobs has its first token
+is reported done to the batcher (`Outcomes.batch_done`) once each of its jobs has its first token
 or has left, as a prefilled batch is on the batch engine; from then its jobs count against the
 pipeline's sequence budget.
 
@@ -113,7 +113,7 @@ class EngineRuntime(StageRuntime):
         started = set(self.jobs.apply(moves, strict=False))
         job_ids = [j for j in msg.seq_ids if j in started]
         if not job_ids:
-            self.publisher.batch_done(msg.model, msg.batch_id)
+            self.outcomes.batch_done(msg.model, msg.batch_id)
             return
         self.jobs.progressed(job_ids, time.time())
         sequences = self._load_sequences(msg.batch_id, job_ids)  # a broken request fails alone
@@ -137,7 +137,7 @@ class EngineRuntime(StageRuntime):
         if waiting:
             self.waits[msg.batch_id] = waiting
         else:
-            self.publisher.batch_done(msg.model, msg.batch_id)
+            self.outcomes.batch_done(msg.model, msg.batch_id)
 
     def pump(self) -> Steps[None]:
         """Run steps while there is work; admissions (urgent) run between two of them."""
@@ -153,7 +153,7 @@ class EngineRuntime(StageRuntime):
             log.exception("an engine step of %s failed", self.identity.model)
             held = list(self.rows)
             when = {j: {"batch_id": self.rows[j].batch_id, "status": JobStatus.RUNNING} for j in held}
-            failed = self.publisher.fail(
+            failed = self.outcomes.fail(
                 held,
                 code="worker_error",
                 message=f"the engine step failed: {type(exc).__name__}: {exc}",
@@ -188,7 +188,7 @@ class EngineRuntime(StageRuntime):
             if job_id not in chosen:  # its sampling or its echo failed: failed alone already
                 self._leave(job_id)
         outs = echo.attach([advance(seq, token, self.eos_ids, lp) for seq, token, lp in kept], echoes)
-        gone = self.publisher.tokens(outs) if outs else set()
+        gone = self.outcomes.tokens(outs) if outs else set()
         self._observe([seq for seq, _, _ in kept], outs, gone)
         for seq, _, _ in kept:
             self._first_token(seq.job_id)
@@ -240,7 +240,7 @@ class EngineRuntime(StageRuntime):
             waiting.discard(job_id)
             if not waiting:
                 del self.waits[batch_id]
-                self.publisher.batch_done(self.identity.model, batch_id)
+                self.outcomes.batch_done(self.identity.model, batch_id)
 
     def _leave(self, job_id: str) -> None:
         self.loop.abort(job_id)

@@ -24,10 +24,14 @@ from app.core.jobs import JobStatus
 from app.core.jobstore import JobStore, Lifetimes, TokenOut
 from app.core.keys import CONTROL_MAXLEN, Keys
 
-__all__ = ["Publisher", "TokenOut"]
+__all__ = ["Outcomes", "TokenOut"]
 
 
-class Publisher:
+class Outcomes:
+    """What a worker's jobs came to, written for their clients, the batcher and the circuit breaker:
+    a step's tokens (a sequence's last one ends its job), embeddings results, failures, queued jobs
+    that expired, and a batch that is over."""
+
     def __init__(
         self,
         redis: Any,
@@ -35,21 +39,21 @@ class Publisher:
         jobs: JobStore,
         *,
         life: Lifetimes,  # Settings.lifetimes
-        outcomes: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
+        breaker: Callable[[int, int], None] | None = None,  # (succeeded, failed): the circuit breaker
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
         self.life = life
-        self.outcomes = outcomes
+        self.breaker = breaker
 
     def tokens(self, outs: list[TokenOut]) -> set[str]:
         """Append one step's tokens, finish the sequences whose last token this is; return the ids
         of the jobs that are no longer this batch's (cancelled, failed, recovered elsewhere)."""
         gone = self.jobs.step(outs, self.life)
         finished = sum(1 for out in outs if out.finish_reason and out.job_id not in gone)
-        if finished and self.outcomes is not None:
-            self.outcomes(finished, 0)
+        if finished and self.breaker is not None:
+            self.breaker(finished, 0)
         return gone
 
     def finish(self, results: dict[str, dict[str, Any]], *, when: dict[str, str] | None = None) -> int:
@@ -100,8 +104,8 @@ class Publisher:
                 when=guard,
             )
         failed = sum(int(applied) for applied, _ in pipe.execute())
-        if failed and self.outcomes is not None:
-            self.outcomes(0, failed)
+        if failed and self.breaker is not None:
+            self.breaker(0, failed)
         return failed
 
     def expire(self, job_ids: list[str], *, reason: str) -> list[str]:
