@@ -23,6 +23,7 @@ from typing import Any
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.core.jobrecord import JobRecord
 from app.core.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,14 @@ def note(connection: HTTPConnection, **values: Any) -> None:
     fields(connection).update({k: v for k, v in values.items() if v is not None})
 
 
-def note_job(connection: HTTPConnection | dict[str, Any], record: dict[str, str]) -> None:
+def note_job(connection: HTTPConnection | dict[str, Any], record: JobRecord) -> None:
     """The job a request touched: id, model and token counts from its record."""
     notes = connection if isinstance(connection, dict) else fields(connection)
     notes.update(
-        job_id=record.get("id"),
-        model=record.get("model"),
-        prompt_tokens=int(record.get("prompt_tokens") or 0),
-        completion_tokens=int(record.get("completion_tokens") or 0),
+        job_id=record.id,
+        model=record.model,
+        prompt_tokens=record.prompt_tokens or 0,
+        completion_tokens=record.completion_tokens or 0,
     )
 
 

@@ -51,6 +51,7 @@ from app.core import batchstore as bs
 from app.core.batchstore import BatchStore, line_job_id, output_file_id
 from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.errors import ConveyorError, JobFinished, JobNotFound, Refused
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
 from app.webhooks.events import batch_end_event
@@ -77,10 +78,6 @@ return 0
 RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 REPLIES: dict[str, type[Reply]] = {"/v1/chat/completions": ChatReply, "/v1/completions": CompletionReply}
-JOB_FIELDS = (
-    *("id", "status", "model", "created_at", "text", "finish_reason"),
-    *("prompt_tokens", "completion_tokens", "error", "embedding"),
-)
 
 
 class BatchFeeder:
@@ -306,20 +303,14 @@ class BatchFeeder:
         waiting = uncollected[:COLLECT_PER_PASS]
         if not waiting:
             return True
-        pipe = self.redis.pipeline(transaction=False)
-        for index in waiting:
-            pipe.hmget(self.keys.job(line_job_id(batch_id, index)), *JOB_FIELDS)
-        records = [
-            dict(zip(JOB_FIELDS, (_text(v) for v in values), strict=True)) for values in await pipe.execute()
-        ]
+        records = await self.jobs.store.get_many([line_job_id(batch_id, index) for index in waiting])
         lines = None
         left = len(waiting)
         for index, record in zip(waiting, records, strict=True):
-            status = record["status"]
-            if status is not None and not JobStatus(status).is_finished:
+            if record is not None and not record.status.is_finished:
                 if cancel is not None:
                     with suppress(JobFinished, JobNotFound):
-                        await self.jobs.cancel(record["id"] or "", tenant=None, reason=cancel)
+                        await self.jobs.cancel(record.id, tenant=None, reason=cancel)
                 continue
             if lines is None:
                 lines = await self._lines(batch_id, waiting)
@@ -341,17 +332,16 @@ class BatchFeeder:
         return await tool_format_of(self.jobs, model or request.model)
 
     async def _collect_one(
-        self, batch: dict[str, str], index: int, line: dict[str, Any], record: dict[str, Any]
+        self, batch: dict[str, str], index: int, line: dict[str, Any], record: JobRecord | None
     ) -> None:
         job_id, custom_id = line_job_id(batch["id"], index), line["custom_id"]
-        status = record["status"]
-        if status == JobStatus.SUCCEEDED:
+        if record is not None and record.status == JobStatus.SUCCEEDED:
             body: BaseModel
             if batch["endpoint"] == EMBEDDINGS:
                 body = _embeddings(record, EmbeddingsCreate.model_validate(line["body"]))
             elif batch["endpoint"] == "/v1/chat/completions":  # its calls read in its model's format
                 request = ChatCompletionCreate.model_validate(line["body"])
-                tool_format = await self._tool_format(request, record["model"])
+                tool_format = await self._tool_format(request, record.model)
                 tools = request.tool_use(tool_format) if tool_format is not None else None
                 body = ChatReply(record, tools=tools).whole(record)
             else:
@@ -361,12 +351,12 @@ class BatchFeeder:
             if batch["endpoint"] == EMBEDDINGS:
                 await self.jobs.store.forget_embedding(job_id)  # its vectors are in the line now
             return
-        if status is None:
+        if record is None:
             code, message = "job_lost", f"job {job_id} expired before its result was collected"
         else:
-            error = json.loads(record.get("error") or "{}")
-            code = error.get("code") or status
-            message = f"job {job_id} ended {status}: {error.get('message', 'no reason recorded')}"
+            error = record.error or {}
+            code = str(error.get("code") or record.status)
+            message = f"job {job_id} ended {record.status}: {error.get('message', 'no reason recorded')}"
         await self.store.collect(
             batch["id"], index, error_line(job_id, custom_id, code=code, message=message), ok=False
         )
@@ -409,17 +399,13 @@ class BatchFeeder:
         log.info("batch %s ended %s: %d lines answered", batch_id, final, len(results))
 
 
-def _text(value: Any) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _embeddings(record: dict[str, Any], request: EmbeddingsCreate) -> EmbeddingsPublic:
+def _embeddings(record: JobRecord, request: EmbeddingsCreate) -> EmbeddingsPublic:
     """What POST /v1/embeddings answers for the line's request (its `encoding_format` included)."""
-    vectors = json.loads(record.get("embedding") or "[]")
-    tokens = int(record.get("prompt_tokens") or 0)
+    vectors = json.loads(record.embedding or "[]")
+    tokens = record.prompt_tokens or 0
     encode = as_base64 if request.encoding_format == "base64" else list
     return EmbeddingsPublic(
-        model=record["model"],
+        model=record.model,
         data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
         usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens),
     )

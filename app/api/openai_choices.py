@@ -42,6 +42,7 @@ from app.api.toolformats import ToolFormat
 from app.core import aio
 from app.core.errors import RETRY_AFTER_S, ConveyorError, InvalidRequest, JobFailed, Refused, SyncTimeout
 from app.core.follow import Event
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
 from app.core.sampling import sibling_seed
 
@@ -113,29 +114,29 @@ async def submit_all(
             made.append(await jobs.submit(choice.job, tenant=tenant, idempotency_key=key))
     except Exception:
         for submitted in made:
-            jobs.cancel_soon(submitted.record["id"], "another choice of its request was refused")
+            jobs.cancel_soon(submitted.record.id, "another choice of its request was refused")
         raise
     return made
 
 
-async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> list[dict[str, str]] | None:
+async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> list[JobRecord] | None:
     """Every job's record once it ends; None when the client went away (which cancels them). Of a
     request of several jobs, the first that ends without succeeding cancels the others at once, as
     the sync timeout does those still running; its error is raised."""
-    ended: list[dict[str, str]] = []  # the first job that ended without succeeding
+    ended: list[JobRecord] = []  # the first job that ended without succeeding
 
     def end_others(job_id: str, reason: str) -> None:
         for other in job_ids:
             if other != job_id:
                 jobs.cancel_soon(other, reason)
 
-    async def wait(job_id: str) -> dict[str, str] | None:
+    async def wait(job_id: str) -> JobRecord | None:
         record = await wait_unless_gone(request, jobs, job_id)
-        status = JobStatus(record["status"]) if record is not None else None
-        if status is not None and status.is_finished and status != JobStatus.SUCCEEDED and not ended:
-            ended.append(record)  # type: ignore[arg-type]
-            if len(job_ids) > 1:
-                end_others(job_id, f"another choice of its request ended {status}")
+        if record is not None and record.status.is_finished and record.status != JobStatus.SUCCEEDED:
+            if not ended:
+                ended.append(record)
+                if len(job_ids) > 1:
+                    end_others(job_id, f"another choice of its request ended {record.status}")
         return record
 
     records = await asyncio.gather(*(wait(j) for j in job_ids))
@@ -146,7 +147,7 @@ async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> li
         audit.note_job(request, record)
     if ended:
         check_succeeded(ended[0], waited_s=jobs.sync_timeout_s)
-    running = [r["id"] for r in done if not JobStatus(r["status"]).is_finished]
+    running = [r.id for r in done if not r.status.is_finished]
     if running and len(done) > 1:
         end_others("", f"its request was not answered within {jobs.sync_timeout_s:g} s")
         raise SyncTimeout(
@@ -159,9 +160,9 @@ async def wait_all(request: Request, jobs: JobService, job_ids: list[str]) -> li
     return done
 
 
-def check_succeeded(record: dict[str, str], *, waited_s: float) -> None:
+def check_succeeded(record: JobRecord, *, waited_s: float) -> None:
     """Raise the error of a job that did not succeed; one not finished was waited on `waited_s`."""
-    job_id, status = record["id"], JobStatus(record["status"])
+    job_id, status = record.id, record.status
     if not status.is_finished:
         raise SyncTimeout(
             f"job {job_id} did not finish within {waited_s:g} s; poll /v1/jobs/{job_id}",
@@ -169,7 +170,7 @@ def check_succeeded(record: dict[str, str], *, waited_s: float) -> None:
         )
     if status == JobStatus.SUCCEEDED:
         return
-    error = json.loads(record.get("error") or "{}")
+    error = record.error or {}
     message = f"job {job_id} ended {status}: {error.get('message', 'no reason recorded')}"
     if status == JobStatus.CANCELLED:
         raise JobCancelled(message, job_id=job_id)
@@ -200,13 +201,13 @@ def usage(replies: Sequence[Reply], completion_tokens: Sequence[int], n: int) ->
 
 
 def merged(
-    answers: Sequence[BaseModel], replies: Sequence[Reply], records: Sequence[dict[str, str]], n: int
+    answers: Sequence[BaseModel], replies: Sequence[Reply], records: Sequence[JobRecord], n: int
 ) -> BaseModel:
     """One answer holding every choice's, its usage summed."""
     if len(answers) == 1:
         return answers[0]
     choices = [c for a in answers for c in a.choices]  # type: ignore[attr-defined]
-    counts = [int(r.get("completion_tokens", 0)) for r in records]
+    counts = [r.completion_tokens or 0 for r in records]
     return answers[0].model_copy(update={"choices": choices, "usage": usage(replies, counts, n)})
 
 
@@ -245,7 +246,7 @@ def stream(
     async def generate() -> AsyncIterator[dict[str, str]]:
         queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(follow(k, job_id, queue)) for k, (job_id, _) in enumerate(choices)]
-        records: list[dict[str, str] | None] = [None] * len(choices)
+        records: list[JobRecord | None] = [None] * len(choices)
         held: list[list[dict[str, Any]]] = [[] for _ in choices]  # tokens whose text is not out yet
         failed = None
         try:
@@ -260,11 +261,11 @@ def stream(
                     running -= 1
                     record = records[k] or await jobs.get(choices[k][0], tenant=None)
                     audit.note_job(notes, record)
-                    if record["status"] != JobStatus.SUCCEEDED:
+                    if record.status != JobStatus.SUCCEEDED:
                         failed = record
                         continue
-                    counts[k] = int(record.get("completion_tokens", 0))
-                    yield data(reply.last(record.get("finish_reason"), so_far(), held[k]))
+                    counts[k] = record.completion_tokens or 0
+                    yield data(reply.last(record.finish_reason, so_far(), held[k]))
                 elif event.event == "prompt":
                     if (echoed := reply.echoed(event.data, so_far())) is not None:
                         yield data(echoed)
@@ -280,7 +281,7 @@ def stream(
                     records[k] = event.record  # the final event's: the job as it ended
             if failed is not None:
                 for job_id, _ in choices:
-                    if job_id != failed["id"]:
+                    if job_id != failed.id:
                         jobs.cancel_soon(job_id, "another choice of its request ended first")
                 yield data(stream_error(failed))
             elif include_usage:
@@ -303,14 +304,14 @@ def stream(
     )
 
 
-def stream_error(record: dict[str, str]) -> dict[str, Any]:
-    error = json.loads(record.get("error") or "{}")
-    status = record["status"]
+def stream_error(record: JobRecord) -> dict[str, Any]:
+    error = record.error or {}
+    status = str(record.status)
     return {
         "error": {
             "code": error.get("code") or status,
-            "message": f"job {record['id']} ended {status}: {error.get('message', 'no reason recorded')}",
+            "message": f"job {record.id} ended {status}: {error.get('message', 'no reason recorded')}",
             "type": "server_error" if status == JobStatus.FAILED else "invalid_request_error",
-            "details": {"job_id": record["id"], "status": status},
+            "details": {"job_id": record.id, "status": status},
         }
     }

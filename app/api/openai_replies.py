@@ -8,7 +8,6 @@ Token ids become text with the model's tokenizer, one token at a time (as vLLM n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from app.api.openai_answers import (
     TopLogprob,
 )
 from app.api.toolcalls import ToolCalls, ToolUse
+from app.core.jobrecord import JobRecord
 
 Tokens = Sequence[Mapping[str, Any]]  # token events' data
 
@@ -125,7 +125,7 @@ class Reply:
 
     def __init__(
         self,
-        record: dict[str, str],
+        record: JobRecord,
         logprobs: TokenLogprobs | None = None,
         *,
         token_ids: bool = False,
@@ -135,16 +135,16 @@ class Reply:
         self.logprobs = logprobs
         self.index = index  # the choice's place in the answer's `choices`
         self.echo = echo  # completions' echo: the prompt's text, before the completion's
-        self.echo_ids: list[int] = json.loads(record.get("prompt_ids") or "[]") if echo is not None else []
+        self.echo_ids: list[int] = list(record.prompt_ids or ()) if echo is not None else []
         # return_token_ids: the prompt's ids (sent once), and each answer's or chunk's token ids
         self.token_ids = token_ids
         self.prompt_ids: list[int] | None = (
-            json.loads(record.get("prompt_ids") or "null") if token_ids else None
+            list(record.prompt_ids) if token_ids and record.prompt_ids is not None else None
         )
-        self.id = f"{self.prefix}{record['id']}"
-        self.created = int(float(record["created_at"]))
-        self.model = record["model"]
-        self.prompt_tokens = int(record.get("prompt_tokens", 0))
+        self.id = f"{self.prefix}{record.id}"
+        self.created = int(record.created_at)
+        self.model = record.model
+        self.prompt_tokens = record.prompt_tokens or 0
 
     def so_far(self, completion_tokens: int) -> CompletionUsage:
         """The usage after `completion_tokens` tokens (`continuous_usage_stats`: on every chunk)."""
@@ -155,7 +155,7 @@ class Reply:
         )
 
     def whole(
-        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+        self, record: JobRecord, tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
     ) -> BaseModel:
         raise NotImplementedError
 
@@ -198,10 +198,10 @@ class CompletionReply(Reply):
         return self.logprobs.completion(list(tokens)) if self.logprobs is not None else None
 
     def whole(
-        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+        self, record: JobRecord, tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
     ) -> BaseModel:
         """`prompt`: the job's `prompt` event (echo with logprobs)."""
-        text, logprobs = record.get("text", ""), None
+        text, logprobs = record.text or "", None
         if self.echo is not None:
             text = self.echo + text
             logprobs = self._prompt_logprobs(prompt)
@@ -209,7 +209,7 @@ class CompletionReply(Reply):
         choice = CompletionChoice(
             index=self.index,
             text=text,
-            finish_reason=record.get("finish_reason"),
+            finish_reason=record.finish_reason,
             logprobs=logprobs,
             prompt_token_ids=self.prompt_once(),
             token_ids=self.ids(tokens),
@@ -268,7 +268,7 @@ class ChatReply(Reply):
 
     def __init__(
         self,
-        record: dict[str, str],
+        record: JobRecord,
         logprobs: TokenLogprobs | None = None,
         *,
         token_ids: bool = False,
@@ -277,7 +277,7 @@ class ChatReply(Reply):
         tools: ToolUse | None = None,
     ) -> None:
         super().__init__(record, logprobs, token_ids=token_ids, index=index, echo=echo)
-        self.calls = ToolCalls(tools, record["id"]) if tools is not None else None
+        self.calls = ToolCalls(tools, record.id) if tools is not None else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: CompletionUsage | None = None) -> BaseModel:
         return ChatCompletionChunk(
@@ -288,16 +288,16 @@ class ChatReply(Reply):
         return self.logprobs.chat(list(tokens)) if self.logprobs is not None else None
 
     def whole(
-        self, record: dict[str, str], tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
+        self, record: JobRecord, tokens: Tokens = (), prompt: Mapping[str, Any] | None = None
     ) -> BaseModel:
-        content: str | None = record.get("text", "")
+        content: str | None = record.text or ""
         calls = None
         if self.calls is not None:
             content, calls = self.calls.whole(content or "")
         choice = ChatChoice(
             index=self.index,
             message=AssistantMessage(content=content, tool_calls=calls or None),
-            finish_reason=_finish(record.get("finish_reason"), bool(calls)),
+            finish_reason=_finish(record.finish_reason, bool(calls)),
             logprobs=self._logprobs(tokens) or (ChatLogprobs(content=[]) if self.logprobs else None),
             token_ids=self.ids(tokens),
         )
@@ -361,8 +361,8 @@ def _finish(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def usage_of(record: dict[str, str]) -> CompletionUsage:
-    prompt, completion = int(record.get("prompt_tokens", 0)), int(record.get("completion_tokens", 0))
+def usage_of(record: JobRecord) -> CompletionUsage:
+    prompt, completion = record.prompt_tokens or 0, record.completion_tokens or 0
     return CompletionUsage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )

@@ -14,7 +14,6 @@ from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 
-from app.api.auth import ANONYMOUS
 from app.api.catalog import Catalog, ModelInfo
 from app.api.checks import (
     check_embeddings,
@@ -62,7 +61,7 @@ FORGET_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('D
 
 @dataclass(frozen=True)
 class Submitted:
-    record: dict[str, str]
+    record: JobRecord
     replayed: bool = False  # an Idempotency-Key named an existing job: this is it
     quota: Quota | None = None  # the tenant's rate limit after this submit (RateLimit-* headers)
 
@@ -116,8 +115,8 @@ class JobService:
             await self._refund(tenant, max_tokens)
             return written
         assert written is not None  # a fresh job id: never one that exists
-        if written.get("route"):  # counted once queued: a refused job was served by no model
-            metrics.ROUTES.labels(written["route"], written["model"], written["route_reason"]).inc()
+        if written.route:  # counted once queued: a refused job was served by no model
+            metrics.ROUTES.labels(written.route, written.model, written.route_reason).inc()
         return Submitted(written, quota=quota)
 
     async def submit_line(self, request: JobCreate, *, tenant: str, job_id: str, deadline: float) -> bool:
@@ -141,7 +140,7 @@ class JobService:
         stop: list[str],
         idempotency: tuple[str, str] | None,
         job: tuple[str, float] | None = None,
-    ) -> dict[str, str] | Submitted | None:
+    ) -> JobRecord | Submitted | None:
         """The work a charged submit pays for: its model (a route's choice), its prompt's tokens, its
         callback, the write. `job`: a batch line's job id and deadline (None: the job already exists)."""
         name = request.model or self.settings.default_model
@@ -240,7 +239,7 @@ class JobService:
         idempotency: tuple[str, str] | None,
         routed: dict[str, str],
         job: tuple[str, float] | None = None,
-    ) -> dict[str, str] | Submitted | None:
+    ) -> JobRecord | Submitted | None:
         """The admission gates, then the job written with its intake entry: its record, or the job an
         Idempotency-Key already names. `routed`: the route and reason that chose `model_name`. `job`:
         the id and deadline a batch's line gives its job; None when that job exists already."""
@@ -315,7 +314,7 @@ class JobService:
                     routed=routed,
                 )
             return replayed
-        return record.to_hash()
+        return record
 
     async def _replay(self, held: str | bytes, idempotency: tuple[str, str], tenant: str) -> Submitted | None:
         """The job an Idempotency-Key names; None when that job has expired (an ended job lives
@@ -337,7 +336,7 @@ class JobService:
 
     async def cancel(
         self, job_id: str, *, tenant: str | None, reason: str = "cancelled by the client"
-    ) -> dict[str, str]:
+    ) -> JobRecord:
         """Move the job to `cancelled` and end its event stream; its workers drop it at their next step.
         A job of another tenant is 404, as if it did not exist (`tenant` None: no check, internal)."""
         if tenant is not None:
@@ -348,7 +347,7 @@ class JobService:
                 raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
             raise JobFinished(f"job {job_id} has already ended: {status}", job_id=job_id, status=status)
         view = await self.get(job_id, tenant=None)
-        metrics.job_ended(str(view.get("model", "")), "cancelled", "cancelled")
+        metrics.job_ended(view.model, "cancelled", "cancelled")
         return view
 
     def cancel_soon(self, job_id: str, reason: str) -> None:
@@ -371,12 +370,12 @@ class JobService:
         """Refuse a chat of more than MAX_CHAT_MESSAGES messages (422), before any work on them."""
         check_messages(count)
 
-    async def get(self, job_id: str, *, tenant: str | None) -> dict[str, str]:
+    async def get(self, job_id: str, *, tenant: str | None) -> JobRecord:
         """The job's record. A job of another tenant is 404 job_not_found, exactly as an unknown one
         (never 403: that would tell who has which job). `tenant` None: no check (the API's own reads
         of a job it has already checked or just made)."""
         record = await self.store.get(job_id)
-        if record is None or (tenant is not None and record.get("tenant", ANONYMOUS) != tenant):
+        if record is None or (tenant is not None and record.tenant != tenant):
             raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
         return record
 
@@ -405,7 +404,7 @@ class JobService:
 
     async def embed(
         self, texts: list[str], model: str | None, *, tenant: str
-    ) -> tuple[list[list[float]], dict[str, str]]:
+    ) -> tuple[list[list[float]], JobRecord]:
         """Run an embeddings job and return its vectors (one request on the tenant's request limit; no
         generated tokens). The job goes the way every job goes: admission, the intake, the batcher
         (which batches it with other embeddings jobs for the embeddings stage workers) and the
@@ -415,18 +414,18 @@ class JobService:
         job_id = uuid.uuid4().hex
         await self._write_embedding(texts, tenant=tenant, job_id=job_id, priority="normal", deadline=None)
         done = await self.wait(job_id, self.sync_timeout_s)
-        if not JobStatus(done["status"]).is_finished:
+        if not done.status.is_finished:
             done = await self._end_unanswered_embedding(job_id)
-        if done["status"] == JobStatus.FAILED:
-            raise JobFailed(f"embeddings job {job_id} failed: {done.get('error')}", job_id=job_id)
-        if done["status"] != JobStatus.SUCCEEDED:
+        if done.status == JobStatus.FAILED:
+            raise JobFailed(f"embeddings job {job_id} failed: {done.error}", job_id=job_id)
+        if done.status != JobStatus.SUCCEEDED or done.embedding is None:
             raise SyncTimeout(
                 f"embeddings job {job_id} did not finish in {self.sync_timeout_s:g} s; it was cancelled",
                 job_id=job_id,
             )
         # The vectors (up to a MB of JSON) go to this caller alone: the record keeps the rest.
         await self.store.forget_embedding(job_id)
-        return json.loads(done["embedding"]), done
+        return json.loads(done.embedding), done
 
     async def submit_embedding_line(
         self, texts: list[str], model: str | None, *, tenant: str, job_id: str, deadline: float
@@ -467,7 +466,7 @@ class JobService:
         written = await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
         return not written.existed
 
-    async def _end_unanswered_embedding(self, job_id: str) -> dict[str, str]:
+    async def _end_unanswered_embedding(self, job_id: str) -> JobRecord:
         """An embeddings job's vectors go to its one request, so once that request stops waiting nobody
         can take them: the job is cancelled, with the reason (a stage worker that takes it later drops
         it), instead of staying queued or running until its record expires. One that ended meanwhile
@@ -480,7 +479,7 @@ class JobService:
             await self.cancel(job_id, tenant=None, reason=reason)
         return await self.get(job_id, tenant=None)
 
-    async def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
+    async def wait(self, job_id: str, timeout_s: float) -> JobRecord:
         """The job's record once it has finished (or as it is when the timeout passes)."""
         deadline = time.monotonic() + timeout_s
         async with self.hub.watch(job_id) as woke:
@@ -488,7 +487,7 @@ class JobService:
                 woke.clear()
                 record = await self.get(job_id, tenant=None)
                 remaining = deadline - time.monotonic()
-                if JobStatus(record["status"]).is_finished or remaining <= 0:
+                if record.status.is_finished or remaining <= 0:
                     return record
                 try:
                     await asyncio.wait_for(woke.wait(), min(remaining, POLL_FALLBACK_S))

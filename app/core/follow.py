@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.errors import JobNotFound
-from app.core.jobs import FINAL_EVENTS, JobStatus
+from app.core.jobrecord import JobRecord
+from app.core.jobs import FINAL_EVENTS
 from app.core.jobstore import AsyncJobStore
 
 # job id -> a context that holds an asyncio.Event set whenever the job has a new event
@@ -30,10 +31,10 @@ class Event:
     id: str  # the stream entry's id: a client resumes after it
     event: str
     data: dict[str, Any]
-    record: dict[str, str] | None = None  # on the final event: the job's record as it ended
+    record: JobRecord | None = None  # on the final event: the job's record as it ended
 
 
-async def record_of(store: AsyncJobStore, job_id: str) -> dict[str, str]:
+async def record_of(store: AsyncJobStore, job_id: str) -> JobRecord:
     record = await store.get(job_id)
     if record is None:
         raise JobNotFound(f"job {job_id!r} does not exist (or has expired)", job_id=job_id)
@@ -44,7 +45,7 @@ async def is_over(store: AsyncJobStore, job_id: str, after: str | None) -> bool:
     """True when the job has ended and nothing follows `after` in its stream (its final event was
     already delivered). Raises JobNotFound once the job has expired."""
     record = await record_of(store, job_id)
-    if not JobStatus(record["status"]).is_finished:
+    if not record.status.is_finished:
         return False
     rest = await store.redis.xrange(
         store.keys.events(job_id), min=f"({after}" if after else "-", max="+", count=1

@@ -34,7 +34,6 @@ from app.core.jobs import (
     JobStatus,
     Transition,
     check_result,
-    decode_record,
     text_of,
 )
 from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA
@@ -279,18 +278,27 @@ class JobStore:
                 pruned += len(dead)
         return pruned
 
-    def get(self, job_id: str) -> dict[str, str] | None:
+    def get(self, job_id: str) -> JobRecord | None:
+        """The job's record; None once it has expired (or never was)."""
         raw = self.redis.hgetall(self.keys.job(job_id))
-        return decode_record(raw) if raw else None
+        return JobRecord.from_hash(raw) if raw else None
 
-    def get_many(self, job_ids: list[str], *fields: str) -> list[dict[str, str]]:
+    def get_many(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """The records of `job_ids`, in one round trip; None for each that has expired."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(self.keys.job(job_id), list(fields))
-        return [
-            {name: text_of(v) for name, v in zip(fields, values, strict=True) if v is not None}
-            for values in pipe.execute()
-        ]
+            pipe.hgetall(self.keys.job(job_id))
+        return [JobRecord.from_hash(raw) if raw else None for raw in pipe.execute()]
+
+    def held_in(self, job_ids: Sequence[str], batch_ids: set[str]) -> dict[str, dict[str, str]]:
+        """Of `job_ids`, those scheduled or running in one of `batch_ids`: job id -> its batch and
+        status, the guard under which a worker of those batches may still end it."""
+        live = (JobStatus.SCHEDULED, JobStatus.RUNNING)
+        return {
+            r.id: {"batch_id": r.batch_id, "status": str(r.status)}
+            for r in self.get_many(job_ids)
+            if r is not None and r.batch_id in batch_ids and r.status in live
+        }
 
 
 class AsyncJobStore:
@@ -361,6 +369,14 @@ class AsyncJobStore:
         applied, current = await self._end(keys=keys, args=args)
         return bool(int(applied)), text_of(current)
 
-    async def get(self, job_id: str) -> dict[str, str] | None:
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job's record; None once it has expired (or never was)."""
         raw = await self.redis.hgetall(self.keys.job(job_id))
-        return decode_record(raw) if raw else None
+        return JobRecord.from_hash(raw) if raw else None
+
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """The records of `job_ids`, in one round trip; None for each that has expired."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+        return [JobRecord.from_hash(raw) if raw else None for raw in await pipe.execute()]

@@ -6,9 +6,9 @@ dispatcher all hand out this one shape, so it lives below all of them.
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel, Field
+
+from app.core.jobrecord import JobRecord
 
 
 class Usage(BaseModel):
@@ -56,28 +56,22 @@ class JobPublic(BaseModel):
     deadline: float | None = Field(default=None, description="Unix time by which it had to start.")
 
     @classmethod
-    def from_record(cls, record: dict[str, str]) -> JobPublic:
-        def ts(name: str) -> float | None:
-            return float(record[name]) if record.get(name) else None
-
+    def from_record(cls, record: JobRecord) -> JobPublic:
         return cls(
-            id=record["id"],
-            status=record["status"],
-            model=record["model"],
-            route=record.get("route") or None,
-            route_reason=record.get("route_reason") or None,
-            priority=record.get("priority", "normal"),
-            text=record.get("text", ""),
-            finish_reason=record.get("finish_reason") or None,
+            id=record.id,
+            status=str(record.status),
+            model=record.model,
+            route=record.route or None,
+            route_reason=record.route_reason or None,
+            priority=record.priority,
+            text=record.text or "",
+            finish_reason=record.finish_reason or None,
             usage=Usage(
-                prompt_tokens=int(record.get("prompt_tokens", 0)),
-                completion_tokens=int(record.get("completion_tokens", 0)),
+                prompt_tokens=record.prompt_tokens or 0, completion_tokens=record.completion_tokens or 0
             ),
-            timings=Timings(**{name: ts(name) for name in Timings.model_fields}),
-            attempts=int(record.get("attempts") or 0),
-            batch=BatchInfo(id=record["batch_id"], size=int(record["batch_size"]))
-            if record.get("batch_id")
-            else None,
-            error=ErrorInfo(**json.loads(record["error"])) if record.get("error") else None,
-            deadline=ts("deadline"),
+            timings=Timings(**{name: getattr(record, name) for name in Timings.model_fields}),
+            attempts=record.attempts or 0,
+            batch=BatchInfo(id=record.batch_id, size=record.batch_size or 0) if record.batch_id else None,
+            error=ErrorInfo(**record.error) if record.error else None,
+            deadline=record.deadline,
         )

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.config import Settings, WebhookSettings
-from app.core.jobs import FINAL_EVENTS, decode_record
+from app.core.jobrecord import JobRecord
+from app.core.jobs import FINAL_EVENTS
 from app.core.jobview import JobPublic
 from app.core.keys import Keys
 from app.webhooks import events as ev
@@ -238,7 +239,7 @@ class Dispatcher:
         raw = self.redis.hgetall(self.keys.job(job_id))
         if not raw:
             return {"id": job_id}
-        return JobPublic.from_record(decode_record(raw)).model_dump(mode="json")
+        return JobPublic.from_record(JobRecord.from_hash(raw)).model_dump(mode="json")
 
     def _send(self, out: list[ev.Outgoing]) -> None:
         for item in out:

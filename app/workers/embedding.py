@@ -124,15 +124,15 @@ class EmbeddingStage:
             return None
         # A job cancelled since it started here has lost its texts: it leaves the batch, alone.
         held = [
-            (j, r["input"])
-            for j, r in zip(started, self.jobs.get_many(started, "input"), strict=True)
-            if "input" in r
+            (j, r.input)
+            for j, r in zip(started, self.jobs.get_many(started), strict=True)
+            if r is not None and r.input is not None
         ]
         if not held:
             return None
         started = [j for j, _ in held]
         self.jobs.progressed(started, time.time())  # the monitor's stall clock restarts
-        texts: list[list[str]] = [json.loads(text) for _, text in held]
+        texts: list[list[str]] = [list(text) for _, text in held]
         input_ids, attention_mask = tokenize(self.tokenizer, [t for job in texts for t in job])  # [B, S]
         rows = [len(job) for job in texts]
         counts = attention_mask.sum(dim=1).split(rows)

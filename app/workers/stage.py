@@ -14,7 +14,6 @@ record per batch), and the last stage's per-token rules are `app.workers.decode`
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import torch
 from app.core import metrics
 from app.core.errors import ConveyorError, InvalidRequest
 from app.core.grammar import Grammar
-from app.core.jobrecord import JobRequest
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, Keys
@@ -180,7 +179,7 @@ class StageRuntime:
             if not seq_ids:
                 return msg, Prefill(None, self.partition, [], None, torch.zeros(0, 0)), torch.zeros(0)
             self.jobs.progressed(seq_ids, time.time())
-            records = self.jobs.get_many(seq_ids, "prompt_ids", "attempts")
+            records = self.jobs.get_many(seq_ids)
             prompts = [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)]
             x, mask = left_pad(prompts, self.pad_id)
         else:
@@ -201,30 +200,33 @@ class StageRuntime:
             metrics.PREFIX_CACHE_BYTES.labels(*labels).set(prefill.cache.nbytes)
         return out
 
-    def _input_ids(self, job_id: str, record: dict[str, str]) -> list[int]:
+    def _input_ids(self, job_id: str, record: JobRecord | None) -> list[int]:
         """The prompt; for a recovered job, the prompt and the tokens it had already streamed."""
-        ids: list[int] = json.loads(record["prompt_ids"])
-        if int(record.get("attempts", "0")):
+        if record is None or record.prompt_ids is None:
+            raise ValueError(f"job {job_id} has no prompt (its record expired, or it ended)")
+        ids = list(record.prompt_ids)
+        if record.attempts:
             ids += self.outcomes.emitted(job_id)
         return ids
 
-    def _load_sequences(self, batch_id: str, job_ids: list[str]) -> dict[str, Sequence]:
-        """The batch's sequences. A job whose stored request cannot be run (sampling values out of
-        bounds, a broken record) fails alone and is left out: `_sample` skips its row."""
+    def _load_sequences(
+        self, batch_id: str, job_ids: list[str], records: list[JobRecord | None] | None = None
+    ) -> dict[str, Sequence]:
+        """The batch's sequences, from their records (read here unless given). A job whose request
+        cannot be run (sampling values out of bounds, a broken record) fails alone: `_sample` skips it."""
         sequences = {}
-        records = self.jobs.get_many(job_ids, "request", "attempts", "created_at", "priority")
+        records = self.jobs.get_many(job_ids) if records is None else records
         for job_id, record in zip(job_ids, records, strict=True):
             try:
                 sequences[job_id] = self._sequence(batch_id, job_id, record)
             except Exception as exc:  # this job's error boundary: the rest of the batch goes on
                 self._fail_row(job_id, exc)
-        repeating = [j for j, s in sequences.items() if s.params.repetition_penalty != 1.0]
-        for job_id, prompt in zip(repeating, self.jobs.get_many(repeating, "prompt_ids"), strict=True):
-            sequences[job_id].prompt_ids = tuple(json.loads(prompt.get("prompt_ids") or "[]"))
         return sequences
 
-    def _sequence(self, batch_id: str, job_id: str, record: dict[str, str]) -> Sequence:
-        request = JobRequest.from_json(record["request"])
+    def _sequence(self, batch_id: str, job_id: str, record: JobRecord | None) -> Sequence:
+        if record is None or record.request is None:
+            raise InvalidRequest(f"job {job_id} has no request (expired, or not a generation job)")
+        request = record.request
         params = request.sampling
         problem = params.problem()
         if problem is not None:
@@ -240,11 +242,12 @@ class StageRuntime:
             ),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
-            created_at=float(record["created_at"]) if record.get("created_at") else None,
-            priority=record.get("priority") or "normal",
+            created_at=record.created_at,
+            priority=record.priority,
             grammar=self._grammar(request.grammar),
+            prompt_ids=(record.prompt_ids or ()) if params.repetition_penalty != 1.0 else (),
         )
-        if int(record.get("attempts", "0")):  # recovered: carry on from what was streamed
+        if record.attempts:  # recovered: carry on from what was streamed
             for token in self.outcomes.emitted(job_id):
                 seq.text.push(token)
                 seq.generated += 1
@@ -461,12 +464,7 @@ class StageRuntime:
         state = running.state if running is not None else None
         owned = {msg.batch_id, *msg.merge} | (state.batch_ids if state is not None else set())
         job_ids = list(dict.fromkeys([*msg.seq_ids, *(state.seq_ids if state is not None else [])]))
-        records = self.jobs.get_many(job_ids, "status", "batch_id") if job_ids else []
-        mine = {
-            job_id: {"batch_id": r["batch_id"], "status": r["status"]}
-            for job_id, r in zip(job_ids, records, strict=True)
-            if r.get("batch_id") in owned and r.get("status") in (JobStatus.SCHEDULED, JobStatus.RUNNING)
-        }
+        mine = self.jobs.held_in(job_ids, owned)
         failed = self.outcomes.fail(
             list(mine),
             code="worker_error",

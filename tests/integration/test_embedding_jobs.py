@@ -141,7 +141,7 @@ class Line:
             self.stages[stage].handle(message)
 
     def status(self, job_id: str) -> str:
-        return self.jobs.get(job_id)["status"]  # type: ignore[index]
+        return self.jobs.get(job_id).status  # type: ignore[union-attr]
 
 
 @pytest.fixture()
@@ -166,8 +166,8 @@ def test_the_batcher_batches_embeddings_jobs_for_the_embedding_pipeline(line: Li
     model = EmbeddingModel.load(MODEL)
     for job_id, texts in zip(job_ids, inputs, strict=True):
         record = line.jobs.get(job_id)
-        assert record is not None and record["status"] == "succeeded"
-        got = torch.tensor(json.loads(record["embedding"]))
+        assert record is not None and record.status == "succeeded"
+        got = torch.tensor(json.loads(record.embedding))
         assert (got - model.encode(texts)).abs().max().item() < 1e-5
     assert line.redis.hlen(line.keys.inflight(EMBEDDING_MODEL)) == 0
     assert line.redis.zcard(line.keys.progress()) == 0
@@ -189,7 +189,7 @@ def test_a_stalled_embeddings_job_is_run_again(line: Line) -> None:
     line.run(0)
     line.run(1)
     record = line.jobs.get(job_id)
-    assert record is not None and record["status"] == "succeeded" and record["attempts"] == "1"
+    assert record is not None and record.status == "succeeded" and record.attempts == 1
     for message in lost:
         line.stages[1].handle(message)
     assert line.status(job_id) == "succeeded"

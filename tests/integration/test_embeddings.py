@@ -14,6 +14,8 @@ import torch
 from conftest import start_stack
 from transformers import AutoTokenizer
 
+from app.core.config import EMBEDDING_MODEL
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus, Transition
 from app.core.jobstore import JobStore, Lifetimes
 from app.core.keys import Keys
@@ -179,8 +181,17 @@ class Stages:
         """A job as the API writes it (queued, with its texts) and, unless `batch_id` is None, as the
         batcher then schedules it into that batch."""
         job_id = uuid.uuid4().hex
-        record = {"id": job_id, "status": "queued", "kind": "embedding", "input": json.dumps(texts)}
-        self.redis.hset(self.keys.job(job_id), mapping=record)
+        record = JobRecord(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            model=EMBEDDING_MODEL,
+            tenant="t",
+            kind="embedding",
+            priority="normal",
+            created_at=time.time(),
+            input=tuple(texts),
+        )
+        self.redis.hset(self.keys.job(job_id), mapping=record.to_hash())
         self.redis.expire(self.keys.job(job_id), 60)
         if batch_id is not None:
             self.jobs.apply([Transition(job_id, JobStatus.SCHEDULED, {"batch_id": batch_id})])
@@ -197,8 +208,8 @@ def test_stages_hand_on_their_plan_and_finish_the_job(redis, worker_plans):  # t
     assert message["plan"] == first.fingerprint == last.fingerprint
     last.handle(message)
     record = stages.jobs.get(job_id)
-    assert record is not None and record["status"] == "succeeded", record
-    got = torch.tensor(json.loads(record["embedding"]))
+    assert record is not None and record.status == "succeeded", record
+    got = torch.tensor(json.loads(record.embedding))
     want = EmbeddingModel.load(MODEL).encode(TEXTS)
     assert (got - want).abs().max().item() < 1e-5
 
@@ -218,9 +229,9 @@ def test_a_batch_of_jobs_is_one_forward_and_each_job_gets_its_own_vectors(redis,
     model = EmbeddingModel.load(MODEL)
     for job_id, texts in zip(job_ids, inputs, strict=True):
         record = stages.jobs.get(job_id)
-        assert record is not None and record["status"] == "succeeded", record
-        assert int(record["prompt_tokens"]) == int(model.tokenize(texts)[1].sum())
-        got = torch.tensor(json.loads(record["embedding"]))
+        assert record is not None and record.status == "succeeded", record
+        assert record.prompt_tokens == int(model.tokenize(texts)[1].sum())
+        got = torch.tensor(json.loads(record.embedding))
         assert got.shape == (len(texts), 384)
         assert (got - model.encode(texts)).abs().max().item() < 1e-5
     assert redis.hlen(stages.keys.inflight("all-MiniLM-L6-v2")) == 0  # the batcher's slot is free
@@ -236,8 +247,8 @@ def test_a_job_cancelled_before_its_batch_starts_leaves_it_alone(redis, worker_p
     ((_, message),) = stages.sent
     assert message["job_ids"] == [kept] and message["rows"] == [3]
     last.handle(message)
-    assert stages.jobs.get(kept)["status"] == "succeeded"  # type: ignore[index]
-    assert stages.jobs.get(cancelled)["status"] == "cancelled"  # type: ignore[index]
+    assert stages.jobs.get(kept).status == "succeeded"  # type: ignore[union-attr]
+    assert stages.jobs.get(cancelled).status == "cancelled"  # type: ignore[union-attr]
 
 
 def test_a_job_of_another_batch_is_not_run_by_this_one(redis, worker_plans):  # type: ignore[no-untyped-def]
@@ -247,10 +258,10 @@ def test_a_job_of_another_batch_is_not_run_by_this_one(redis, worker_plans):  # 
     first, last = (stages.stage(plan, k) for k, plan in enumerate(worker_plans))
     job_id = stages.new_job(TEXTS, batch_id="b-new")
     first.handle(embed_batch("b-old", [job_id]))
-    assert stages.sent == [] and stages.jobs.get(job_id)["status"] == "scheduled"  # type: ignore[index]
+    assert stages.sent == [] and stages.jobs.get(job_id).status == "scheduled"  # type: ignore[union-attr]
     first.handle(embed_batch("b-new", [job_id]))
     last.handle(stages.sent[0][1])
-    assert stages.jobs.get(job_id)["status"] == "succeeded"  # type: ignore[index]
+    assert stages.jobs.get(job_id).status == "succeeded"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("sender", ["another plan", "no plan", "a 3-stage worker"])
@@ -268,12 +279,12 @@ def test_plan_mismatch_fails_the_job(redis, worker_plans, sender):  # type: igno
         last = stages.stage(plan_encoder(worker_plans[1].graph_module, 3), 1)
     last.handle(message)
     record = stages.jobs.get(job_id)
-    assert record is not None and record["status"] == "failed", record
-    error = json.loads(record["error"])
+    assert record is not None and record.status == "failed", record
+    error = record.error
     assert error["code"] == "worker_error"
     assert error["message"].startswith(f"plan mismatch: stage 1 runs plan {last.fingerprint}")
     assert (message.get("plan") or "(none)") in error["message"]
-    assert len(stages.sent) == 1 and "embedding" not in record  # nothing ran, nothing sent on
+    assert len(stages.sent) == 1 and record.embedding is None  # nothing ran, nothing sent on
 
 
 # --- an embeddings request nobody answers --------------------------------------------------------
@@ -309,6 +320,6 @@ def test_an_unanswered_request_is_504_and_its_job_ends_cancelled_not_running(
         first = stages.stage(worker_plans[0], 0)
         job_id = error["details"]["job_id"]
         first.handle(embed_batch("late", [job_id]))  # a batch that names it, taken late
-        assert stages.sent == [] and stages.jobs.get(job_id)["status"] == "cancelled"  # type: ignore[index]
+        assert stages.sent == [] and stages.jobs.get(job_id).status == "cancelled"  # type: ignore[union-attr]
     finally:
         forget_namespace(redis_url, settings.namespace)

@@ -296,6 +296,7 @@ def _record(keys: Keys, redis, job_id: str, events: list[str]) -> None:  # type:
             "id": job_id,
             "status": "succeeded",
             "model": "tiny",
+            "tenant": "t",
             "priority": "normal",
             "text": "Hi!",
             "prompt_tokens": "2",

@@ -9,7 +9,6 @@ Redis as the API writes them and never run (no worker), so their streams stay op
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from websockets.sync.client import connect
 
 from app.api.app import create_app
 from app.api.auth import key_digest, new_api_key
+from app.core.jobrecord import JobRequest
 from app.core.keys import Keys
 from tests.conftest import free_port
 from tests.tinyapi import forget_namespace, tiny_settings
@@ -62,7 +62,7 @@ def queued_job(redis_url: str, keys: Keys, tenant: str) -> str:
     record = {"id": job_id, "status": "queued", "model": "tiny", "tenant": tenant, "priority": "normal"}
     record |= {
         "created_at": repr(time.time()),
-        "request": json.dumps({"max_tokens": 4}),
+        "request": JobRequest(max_tokens=4).to_json(),
         "prompt_tokens": "3",
     }
     redis_lib.Redis.from_url(redis_url).hset(keys.job(job_id), mapping=record)

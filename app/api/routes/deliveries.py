@@ -45,7 +45,7 @@ async def job_deliveries(
     record = await jobs.get(job_id, tenant=tenant)  # 404 job_not_found: unknown, expired or not yours
     audit.note_job(request, record)
     raw = await jobs.redis.lrange(jobs.keys.webhook_deliveries(job_id), 0, -1)
-    url = record.get("callback_url") or None
+    url = record.callback_url or None
     disabled_key = jobs.keys.webhook_disabled(disabled_digest(tenant, url or ""))
     disabled = bool(url) and bool(await jobs.redis.exists(disabled_key))
     return DeliveryLog(

@@ -89,10 +89,10 @@ async def embeddings(
     """Unit-length 384-dimensional vectors, in the order of `input` (OpenAI's response shape)."""
     vectors, record = await jobs.embed(body.texts(), body.model, tenant=tenant)
     audit.note_job(request, record)
-    tokens = int(record.get("prompt_tokens", 0))
+    tokens = record.prompt_tokens or 0
     encode = as_base64 if body.encoding_format == "base64" else list
     return EmbeddingsPublic(
-        model=record["model"],
+        model=record.model,
         data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
         usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens),
     )

@@ -16,7 +16,7 @@ from app.api.service import JobService
 from app.core import aio
 from app.core.config import Settings
 from app.core.errors import SyncTimeout
-from app.core.jobs import JobStatus
+from app.core.jobrecord import JobRecord
 from app.core.jobview import JobPublic
 
 router = APIRouter(tags=["inference"])
@@ -45,7 +45,7 @@ async def inference(
     job = JobCreate.model_validate(body.model_dump(exclude={"stream"}))
     slot = jobs.streams.take(tenant) if body.stream else None  # refused before a job is made
     submitted = await jobs.submit(job, tenant=tenant, idempotency_key=idempotency_key)
-    job_id = submitted.record["id"]
+    job_id = submitted.record.id
     if slot is not None:
         stream = event_stream(
             jobs,
@@ -63,7 +63,7 @@ async def inference(
     if record is None:
         return Response(status_code=CLIENT_CLOSED)
     audit.note_job(request, record)
-    if not JobStatus(record["status"]).is_finished:
+    if not record.status.is_finished:
         raise SyncTimeout(
             f"job {job_id} did not finish within {jobs.sync_timeout_s:g} s; poll /v1/jobs/{job_id}",
             job_id=job_id,
@@ -71,7 +71,7 @@ async def inference(
     return JobPublic.from_record(record)
 
 
-async def wait_unless_gone(request: Request, jobs: JobService, job_id: str) -> dict[str, str] | None:
+async def wait_unless_gone(request: Request, jobs: JobService, job_id: str) -> JobRecord | None:
     """The job's record once it ends (or at the sync timeout); None when the client went away first,
     which cancels the job."""
     waiter = asyncio.ensure_future(jobs.wait(job_id, jobs.sync_timeout_s))

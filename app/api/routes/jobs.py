@@ -19,6 +19,7 @@ from app.api.service import JobService, Submitted
 from app.api.streams import SSE_PING_S, Slot
 from app.core.config import Settings
 from app.core.errors import InvalidRequest
+from app.core.jobrecord import JobRecord
 from app.core.jobview import JobPublic
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -68,13 +69,13 @@ IDEMPOTENCY_KEY = Header(
 )
 
 
-def accepted(request: Request, record: dict[str, str]) -> JobAccepted:
-    job_id = record["id"]
+def accepted(request: Request, record: JobRecord) -> JobAccepted:
+    job_id = record.id
     return JobAccepted(
         id=job_id,
-        status=record["status"],
-        model=record.get("model"),
-        route=record.get("route") or None,
+        status=str(record.status),
+        model=record.model,
+        route=record.route or None,
         urls=JobUrls(
             self=str(request.url_for("get_job", job_id=job_id)),
             events=str(request.url_for("job_events", job_id=job_id)),

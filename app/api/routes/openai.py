@@ -51,6 +51,7 @@ from app.api.toolformats import ToolFormat
 from app.core import routing
 from app.core.config import Settings
 from app.core.errors import InvalidRequest, ModelNotFound
+from app.core.jobrecord import JobRecord
 
 __all__ = ["DONE", "ChatReply", "CompletionReply", "JobCancelled", "JobExpired", "Reply", "router"]
 
@@ -202,7 +203,7 @@ async def _answer(
     replies = [
         _reply(body, reply_type, jobs, s.record, c, tool_format) for s, c in zip(made, choices, strict=True)
     ]
-    job_ids = [s.record["id"] for s in made]
+    job_ids = [s.record.id for s in made]
     if slot is not None:
         answer = stream(
             jobs,
@@ -224,7 +225,7 @@ async def _answer(
     answers = []
     for reply, record in zip(replies, records, strict=True):
         read = reply.logprobs is not None or reply.token_ids
-        tokens, prompt = await events_of(jobs, record["id"]) if read else ([], None)
+        tokens, prompt = await events_of(jobs, record.id) if read else ([], None)
         answers.append(reply.whole(record, tokens, prompt))
     return merged(answers, replies, records, body.n or 1)
 
@@ -250,13 +251,13 @@ def _reply(
     body: OpenAIRequest,
     reply_type: type[Reply],
     jobs: JobService,
-    record: dict[str, str],
+    record: JobRecord,
     choice: Choice,
     tool_format: ToolFormat | None,
 ) -> Reply:
     """How one choice answers: its index, its logprobs named by the model's tokenizer (loaded by the
     submit), echo's prompt text (a token-id prompt's decoded)."""
-    model = jobs.catalog.cached(record["model"])
+    model = jobs.catalog.cached(record.model)
     tokenizer = model.tokenizer if model is not None else None
     logprobs = None
     if choice.job.logprobs is not None:

@@ -116,8 +116,9 @@ class EngineRuntime(StageRuntime):
             self.outcomes.batch_done(msg.model, msg.batch_id)
             return
         self.jobs.progressed(job_ids, time.time())
-        sequences = self._load_sequences(msg.batch_id, job_ids)  # a broken request fails alone
-        records = dict(zip(job_ids, self.jobs.get_many(job_ids, "prompt_ids", "attempts"), strict=True))
+        read = self.jobs.get_many(job_ids)
+        sequences = self._load_sequences(msg.batch_id, job_ids, read)  # a broken request fails alone
+        records = dict(zip(job_ids, read, strict=True))
         waiting = set()
         for job_id, seq in sequences.items():
             asks = echo.asked({job_id: seq})
