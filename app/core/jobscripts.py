@@ -37,8 +37,8 @@ def _lua(text: str) -> str:
 # `tenant_waiting` (and of `tenant_waiting_expiry`, scored by when its record expires) exactly while
 # its status is one of `WAITING` (it has an entry in its class's intake stream), because every
 # script that writes a status here adds or removes the member in the same script: the admit script
-# (queued), `transition` (any move: into queued after a dispatch is undone; out of queued or
-# recovering when scheduled, cancelled, expired or failed) and the recovery script (recovering).
+# (queued) and `move` (every move: into queued after a dispatch is undone, into recovering when the
+# monitor re-queues a job; out of queued or recovering when scheduled, cancelled, expired or failed).
 # Adding and removing are idempotent, so the count is the number of members.
 # A member outlives its job only if the record expires while the job waits (no move took it out):
 # the admit script drops those first. A member names its tenant with its length, so that no tenant's
@@ -79,29 +79,37 @@ end
 )
 
 
-# transition(key, o, waiting, expiry): ARGV[o+1..] = target, n, n allowed predecessors, g, g guard
-# field/value pairs (the record must hold these values), then field/value pairs to write; `waiting`
-# and `expiry`: the tenants' waiting sets, kept in step with the move (WAITING_FUNCTION, which a
-# script includes before this). Returns {1, previous} when applied, {0, current-or-empty} when refused.
+# Every status write is a move, and every move is `move` (the admit script writes a new record's
+# first status with the record): move(key, to, from, guard, fields, waiting, expiry) writes status
+# `to` and the field/value list `fields` if the job's status is in the set `from` and its record
+# holds `guard`'s field = value pairs, and keeps the tenants' waiting sets in step (WAITING_FUNCTION,
+# which a script includes before this; `waiting` and `expiry` may be nil for a move that never
+# crosses WAITING). Returns {1, previous} when applied, {0, current-or-empty} when refused.
+#
+# transition(key, o, waiting, expiry): `move` with its arguments from ARGV[o+1..] = target, n, n
+# allowed predecessors, g, g guard field/value pairs, then field/value pairs to write.
 TRANSITION_FUNCTION = """
-local function transition(key, o, waiting, expiry)
+local function move(key, to, from, guard, fields, waiting, expiry)
   local cur = redis.call('HGET', key, 'status')
   if not cur then return {0, ''} end
+  for field, value in pairs(guard) do
+    if redis.call('HGET', key, field) ~= value then return {0, cur} end
+  end
+  if not from[cur] then return {0, cur} end
+  redis.call('HSET', key, 'status', to)
+  if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
+  moved(key, waiting, expiry, cur, to)
+  return {1, cur}
+end
+local function transition(key, o, waiting, expiry)
   local n = tonumber(ARGV[o + 2])
   local g = tonumber(ARGV[o + 3 + n])
   local first = o + 4 + n + 2 * g
-  for i = o + 4 + n, first - 1, 2 do
-    if redis.call('HGET', key, ARGV[i]) ~= ARGV[i + 1] then return {0, cur} end
-  end
-  for i = o + 3, o + 2 + n do
-    if cur == ARGV[i] then
-      redis.call('HSET', key, 'status', ARGV[o + 1])
-      for j = first, #ARGV, 2 do redis.call('HSET', key, ARGV[j], ARGV[j + 1]) end
-      moved(key, waiting, expiry, cur, ARGV[o + 1])
-      return {1, cur}
-    end
-  end
-  return {0, cur}
+  local from, guard, fields = {}, {}, {}
+  for i = o + 3, o + 2 + n do from[ARGV[i]] = true end
+  for i = o + 4 + n, first - 1, 2 do guard[ARGV[i]] = ARGV[i + 1] end
+  for j = first, #ARGV do table.insert(fields, ARGV[j]) end
+  return move(key, ARGV[o + 1], from, guard, fields, waiting, expiry)
 end
 """
 TRANSITION_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + "return transition(KEYS[1], 0, KEYS[2], KEYS[3])"
@@ -166,7 +174,7 @@ return done
 # goes on). Returns the ids of the rows whose job is no longer
 # theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here: this
 # batch's prefill has read it (ENDED_FUNCTION).
-STEP_LUA = ENDED_FUNCTION + _lua(
+STEP_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + ENDED_FUNCTION + _lua(
     """
 local now, maxlen, ttl, announce, ended_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local live, streaming = $LIVE, $STREAMING
@@ -196,7 +204,7 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
     redis.call('HSET', job, 'text', ARGV[a + 5], 'completion_tokens', ARGV[a + 6])
     if ARGV[a + 7] ~= '' then
       -- streaming -> succeeded (the move TRANSITIONS allows), then the final event
-      redis.call('HSET', job, 'status', $SUCCEEDED, $SUCCEEDED_AT, now, 'finish_reason', ARGV[a + 7])
+      move(job, $SUCCEEDED, streaming, {}, {$SUCCEEDED_AT, now, 'finish_reason', ARGV[a + 7]}, nil, nil)
       redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', $SUCCEEDED_EVENT, 'data', '{}')
       ended(job, events, ended_ttl, '')
       redis.call('ZREM', KEYS[1], id)
@@ -219,6 +227,7 @@ return gone
 # batch read them long ago); returns the new status or ''.
 RECOVER_LUA = (
     WAITING_FUNCTION
+    + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + _lua(
         """
@@ -232,14 +241,14 @@ if not recoverable[rec[1]] then return '' end
 if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
 local attempts = tonumber(rec[2] or '0') + 1
 if attempts >= tonumber(ARGV[3]) then
-  redis.call('HSET', KEYS[2], 'status', $FAILED, $FAILED_AT, ARGV[4], 'attempts', attempts,
-             'error', ARGV[8])
+  move(KEYS[2], $FAILED, recoverable, {}, {$FAILED_AT, ARGV[4], 'attempts', attempts, 'error', ARGV[8]},
+       KEYS[6], KEYS[7])
   redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', $FAILED_EVENT, 'data', ARGV[8])
   ended(KEYS[2], KEYS[3], ARGV[6], '')
   redis.call('PUBLISH', ARGV[7], $FAILED_EVENT)
   return $FAILED
 end
-redis.call('HSET', KEYS[2], 'status', $RECOVERING, $RECOVERING_AT, ARGV[4], 'attempts', attempts)
+move(KEYS[2], $RECOVERING, recoverable, {}, {$RECOVERING_AT, ARGV[4], 'attempts', attempts}, KEYS[6], KEYS[7])
 -- Where the stream picks up: the next token's index. A client that saw tokens up to index-1 knows
 -- what follows is a continuation, not a replay (a seeded job draws exactly what it would have).
 local resumed = '{"index":' .. tonumber(rec[4] or '0') .. ',"attempt":' .. attempts .. '}'
@@ -250,7 +259,6 @@ for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
 table.insert(entry, 'attempts')
 table.insert(entry, tostring(attempts))
 redis.call('XADD', KEYS[4], '*', unpack(entry))
-waits(KEYS[2], KEYS[6], KEYS[7], true)
 return $RECOVERING
 """
     )
