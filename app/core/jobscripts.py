@@ -174,8 +174,12 @@ return done
 # goes on). Returns the ids of the rows whose job is no longer
 # theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here: this
 # batch's prefill has read it (ENDED_FUNCTION).
-STEP_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + ENDED_FUNCTION + _lua(
-    """
+STEP_LUA = (
+    WAITING_FUNCTION
+    + TRANSITION_FUNCTION
+    + ENDED_FUNCTION
+    + _lua(
+        """
 local now, maxlen, ttl, announce, ended_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local live, streaming = $LIVE, $STREAMING
 local gone = {}
@@ -216,6 +220,7 @@ for r = 0, (#KEYS - 1) / 2 - 1 do
 end
 return gone
 """
+    )
 )
 
 # The monitor's move of one stalled job.
