@@ -121,11 +121,12 @@ class StageRuntime:
             msg = msg.forward(tensors=self.claims.get_all(msg.tensors))
         prefill: Prefill | None = None
         if msg.kind == "prefill":
-            msg, prefill, x = self._begin(msg)
+            msg, prefill, x, records = self._begin(msg)  # records: stage 0's, read for the prompts
             if not msg.seq_ids:
                 self._end_batch(msg)
                 return
-            sequences = self._load_sequences(msg.batch_id, msg.seq_ids) if self.partition.is_last else None
+            last = self.partition.is_last
+            sequences = self._load_sequences(msg.batch_id, msg.seq_ids, records) if last else None
             keep = echo.asked(sequences or {})  # then every prompt column is computed here, and read
             state, x = prefill.start(x, whole=keep)
             state.keep_hidden, routes = keep, msg.routes if sequences is not None else None
@@ -164,31 +165,32 @@ class StageRuntime:
             busy += time.perf_counter() - started
             yield  # between two layers: the compute thread may run urgent work for other batches
 
-    def _begin(self, msg: StepMessage) -> tuple[StepMessage, Prefill, torch.Tensor]:
+    def _begin(
+        self, msg: StepMessage
+    ) -> tuple[StepMessage, Prefill, torch.Tensor, list[JobRecord | None] | None]:
         """Prefill: the batch's rows as this stage receives them (its whole prompts: token ids on
         stage 0, hidden states on the others), and what its prefix cache has of them."""
         routes = list(msg.routes) or [None] * msg.num_stages
         routes[self.identity.stage] = self.identity.lane
         if self.partition.is_first:
-            # A job cancelled meanwhile, or rescheduled into another batch (this message being a
-            # late redelivery), drops out.
+            # A job cancelled meanwhile, or rescheduled into another batch (a late redelivery), drops out.
             moves = [Transition(j, JobStatus.RUNNING, when={"batch_id": msg.batch_id}) for j in msg.seq_ids]
             started = set(self.jobs.apply(moves, strict=False))
             seq_ids = [j for j in msg.seq_ids if j in started]
             msg = msg.forward(seq_ids=seq_ids, routes=routes)
             if not seq_ids:
-                return msg, Prefill(None, self.partition, [], None, torch.zeros(0, 0)), torch.zeros(0)
+                return msg, Prefill(None, self.partition, [], None, torch.zeros(0, 0)), torch.zeros(0), None
             self.jobs.progressed(seq_ids, time.time())
             records = self.jobs.get_many(seq_ids)
             prompts = [self._input_ids(j, r) for j, r in zip(seq_ids, records, strict=True)]
             x, mask = left_pad(prompts, self.pad_id)
         else:
-            msg = msg.forward(routes=routes)
+            msg, records = msg.forward(routes=routes), None
             x = decode_tensor(msg.tensors["hidden"]).to(self.partition.hidden_dtype)
             mask = decode_tensor(msg.tensors["attention_mask"]).long()
             ids = decode_tensor(msg.tensors["input_ids"])  # the prompts' ids come with the hidden states
             prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
-        return msg, Prefill(self.prefixes, self.partition, msg.seq_ids, prompts, mask), x
+        return msg, Prefill(self.prefixes, self.partition, msg.seq_ids, prompts, mask), x, records
 
     def _prefilled(self, prefill: Prefill, state: BatchState, out: torch.Tensor) -> torch.Tensor:
         """The prefill's output over whole prompts; its new prefixes stored, its reuse counted."""
