@@ -5,7 +5,9 @@ GGUF model to a Hugging Face directory. `app/core/registry.py` (`conveyor model 
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -131,8 +133,9 @@ def convert_gguf(directory: Path, gguf_file: str, out: Path) -> None:
     """Dequantize a GGUF file to fp32 and save it as a Hugging Face directory (safetensors + tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model: Any = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
+    with _one_parse():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        model: Any = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
     # The weights are already dequantized to fp32, but transformers refuses to save a model that
     # still names its GGUF quantizer.
     model.hf_quantizer = None
@@ -140,3 +143,37 @@ def convert_gguf(directory: Path, gguf_file: str, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _one_parse() -> Iterator[None]:
+    """transformers opens a GGUF file three times (its config, its tokenizer, its weights), and
+    `gguf.GGUFReader` walks the file as a `numpy.memmap`, whose slicing costs microseconds per item:
+    a 262k-token vocabulary took about 20 s a parse. Inside this block each file is parsed once, over
+    a plain array view of the same mapping (the same bytes, without the memmap subclass)."""
+    import gguf
+    import numpy as np
+
+    upstream = gguf.GGUFReader
+    parsed: dict[str, Any] = {}
+
+    class Reader(upstream):  # type: ignore[misc, valid-type]
+        @property
+        def data(self) -> Any:
+            return self.__dict__["data"]
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self.__dict__["data"] = value.view(np.ndarray)
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in parsed:
+            parsed[key] = Reader(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader = reader  # type: ignore[misc, assignment]  # transformers imports it per call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = upstream  # type: ignore[misc]

@@ -43,7 +43,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="session")
 def gemma_dir() -> Path:
-    """Gemma 3 270M, added into the project's .conveyor/models once (about a minute), as the CLI does."""
+    """Gemma 3 270M, added into the project's .conveyor/models once (about 40 s), as the CLI does."""
     settings = Settings(home=ROOT / ".conveyor")
     path = settings.model_path(GEMMA)
     if path is None:
