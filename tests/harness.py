@@ -115,6 +115,7 @@ class Harness:
     url: str = ""
     threads: list[threading.Thread] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
+    gate: threading.Lock = field(default_factory=threading.Lock)  # closed by `held()`
     bus: Bus = field(default_factory=Bus)
     batcher: Any = None
     runtimes: dict[tuple[str, int, int], Any] = field(default_factory=dict)  # (model, stage, replica)
@@ -147,6 +148,13 @@ class Harness:
         """One round of the batcher (with `batcher="tick"`)."""
         self.batcher.tick()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The batcher's loop takes no round inside this block (it finishes the one it is in): jobs
+        submitted in it reach the batcher's next round together, however slowly they were submitted."""
+        with self.gate:
+            yield
+
     # --- start -------------------------------------------------------------------------------------
 
     def start(
@@ -174,7 +182,14 @@ class Harness:
             self.bus.put(message, queue)
 
         self.batcher = Batcher(self.settings.batcher, redis=redis, send=send, max_block_ms=100)
-        if run:
+        if run:  # each round passes `gate`
+            tick = self.batcher.tick
+
+            def gated_tick() -> None:
+                with self.gate:
+                    tick()
+
+            self.batcher.tick = gated_tick
             self._thread("batcher", self.batcher.run, self.stopping)
         else:
             intake.ensure_groups(redis, self.batcher.keys)
