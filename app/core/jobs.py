@@ -83,15 +83,16 @@ class Transition:
     # The move applies only while the record holds these values (e.g. the batch a worker serves).
     when: Mapping[str, str] = field(default_factory=dict)
 
-    def script_args(self, now: float) -> list[str]:
-        allowed = predecessors(self.target)
+    def script_move(self, now: float) -> dict[str, Any]:
+        """The move as the scripts' `transition` takes it (app/core/jobscripts.py): the target, the
+        statuses it may leave, the guard, and the fields it writes (its timestamp first)."""
         writes: dict[str, Any] = {TIMESTAMP_FIELD[self.target]: now, **self.fields}
-        args = [str(self.target), str(len(allowed)), *allowed, str(len(self.when))]
-        for name, value in self.when.items():
-            args += [name, value]
-        for name, value in writes.items():
-            args += [name, encode_field(value)]
-        return args
+        return {
+            "to": str(self.target),
+            "from": predecessors(self.target),
+            "guard": dict(self.when),
+            "fields": [x for name, value in writes.items() for x in (name, encode_field(value))],
+        }
 
 
 def check_result(transition: Transition, result: list[Any], *, strict: bool) -> bool:

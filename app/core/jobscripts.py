@@ -1,12 +1,17 @@
 """The job store's Lua scripts (app/core/jobstore.py runs them; no other module may register them:
 tests/unit/test_job_writes.py). The states a script may move a job from, and the names of statuses,
 timestamps and final events, are filled in from the lifecycle's table (app/core/jobs.py), never
-written by hand."""
+written by hand.
+
+Every script takes its keys by name and its arguments as one object (`script_call`): `K.job`,
+`K.events`, `A.maxlen`, `A.move.to`, never a position computed from counts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from string import Template
+from typing import Any
 
 from app.core.jobs import FINAL_EVENT, TIMESTAMP_FIELD, WAITING, JobStatus, predecessors
 
@@ -31,6 +36,45 @@ def _lua(text: str) -> str:
     names["RECOVERABLE"] = _lua_set(set(predecessors(S.RECOVERING)) & set(predecessors(S.FAILED)))
     names["WAITING"] = _lua_set(str(s) for s in WAITING)
     return Template(text).substitute(names)
+
+
+def script_call(
+    keys: Mapping[str, str | Sequence[str] | None], args: Mapping[str, Any]
+) -> tuple[list[str], list[str]]:
+    """A script's KEYS and ARGV from its keys by name (one key, a list of keys, or None for one it is
+    not given) and its arguments by name: ARGV is one JSON object, the arguments and the keys' places,
+    which ARGUMENTS turns back into the tables `A` and `K`. The arguments hold no None (JSON's null is
+    not Lua's nil): an argument a call has no value for is left out."""
+    flat: list[str] = []
+    places: list[tuple[str, int, int]] = []  # name, first index, count (-1: one key, not a list)
+    for name, value in keys.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            places.append((name, len(flat) + 1, -1))
+            flat.append(value)
+        else:
+            places.append((name, len(flat) + 1, len(value)))
+            flat.extend(value)
+    return flat, [json.dumps({**args, "keys": places}, separators=(",", ":"), ensure_ascii=False)]
+
+
+# A: the arguments, K: the keys by name (a list of keys for a name given a list), as `script_call`
+# sent them. Every script starts with it.
+ARGUMENTS = """
+local A = cjson.decode(ARGV[1])
+local K = {}
+for _, place in ipairs(A.keys) do
+  local name, first, count = place[1], place[2], place[3]
+  if count < 0 then
+    K[name] = KEYS[first]
+  else
+    local list = {}
+    for i = first, first + count - 1 do list[#list + 1] = KEYS[i] end
+    K[name] = list
+  end
+end
+"""
 
 
 # The tenants' waiting jobs (admission's tenant share, app/core/admission.py): a job is a member of
@@ -86,8 +130,8 @@ end
 # which a script includes before this; `waiting` and `expiry` may be nil for a move that never
 # crosses WAITING). Returns {1, previous} when applied, {0, current-or-empty} when refused.
 #
-# transition(key, o, waiting, expiry): `move` with its arguments from ARGV[o+1..] = target, n, n
-# allowed predecessors, g, g guard field/value pairs, then field/value pairs to write.
+# transition(key, m, waiting, expiry): `move` with a requested move as `Transition.script_move`
+# writes it: m.to, m.from (a list of statuses), m.guard (field -> value), m.fields (field/value list).
 TRANSITION_FUNCTION = """
 local function move(key, to, from, guard, fields, waiting, expiry)
   local cur = redis.call('HGET', key, 'status')
@@ -101,18 +145,19 @@ local function move(key, to, from, guard, fields, waiting, expiry)
   moved(key, waiting, expiry, cur, to)
   return {1, cur}
 end
-local function transition(key, o, waiting, expiry)
-  local n = tonumber(ARGV[o + 2])
-  local g = tonumber(ARGV[o + 3 + n])
-  local first = o + 4 + n + 2 * g
-  local from, guard, fields = {}, {}, {}
-  for i = o + 3, o + 2 + n do from[ARGV[i]] = true end
-  for i = o + 4 + n, first - 1, 2 do guard[ARGV[i]] = ARGV[i + 1] end
-  for j = first, #ARGV do table.insert(fields, ARGV[j]) end
-  return move(key, ARGV[o + 1], from, guard, fields, waiting, expiry)
+local function transition(key, m, waiting, expiry)
+  local from = {}
+  for _, status in ipairs(m.from) do from[status] = true end
+  return move(key, m.to, from, m.guard, m.fields, waiting, expiry)
 end
 """
-TRANSITION_LUA = WAITING_FUNCTION + TRANSITION_FUNCTION + "return transition(KEYS[1], 0, KEYS[2], KEYS[3])"
+# One requested move. K: job, waiting, expiry (the tenants' waiting sets). A.move: the move.
+TRANSITION_LUA = (
+    ARGUMENTS
+    + WAITING_FUNCTION
+    + TRANSITION_FUNCTION
+    + "return transition(K.job, A.move, K.waiting, K.expiry)"
+)
 
 # What a job keeps once it has ended. Its inputs (the prompt's token ids, tens of KB for a long
 # prompt; an embeddings request's texts, up to a MB) go: nothing runs it again. Its record and
@@ -146,75 +191,74 @@ end
 """
 )
 
-# A job's final move and its final event, together or not at all. KEYS = job hash, event stream,
-# progress set, the tenants' waiting sets (2). ARGV[1..7] = event, data, stream maxlen, ended ttl
-# (record and stream), announce channel, job id, read ('1': the caller is the worker that has read
-# the job's inputs, so they go whatever state it left); then the transition's arguments (above).
+# A job's final move and its final event, together or not at all. K: job, events (its stream),
+# progress, waiting, expiry. A: event and data (the final event), maxlen (the stream's), ttl (the
+# ended record's and stream's), announce (the channel), id, read (true: the caller is the worker that
+# has read the job's inputs, so they go whatever state it left), move (the transition, above).
 # Returns the transition's result.
 END_LUA = (
-    WAITING_FUNCTION
+    ARGUMENTS
+    + WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + """
-local done = transition(KEYS[1], 7, KEYS[4], KEYS[5])
+local done = transition(K.job, A.move, K.waiting, K.expiry)
 if done[1] == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', 'event', ARGV[1], 'data', ARGV[2])
-  ended(KEYS[1], KEYS[2], ARGV[4], ARGV[7] == '1' and '' or done[2])
-  redis.call('ZREM', KEYS[3], ARGV[6])
-  redis.call('PUBLISH', ARGV[5], ARGV[1])
+  redis.call('XADD', K.events, 'MAXLEN', A.maxlen, '*', 'event', A.event, 'data', A.data)
+  ended(K.job, K.events, A.ttl, A.read and '' or done[2])
+  redis.call('ZREM', K.progress, A.id)
+  redis.call('PUBLISH', A.announce, A.event)
 end
 return done
 """
 )
 
-# One decode step. KEYS[1] = the progress sorted set; then, per row, the job hash and its event
-# stream. ARGV[1..5] = now, stream maxlen, stream ttl, announce channel prefix, ended ttl; then 8
-# values per row: job id, batch id, emit (0/1; 2: a `prompt` event of this data, before the job's
-# own row), index, token event data, completion text, completion tokens, finish reason ('' while it
-# goes on). Returns the ids of the rows whose job is no longer
-# theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here: this
-# batch's prefill has read it (ENDED_FUNCTION).
+# One decode step. K: progress, and per row its job's hash and event stream (K.jobs[r],
+# K.events[r]). A: now, maxlen (the streams'), ttl (a live stream's), announce (the channels'
+# prefix), ended_ttl, rows: per row id, batch, emit (0/1; 2: a `prompt` event of this data, before
+# the job's own row), index, data (the token event's), text (the completion so far), tokens (its
+# count), finish (its finish reason; '' while it goes on). Returns the ids of the rows whose job is
+# no longer theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here:
+# this batch's prefill has read it (ENDED_FUNCTION).
 STEP_LUA = (
-    WAITING_FUNCTION
+    ARGUMENTS
+    + WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + _lua(
         """
-local now, maxlen, ttl, announce, ended_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local live, streaming = $LIVE, $STREAMING
 local gone = {}
-for r = 0, (#KEYS - 1) / 2 - 1 do
-  local job, events = KEYS[2 + 2 * r], KEYS[3 + 2 * r]
-  local a = 6 + 8 * r
-  local id, batch, emit, index = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+for r, row in ipairs(A.rows) do
+  local job, events = K.jobs[r], K.events[r]
   local rec = redis.call('HMGET', job, 'status', 'batch_id')
-  if not streaming[rec[1]] or rec[2] ~= batch then
-    table.insert(gone, id)
-    if rec[1] and rec[2] == batch and not live[rec[1]] then  -- it ended in this batch
+  if not streaming[rec[1]] or rec[2] ~= row.batch then
+    table.insert(gone, row.id)
+    if rec[1] and rec[2] == row.batch and not live[rec[1]] then  -- it ended in this batch
       redis.call('HDEL', job, 'prompt_ids')
     end
-  elseif emit == '2' then  -- the prompt's log probabilities (echo), before its first token
-    redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'prompt', 'data', ARGV[a + 4])
-    redis.call('EXPIRE', events, ttl)
+  elseif row.emit == 2 then  -- the prompt's log probabilities (echo), before its first token
+    redis.call('XADD', events, 'MAXLEN', A.maxlen, '*', 'event', 'prompt', 'data', row.data)
+    redis.call('EXPIRE', events, A.ttl)
   else
-    if emit == '1' then
-      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', 'token', 'data', ARGV[a + 4])
-      if index == '0' then
-        redis.call('EXPIRE', events, ttl)
-        redis.call('HSET', job, 'first_token_at', now)
+    if row.emit == 1 then
+      redis.call('XADD', events, 'MAXLEN', A.maxlen, '*', 'event', 'token', 'data', row.data)
+      if row.index == 0 then
+        redis.call('EXPIRE', events, A.ttl)
+        redis.call('HSET', job, 'first_token_at', A.now)
       end
-      redis.call('PUBLISH', announce .. id, 'token')
+      redis.call('PUBLISH', A.announce .. row.id, 'token')
     end
-    redis.call('HSET', job, 'text', ARGV[a + 5], 'completion_tokens', ARGV[a + 6])
-    if ARGV[a + 7] ~= '' then
+    redis.call('HSET', job, 'text', row.text, 'completion_tokens', row.tokens)
+    if row.finish ~= '' then
       -- streaming -> succeeded (the move TRANSITIONS allows), then the final event
-      move(job, $SUCCEEDED, streaming, {}, {$SUCCEEDED_AT, now, 'finish_reason', ARGV[a + 7]}, nil, nil)
-      redis.call('XADD', events, 'MAXLEN', maxlen, '*', 'event', $SUCCEEDED_EVENT, 'data', '{}')
-      ended(job, events, ended_ttl, '')
-      redis.call('ZREM', KEYS[1], id)
-      redis.call('PUBLISH', announce .. id, $SUCCEEDED_EVENT)
+      move(job, $SUCCEEDED, streaming, {}, {$SUCCEEDED_AT, A.now, 'finish_reason', row.finish}, nil, nil)
+      redis.call('XADD', events, 'MAXLEN', A.maxlen, '*', 'event', $SUCCEEDED_EVENT, 'data', '{}')
+      ended(job, events, A.ended_ttl, '')
+      redis.call('ZREM', K.progress, row.id)
+      redis.call('PUBLISH', A.announce .. row.id, $SUCCEEDED_EVENT)
     else
-      redis.call('ZADD', KEYS[1], now, id)
+      redis.call('ZADD', K.progress, A.now, row.id)
     end
   end
 end
@@ -223,47 +267,45 @@ return gone
     )
 )
 
-# The monitor's move of one stalled job.
-# KEYS = progress set, job hash, event stream, intake stream of its class, in-flight hash of its model,
-# the tenants' waiting sets (2).
-# ARGV = job id, stalled-before (unix), max attempts, now, stream maxlen, ended ttl, announce
-# channel, error JSON, then the intake entry's field/value pairs.
+# The monitor's move of one stalled job. K: progress, job, events, intake (its class's stream),
+# inflight (its model's batch record), waiting, expiry. A: id, stalled_before (unix), max_attempts,
+# now, maxlen, ttl (the ended record's), announce, error (JSON), entry (the intake entry's
+# field/value list).
 # Moves a recoverable job to recovering (re-queued) or to failed (its inputs dropped: a stalled
 # batch read them long ago); returns the new status or ''.
 RECOVER_LUA = (
-    WAITING_FUNCTION
+    ARGUMENTS
+    + WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + _lua(
         """
-local job = ARGV[1]
-local score = redis.call('ZSCORE', KEYS[1], job)
-if not score or tonumber(score) > tonumber(ARGV[2]) then return '' end
-redis.call('ZREM', KEYS[1], job)
-local rec = redis.call('HMGET', KEYS[2], 'status', 'attempts', 'batch_id', 'completion_tokens')
+local score = redis.call('ZSCORE', K.progress, A.id)
+if not score or tonumber(score) > tonumber(A.stalled_before) then return '' end
+redis.call('ZREM', K.progress, A.id)
+local rec = redis.call('HMGET', K.job, 'status', 'attempts', 'batch_id', 'completion_tokens')
 local recoverable = $RECOVERABLE
 if not recoverable[rec[1]] then return '' end
-if rec[3] then redis.call('HDEL', KEYS[5], rec[3]) end
+if rec[3] then redis.call('HDEL', K.inflight, rec[3]) end
 local attempts = tonumber(rec[2] or '0') + 1
-if attempts >= tonumber(ARGV[3]) then
-  move(KEYS[2], $FAILED, recoverable, {}, {$FAILED_AT, ARGV[4], 'attempts', attempts, 'error', ARGV[8]},
-       KEYS[6], KEYS[7])
-  redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', $FAILED_EVENT, 'data', ARGV[8])
-  ended(KEYS[2], KEYS[3], ARGV[6], '')
-  redis.call('PUBLISH', ARGV[7], $FAILED_EVENT)
+if attempts >= A.max_attempts then
+  move(K.job, $FAILED, recoverable, {}, {$FAILED_AT, A.now, 'attempts', attempts, 'error', A.error},
+       K.waiting, K.expiry)
+  redis.call('XADD', K.events, 'MAXLEN', A.maxlen, '*', 'event', $FAILED_EVENT, 'data', A.error)
+  ended(K.job, K.events, A.ttl, '')
+  redis.call('PUBLISH', A.announce, $FAILED_EVENT)
   return $FAILED
 end
-move(KEYS[2], $RECOVERING, recoverable, {}, {$RECOVERING_AT, ARGV[4], 'attempts', attempts}, KEYS[6], KEYS[7])
+move(K.job, $RECOVERING, recoverable, {}, {$RECOVERING_AT, A.now, 'attempts', attempts}, K.waiting, K.expiry)
 -- Where the stream picks up: the next token's index. A client that saw tokens up to index-1 knows
 -- what follows is a continuation, not a replay (a seeded job draws exactly what it would have).
 local resumed = '{"index":' .. tonumber(rec[4] or '0') .. ',"attempt":' .. attempts .. '}'
-redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[5], '*', 'event', 'recovered', 'data', resumed)
-redis.call('PUBLISH', ARGV[7], 'recovered')
-local entry = {}
-for i = 9, #ARGV do table.insert(entry, ARGV[i]) end
+redis.call('XADD', K.events, 'MAXLEN', A.maxlen, '*', 'event', 'recovered', 'data', resumed)
+redis.call('PUBLISH', A.announce, 'recovered')
+local entry = A.entry
 table.insert(entry, 'attempts')
 table.insert(entry, tostring(attempts))
-redis.call('XADD', KEYS[4], '*', unpack(entry))
+redis.call('XADD', K.intake, '*', unpack(entry))
 return $RECOVERING
 """
     )
@@ -272,76 +314,70 @@ return $RECOVERING
 # A new job: its record, its intake entry and (with one) its Idempotency-Key, if the depth limits
 # (admission's gates 3 and 4, app/core/admission.py), the tenant's share of its class and the
 # tenant's retained-bytes quota still hold.
-# KEYS[1] = job hash, KEYS[2] = the job's intake stream, KEYS[3 .. 2+c] = every intake stream,
-# KEYS[3+c] = the webhook dispatcher's set of jobs with a callback, KEYS[4+c], KEYS[5+c] = the
-# tenants' waiting sets (WAITING_FUNCTION), KEYS[6+c], KEYS[7+c] = the tenant's retained set and its
-# byte count (Keys.tenant_retained), KEYS[8+c] = the Idempotency-Key's key (absent without one).
-# ARGV[1] = c, [2] = class depth limit, [3] = overall limit, [4] = job ttl, [5] = idempotency value,
-# [6] = idempotency ttl, [7] = r, [8] = webhook registration score ('' = no callback), [9] = job id,
-# [10] = the tenant's share of the class (jobs), [11] = the job's class, [12] = its tenant,
-# [13] = the tenant's retained-bytes quota (0: none), [14] = the bytes this job may weigh,
-# then r record field/value items, then the intake entry's items.
+# K: job, intake (the job's class's stream), streams (every class's), callbacks (the webhook
+# dispatcher's set of jobs with a callback), waiting, expiry (WAITING_FUNCTION), retained and
+# retained_bytes (the tenant's retained set and its byte count, Keys.tenant_retained), idempotency
+# (the Idempotency-Key's key; absent without one).
+# A: class_depth, overall (the depth limits), ttl (the job's), idempotency_value, idempotency_ttl,
+# callback_at (the registration's score; absent: no callback), id, share (the tenant's share of the
+# class, in jobs), priority, tenant, quota (the tenant's retained bytes; 0: none), weight (the bytes
+# this job may weigh), record and entry (field/value lists).
 # Returns {'held', value} | {'exists', ''} | {'overloaded', total} | {'queue_full', depth} |
 # {'tenant_queue_full', the tenant's waiting jobs of the class} |
 # {'tenant_quota', '{retained bytes} {when its oldest job expires, unix ms}'} | {'ok', depth}.
 ADMIT_LUA = (
-    WAITING_FUNCTION
+    ARGUMENTS
+    + WAITING_FUNCTION
     + """
-local c = tonumber(ARGV[1])
-local waiting, expiry = KEYS[4 + c], KEYS[5 + c]
-local retained, retained_bytes = KEYS[6 + c], KEYS[7 + c]
 -- A job id is written once: a batch's line fed again after a feeder died finds its job here.
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
-local idem = KEYS[8 + c]
-if idem then
-  local held = redis.call('GET', idem)
+if redis.call('EXISTS', K.job) == 1 then return {'exists', ''} end
+if K.idempotency then
+  local held = redis.call('GET', K.idempotency)
   if held then return {'held', held} end
 end
 local total = 0
-for i = 3, 2 + c do total = total + redis.call('XLEN', KEYS[i]) end
-if total >= tonumber(ARGV[3]) then return {'overloaded', total} end
-local depth = redis.call('XLEN', KEYS[2])
-if depth >= tonumber(ARGV[2]) then return {'queue_full', depth} end
+for _, stream in ipairs(K.streams) do total = total + redis.call('XLEN', stream) end
+if total >= A.overall then return {'overloaded', total} end
+local depth = redis.call('XLEN', K.intake)
+if depth >= A.class_depth then return {'queue_full', depth} end
 -- Members whose record expired while their job waited (a few per submit: the work stays bounded).
-local stale = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. now_ms(), 'LIMIT', 0, 16)
+local stale = redis.call('ZRANGEBYSCORE', K.expiry, '-inf', '(' .. now_ms(), 'LIMIT', 0, 16)
 if #stale > 0 then
-  redis.call('ZREM', waiting, unpack(stale))
-  redis.call('ZREM', expiry, unpack(stale))
+  redis.call('ZREM', K.waiting, unpack(stale))
+  redis.call('ZREM', K.expiry, unpack(stale))
 end
-local prefix = waiting_name(ARGV[11], ARGV[12], '')
-local mine = redis.call('ZLEXCOUNT', waiting, '[' .. prefix, '(' .. prefix .. '\\255')
-if mine >= tonumber(ARGV[10]) then return {'tenant_queue_full', mine} end
+local prefix = waiting_name(A.priority, A.tenant, '')
+local mine = redis.call('ZLEXCOUNT', K.waiting, '[' .. prefix, '(' .. prefix .. '\\255')
+if mine >= A.share then return {'tenant_queue_full', mine} end
 -- The tenant's jobs whose record has expired leave its retained bytes (a few per submit).
 local now = now_ms()
-local gone = redis.call('ZRANGEBYSCORE', retained, '-inf', '(' .. now, 'LIMIT', 0, 64)
+local gone = redis.call('ZRANGEBYSCORE', K.retained, '-inf', '(' .. now, 'LIMIT', 0, 64)
 if #gone > 0 then
   local freed = 0
   for _, member in ipairs(gone) do freed = freed + tonumber(string.match(member, '^%d+')) end
-  redis.call('ZREM', retained, unpack(gone))
-  redis.call('DECRBY', retained_bytes, freed)
+  redis.call('ZREM', K.retained, unpack(gone))
+  redis.call('DECRBY', K.retained_bytes, freed)
 end
-local weight = tonumber(ARGV[14])
-local held_bytes = tonumber(redis.call('GET', retained_bytes) or '0')
-if tonumber(ARGV[13]) > 0 and held_bytes + weight > tonumber(ARGV[13]) then
-  local oldest = redis.call('ZRANGE', retained, 0, 0, 'WITHSCORES')
+local held_bytes = tonumber(redis.call('GET', K.retained_bytes) or '0')
+if A.quota > 0 and held_bytes + A.weight > A.quota then
+  local oldest = redis.call('ZRANGE', K.retained, 0, 0, 'WITHSCORES')
   return {'tenant_quota', held_bytes .. ' ' .. (oldest[2] or now)}
 end
-local r = tonumber(ARGV[7])
-redis.call('HSET', KEYS[1], unpack(ARGV, 15, 14 + r))
-local member = weight .. ' ' .. ARGV[9]
-redis.call('HSET', KEYS[1], 'retained_in', retained, 'retained_as', member)
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 15 + r, #ARGV))
-waits(KEYS[1], waiting, expiry, true)
-redis.call('ZADD', retained, now + 1000 * tonumber(ARGV[4]), member)
-redis.call('INCRBY', retained_bytes, weight)
-redis.call('EXPIRE', retained, ARGV[4])
-redis.call('EXPIRE', retained_bytes, ARGV[4])
-if idem then
-  redis.call('SET', idem, ARGV[5], 'EX', ARGV[6])
-  redis.call('HSET', KEYS[1], 'idempotency_key', idem)
+redis.call('HSET', K.job, unpack(A.record))
+local member = A.weight .. ' ' .. A.id
+redis.call('HSET', K.job, 'retained_in', K.retained, 'retained_as', member)
+redis.call('EXPIRE', K.job, A.ttl)
+redis.call('XADD', K.intake, '*', unpack(A.entry))
+waits(K.job, K.waiting, K.expiry, true)
+redis.call('ZADD', K.retained, now + 1000 * A.ttl, member)
+redis.call('INCRBY', K.retained_bytes, A.weight)
+redis.call('EXPIRE', K.retained, A.ttl)
+redis.call('EXPIRE', K.retained_bytes, A.ttl)
+if K.idempotency then
+  redis.call('SET', K.idempotency, A.idempotency_value, 'EX', A.idempotency_ttl)
+  redis.call('HSET', K.job, 'idempotency_key', K.idempotency)
 end
-if ARGV[8] ~= '' then redis.call('ZADD', KEYS[3 + c], ARGV[8], ARGV[9]) end  -- Webhooks
+if A.callback_at then redis.call('ZADD', K.callbacks, A.callback_at, A.id) end  -- Webhooks
 return {'ok', depth}
 """
 )

@@ -36,7 +36,7 @@ from app.core.jobs import (
     check_result,
     text_of,
 )
-from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA
+from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA, script_call
 from app.core.keys import PRIORITIES, Keys
 
 S = JobStatus
@@ -80,18 +80,33 @@ def _end_call(
     life: Lifetimes,
     read: bool,
     when: Mapping[str, str] | None = None,
-) -> tuple[list[str], list[Any]]:
+) -> tuple[list[str], list[str]]:
     """END_LUA's keys and arguments for one job's final move to `status`; `data`: its final event's
     data, JSON."""
     transition = Transition(job_id, status, fields, when or {})
-    args: list[Any] = [FINAL_EVENT[status], data, life.stream_maxlen, life.ended_ttl_s]
-    args += [keys.announce(job_id), job_id, "1" if read else "0", *transition.script_args(now)]
-    return [keys.job(job_id), keys.events(job_id), keys.progress(), *_waiting_keys(keys)], args
+    return script_call(
+        {
+            "job": keys.job(job_id),
+            "events": keys.events(job_id),
+            "progress": keys.progress(),
+            **_waiting_keys(keys),
+        },
+        {
+            "event": FINAL_EVENT[status],
+            "data": data,
+            "maxlen": life.stream_maxlen,
+            "ttl": life.ended_ttl_s,
+            "announce": keys.announce(job_id),
+            "id": job_id,
+            "read": read,
+            "move": transition.script_move(now),
+        },
+    )
 
 
-def _waiting_keys(keys: Keys) -> list[str]:
+def _waiting_keys(keys: Keys) -> dict[str, str]:
     """The tenants' waiting sets, which every script that moves a job keeps in step (WAITING_FUNCTION)."""
-    return [keys.tenant_waiting(), keys.tenant_waiting_expiry()]
+    return {"waiting": keys.tenant_waiting(), "expiry": keys.tenant_waiting_expiry()}
 
 
 # --- the writers -----------------------------------------------------------------------------------
@@ -146,8 +161,11 @@ class JobStore:
 
     def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
         """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""
-        keys = [self.keys.job(transition.job_id), *_waiting_keys(self.keys)]
-        self._transition(keys=keys, args=transition.script_args(now), client=pipe)
+        keys, args = script_call(
+            {"job": self.keys.job(transition.job_id), **_waiting_keys(self.keys)},
+            {"move": transition.script_move(now)},
+        )
+        self._transition(keys=keys, args=args, client=pipe)
 
     def progressed(self, job_ids: Sequence[str], now: float, *, pipe: Any = None) -> None:
         """Score jobs in `progress` (dispatched, prefill started): the monitor's stall clock restarts.
@@ -170,20 +188,34 @@ class JobStore:
     def step(self, outs: Sequence[TokenOut], life: Lifetimes) -> set[str]:
         """Append one step's tokens, finish the sequences whose last token this is; return the ids
         of the jobs that are no longer this batch's (cancelled, failed, recovered elsewhere)."""
-        keys, args = [self.keys.progress()], [repr(time.time()), life.stream_maxlen, life.ttl_s]
-        args += [self.keys.announce(""), life.ended_ttl_s]
+        jobs, events, rows = [], [], []
         for out in outs:
+            row = {"id": out.job_id, "batch": out.batch_id, "text": "", "tokens": 0, "finish": ""}
             if out.prompt_logprobs is not None:
-                keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
-                args += [out.job_id, out.batch_id, 2, -1, _json({"prompt_logprobs": out.prompt_logprobs})]
-                args += ["", 0, ""]
-            keys += [self.keys.job(out.job_id), self.keys.events(out.job_id)]
-            data: dict[str, Any] = {"index": out.index, "text": out.text, "token_id": out.token_id}
+                jobs.append(self.keys.job(out.job_id))
+                events.append(self.keys.events(out.job_id))
+                data = _json({"prompt_logprobs": out.prompt_logprobs})
+                rows.append(row | {"emit": 2, "index": -1, "data": data})
+            jobs.append(self.keys.job(out.job_id))
+            events.append(self.keys.events(out.job_id))
+            token: dict[str, Any] = {"index": out.index, "text": out.text, "token_id": out.token_id}
             if out.logprob is not None:
-                data |= {"logprob": out.logprob, "top_logprobs": [list(pair) for pair in out.top_logprobs]}
+                token |= {"logprob": out.logprob, "top_logprobs": [list(pair) for pair in out.top_logprobs]}
             count = out.index + int(out.emit) if out.finish_reason else out.index + 1
-            args += [out.job_id, out.batch_id, int(out.emit), out.index, _json(data)]
-            args += [out.completion_text, count, out.finish_reason or ""]
+            row |= {"emit": int(out.emit), "index": out.index, "data": _json(token)}
+            row |= {"text": out.completion_text, "tokens": count, "finish": out.finish_reason or ""}
+            rows.append(row)
+        keys, args = script_call(
+            {"progress": self.keys.progress(), "jobs": jobs, "events": events},
+            {
+                "now": repr(time.time()),
+                "maxlen": life.stream_maxlen,
+                "ttl": life.ttl_s,
+                "announce": self.keys.announce(""),
+                "ended_ttl": life.ended_ttl_s,
+                "rows": rows,
+            },
+        )
         return {text_of(g) for g in self._step(keys=keys, args=args)}
 
     def end(
@@ -230,10 +262,27 @@ class JobStore:
     ) -> str:
         """Move a stalled job to recovering and back onto its class's intake stream (`entry`), or to
         failed once it has had `max_attempts`; returns its new status, '' when it was left alone."""
-        keys = [self.keys.progress(), self.keys.job(job_id), self.keys.events(job_id)]
-        keys += [self.keys.intake(priority), self.keys.inflight(model), *_waiting_keys(self.keys)]
-        args: list[Any] = [job_id, stalled_before, max_attempts, repr(now), life.stream_maxlen]
-        args += [life.ended_ttl_s, self.keys.announce(job_id), json.dumps(error), *_items(entry)]
+        keys, args = script_call(
+            {
+                "progress": self.keys.progress(),
+                "job": self.keys.job(job_id),
+                "events": self.keys.events(job_id),
+                "intake": self.keys.intake(priority),
+                "inflight": self.keys.inflight(model),
+                **_waiting_keys(self.keys),
+            },
+            {
+                "id": job_id,
+                "stalled_before": repr(stalled_before),
+                "max_attempts": max_attempts,
+                "now": repr(now),
+                "maxlen": life.stream_maxlen,
+                "ttl": life.ended_ttl_s,
+                "announce": self.keys.announce(job_id),
+                "error": json.dumps(error),
+                "entry": _items(entry),
+            },
+        )
         return text_of(self._recover(keys=keys, args=args))
 
     # The batch record: a model's batches out at its stages (`inflight:{model}`, batch id -> its job
@@ -332,20 +381,37 @@ class AsyncJobStore:
         ('queue_full', depth) or ('tenant_queue_full', the tenant's waiting jobs of the class), or
         ('tenant_quota', '{bytes} {unix ms}') when the tenant's retained jobs and this one would weigh
         more than `tenant_bytes` (0: no quota): what they weigh, and when the oldest of them expires."""
-        keys = [self.keys.job(record.id), self.keys.intake(record.priority)]
-        keys += [self.keys.intake(p) for p in PRIORITIES]
-        keys += [self.keys.webhook_jobs(), *_waiting_keys(self.keys)]
-        keys += [self.keys.tenant_retained(record.tenant), self.keys.tenant_retained_bytes(record.tenant)]
-        value, key_ttl = "", 0
+        args: dict[str, Any] = {
+            "class_depth": class_depth,
+            "overall": overall,
+            "ttl": ttl_s,
+            "id": record.id,
+            "share": tenant_depth,
+            "priority": record.priority,
+            "tenant": record.tenant,
+            "quota": tenant_bytes,
+            "weight": retained_bytes(record),
+            "record": _items(record.to_hash()),
+            "entry": _items(intake),
+        }
         if idempotency is not None:
-            keys.append(self.keys.idempotency(idempotency[0]))
-            value, key_ttl = idempotency[1], idempotency[2]
-        items = _items(record.to_hash())
-        args: list[Any] = [len(PRIORITIES), class_depth, overall, ttl_s, value, key_ttl, len(items)]
-        args += ["" if callback_at is None else repr(callback_at), record.id]
-        args += [tenant_depth, record.priority, record.tenant, tenant_bytes, retained_bytes(record)]
-        args += [*items, *_items(intake)]
-        outcome, detail = await self._admit(keys=keys, args=args)
+            args |= {"idempotency_value": idempotency[1], "idempotency_ttl": idempotency[2]}
+        if callback_at is not None:
+            args["callback_at"] = repr(callback_at)
+        keys, argv = script_call(
+            {
+                "job": self.keys.job(record.id),
+                "intake": self.keys.intake(record.priority),
+                "streams": [self.keys.intake(p) for p in PRIORITIES],
+                "callbacks": self.keys.webhook_jobs(),
+                **_waiting_keys(self.keys),
+                "retained": self.keys.tenant_retained(record.tenant),
+                "retained_bytes": self.keys.tenant_retained_bytes(record.tenant),
+                "idempotency": None if idempotency is None else self.keys.idempotency(idempotency[0]),
+            },
+            args,
+        )
+        outcome, detail = await self._admit(keys=keys, args=argv)
         return text_of(outcome), text_of(detail)
 
     async def forget_embedding(self, job_id: str) -> None:

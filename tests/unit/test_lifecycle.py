@@ -30,9 +30,8 @@ def test_recovery_path_of_the_design():
 
 
 def test_script_arguments_name_the_allowed_sources_and_stamp_the_time():
-    args = Transition("j", JobStatus.SUCCEEDED, {"text": "hi"}).script_args(12.5)
-    n = int(args[1])
-    assert args[0] == "succeeded"
-    assert set(args[2 : 2 + n]) == set(predecessors(JobStatus.SUCCEEDED)) == {"running"}
-    assert args[2 + n] == "0"  # no guard
-    assert args[3 + n :] == [TIMESTAMP_FIELD[JobStatus.SUCCEEDED], "12.5", "text", "hi"]
+    move = Transition("j", JobStatus.SUCCEEDED, {"text": "hi"}).script_move(12.5)
+    assert move["to"] == "succeeded"
+    assert set(move["from"]) == set(predecessors(JobStatus.SUCCEEDED)) == {"running"}
+    assert move["guard"] == {}
+    assert move["fields"] == [TIMESTAMP_FIELD[JobStatus.SUCCEEDED], "12.5", "text", "hi"]
