@@ -54,6 +54,7 @@ from app.core.errors import ConveyorError, JobFinished, JobNotFound, Refused
 from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
+from app.core.scripts import HOLD_LEASE, RELEASE_IF_HELD, Script
 from app.webhooks.events import batch_end_event
 from app.webhooks.retries import RetryQueue
 
@@ -69,13 +70,6 @@ COLLECT_PER_PASS = 2000  # job records read per batch per pass
 # Lines submitted per pass, over all batches: a submit's work (tokenizing, admission) runs in this API
 # process, so a pass is kept short, and each submit yields to the requests it serves meanwhile.
 FEED_PER_PASS = 64
-# Renew the lease only if this process still holds it.
-RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-# Give the lease up only if this process holds it.
-RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 REPLIES: dict[str, type[Reply]] = {"/v1/chat/completions": ChatReply, "/v1/completions": CompletionReply}
 
@@ -90,8 +84,8 @@ class BatchFeeder:
         self.redis = jobs.redis
         self.keys: Keys = jobs.keys
         self.owner = uuid.uuid4().hex
-        self._renew = self.redis.register_script(RENEW_LUA)
-        self._release = self.redis.register_script(RELEASE_LUA)
+        self._lease = Script(self.redis, HOLD_LEASE)
+        self._release = Script(self.redis, RELEASE_IF_HELD)
         self._stopping = asyncio.Event()
         self.retries = RetryQueue(self.redis, self.keys)
 
@@ -109,7 +103,9 @@ class BatchFeeder:
                     await asyncio.wait_for(self._stopping.wait(), FEED_INTERVAL_S)
         finally:
             with suppress(Exception):
-                await asyncio.shield(self._release(keys=[self.keys.batch_feeder()], args=[self.owner]))
+                await asyncio.shield(
+                    self._release(keys={"lease": self.keys.batch_feeder()}, args={"holder": self.owner})
+                )
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         """Stop `task` (this feeder's `run`): at once if it waits, else at its next step. The flag
@@ -120,10 +116,8 @@ class BatchFeeder:
             await task
 
     async def _hold_lease(self) -> bool:
-        key, ms = self.keys.batch_feeder(), int(LEASE_S * 1000)
-        if await self._renew(keys=[key], args=[self.owner, ms]):
-            return True
-        return bool(await self.redis.set(key, self.owner, nx=True, px=ms))
+        args = {"holder": self.owner, "ms": int(LEASE_S * 1000)}
+        return bool(await self._lease(keys={"lease": self.keys.batch_feeder()}, args=args))
 
     async def feed_pass(self) -> None:
         """One pass over every open batch, oldest first (the lease's holder calls it; tests call it)."""

@@ -46,6 +46,7 @@ from app.core.jobs import JobStatus
 from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
 from app.core.sampling import SamplingParams
+from app.core.scripts import RELEASE_IF_HELD, Script
 from app.webhooks.intake import CallbackIntake
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ POLL_FALLBACK_S = 1.0  # re-read the stream this often even if a pub/sub wake-up
 # /v1/embeddings) waits this long for it, then is answered 504: ten minutes, longer than a job a
 # client waits on runs. A generation job goes on, to be polled; an embeddings job is cancelled.
 SYNC_TIMEOUT_S = 600.0
-# Drop an Idempotency-Key only if it still names the job it named when read (compare and delete).
-FORGET_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class JobService:
         self.store = self.admission.store  # the job record's writer (app/core/jobstore.py)
         self.ratelimit = RateLimiter(redis, self.keys, settings.rate_limiter)
         self.callbacks = CallbackIntake(settings.webhooks, redis, self.keys)  # Webhooks
-        self._forget = redis.register_script(FORGET_LUA)
+        self._forget = Script(redis, RELEASE_IF_HELD)  # an Idempotency-Key, if it still names its job
         self._background: set[asyncio.Task[None]] = set()
         # Tokenizes on its own threads, never on the event loop.
         self.prompts = PromptEncoder()
@@ -331,7 +330,7 @@ class JobService:
         except JobNotFound:
             if await self.redis.exists(self.keys.job(job_id)):
                 raise  # another tenant's job (digests are per tenant: not reachable, but never leak)
-            await self._forget(keys=[self.keys.idempotency(idempotency[0])], args=[value])
+            await self._forget(keys={"lease": self.keys.idempotency(idempotency[0])}, args={"holder": value})
             return None
 
     async def cancel(

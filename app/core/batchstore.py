@@ -29,6 +29,7 @@ from typing import Any
 from app.core.errors import BatchNotFound, FileNotFound, FileQuotaExceeded
 from app.core.jobs import decode_record
 from app.core.keys import Keys
+from app.core.scripts import Script
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
@@ -58,52 +59,55 @@ MOVES: Mapping[str, frozenset[str]] = {
     EXPIRED: frozenset({IN_PROGRESS}),
 }
 
-# KEYS: record, content, tenant's files. ARGV: now ms, ttl s, quota (-1: not counted), bytes, file id,
-# content, then the record's field/value pairs. Expired entries of the tenant's hash are dropped first.
+# K: record, content, files (the tenant's). A: now (ms), ttl (s), quota (absent: not counted), size
+# (bytes), id, content, record (the record's field/value list). Expired entries of the tenant's files
+# are dropped first. Returns {1, size}, or {0, the bytes the tenant's files hold} past the quota.
 PUT_FILE_LUA = """
-local now, ttl, quota, size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if quota >= 0 then
+if A.quota then
   local used = 0
-  local all = redis.call('HGETALL', KEYS[3])
+  local all = redis.call('HGETALL', K.files)
   for i = 1, #all, 2 do
     local bytes, expiry = string.match(all[i + 1], '(%d+) (%d+)')
-    if tonumber(expiry) <= now then redis.call('HDEL', KEYS[3], all[i]) else used = used + tonumber(bytes) end
+    if tonumber(expiry) <= A.now then
+      redis.call('HDEL', K.files, all[i])
+    else
+      used = used + tonumber(bytes)
+    end
   end
-  if used + size > quota then return {0, used} end
-  redis.call('HSET', KEYS[3], ARGV[5], size .. ' ' .. (now + ttl * 1000))
-  redis.call('EXPIRE', KEYS[3], ttl)
+  if used + A.size > A.quota then return {0, used} end
+  redis.call('HSET', K.files, A.id, A.size .. ' ' .. (A.now + A.ttl * 1000))
+  redis.call('EXPIRE', K.files, A.ttl)
 end
-redis.call('SET', KEYS[2], ARGV[6], 'EX', ttl)
-redis.call('HSET', KEYS[1], unpack(ARGV, 7, #ARGV))
-redis.call('EXPIRE', KEYS[1], ttl)
-return {1, size}
+redis.call('SET', K.content, A.content, 'EX', A.ttl)
+redis.call('HSET', K.record, unpack(A.record))
+redis.call('EXPIRE', K.record, A.ttl)
+return {1, A.size}
 """
 
-# KEYS: record, open set, batches to announce. ARGV: the status field's name, the new status, its
-# timestamp field, now, 1 if final, the statuses it may come from (count, then each), then field/value
-# pairs. Returns 'ok', or the status it had ('' for none).
+# K: record, open (the open batches), announce (the batches to announce). A: id, field (the status
+# field's name), to (the new status), stamp (its timestamp field), now, final, from (the statuses it
+# may come from), fields (a field/value list). Returns 'ok', or the status it had ('' for none).
 MOVE_LUA = """
-local current = redis.call('HGET', KEYS[1], ARGV[1])
+local current = redis.call('HGET', K.record, A.field)
 if not current then return '' end
-local n = tonumber(ARGV[6])
 local allowed = false
-for i = 7, 6 + n do if ARGV[i] == current then allowed = true end end
+for _, status in ipairs(A.from) do if status == current then allowed = true end end
 if not allowed then return current end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
-if #ARGV > 6 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 7 + n, #ARGV)) end
-if ARGV[5] == '1' then
-  local id = string.match(KEYS[1], '[^:]+$')
-  redis.call('ZREM', KEYS[2], id)
-  if redis.call('HEXISTS', KEYS[1], 'announce_url') == 1 then redis.call('SADD', KEYS[3], id) end
+redis.call('HSET', K.record, A.field, A.to, A.stamp, A.now)
+if #A.fields > 0 then redis.call('HSET', K.record, unpack(A.fields)) end
+if A.final then
+  redis.call('ZREM', K.open, A.id)
+  if redis.call('HEXISTS', K.record, 'announce_url') == 1 then redis.call('SADD', K.announce, A.id) end
 end
 return 'ok'
 """
 
-# KEYS: results, record. ARGV: line index, 'completed' or 'failed', the line, ttl s. Counted once.
+# K: results, record. A: index (the line's), outcome ('completed' or 'failed': the count it adds to),
+# line, ttl (s). Counted once.
 COLLECT_LUA = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[3]) == 1 then
-  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
+if redis.call('HSETNX', K.results, A.index, A.line) == 1 then
+  redis.call('HINCRBY', K.record, A.outcome, 1)
+  redis.call('EXPIRE', K.results, A.ttl)
   return 1
 end
 return 0
@@ -151,9 +155,9 @@ class BatchStore:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
-        self._put = redis.register_script(PUT_FILE_LUA)
-        self._move = redis.register_script(MOVE_LUA)
-        self._collect = redis.register_script(COLLECT_LUA)
+        self._put = Script(redis, PUT_FILE_LUA)
+        self._move = Script(redis, MOVE_LUA)
+        self._collect = Script(redis, COLLECT_LUA)
 
     # --- files ----------------------------------------------------------------------------------------
 
@@ -179,10 +183,22 @@ class BatchStore:
             created_at=int(now),
             expires_at=int(now) + self.ttl_s,
         )
-        fields = [x for pair in vars(stored).items() for x in pair]
-        keys = [self.keys.file(stored.id), self.keys.file_content(stored.id), self.keys.tenant_files(tenant)]
-        args = [int(now * 1000), self.ttl_s, -1 if quota is None else quota, len(content), stored.id, content]
-        written, used = await self._put(keys=keys, args=[*args, *fields])
+        keys = {
+            "record": self.keys.file(stored.id),
+            "content": self.keys.file_content(stored.id),
+            "files": self.keys.tenant_files(tenant),
+        }
+        args: dict[str, Any] = {
+            "now": int(now * 1000),
+            "ttl": self.ttl_s,
+            "size": len(content),
+            "id": stored.id,
+            "content": content.decode("utf-8"),
+            "record": [str(x) for pair in vars(stored).items() for x in pair],
+        }
+        if quota is not None:
+            args["quota"] = quota
+        written, used = await self._put(keys=keys, args=args)
         if not int(written):
             raise FileQuotaExceeded(
                 f"your stored files hold {int(used)} bytes; this one ({len(content)} bytes) would pass the "
@@ -285,11 +301,21 @@ class BatchStore:
 
     async def move(self, batch_id: str, to: str, **fields: str) -> tuple[bool, str]:
         """Move the batch to `to` if `MOVES` allows it from its status: (moved, the status it had)."""
-        sources = sorted(MOVES[to])
-        final = "1" if to in FINAL else "0"
-        args: list[Any] = ["status", to, f"{to}_at", str(int(time.time())), final, len(sources)]
-        args += [*sources, *(x for pair in fields.items() for x in pair)]
-        keys = [self.keys.batch(batch_id), self.keys.open_batches(), self.keys.batches_to_announce()]
+        args = {
+            "id": batch_id,
+            "field": "status",
+            "to": to,
+            "stamp": f"{to}_at",
+            "now": str(int(time.time())),
+            "final": to in FINAL,
+            "from": sorted(MOVES[to]),
+            "fields": [x for pair in fields.items() for x in pair],
+        }
+        keys = {
+            "record": self.keys.batch(batch_id),
+            "open": self.keys.open_batches(),
+            "announce": self.keys.batches_to_announce(),
+        }
         outcome = await self._move(keys=keys, args=args)
         text = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         return text == "ok", "" if text == "ok" else text
@@ -323,9 +349,9 @@ class BatchStore:
 
     async def collect(self, batch_id: str, index: int, line: str, *, ok: bool) -> None:
         """Keep line `index`'s output (`ok`) or error line and count it, once however often it is given."""
-        keys = [self.keys.batch_results(batch_id), self.keys.batch(batch_id)]
-        args = [index, COMPLETED if ok else FAILED, ("o" if ok else "e") + line, self.ttl_s]
-        await self._collect(keys=keys, args=args)
+        keys = {"results": self.keys.batch_results(batch_id), "record": self.keys.batch(batch_id)}
+        args = {"index": index, "outcome": COMPLETED if ok else FAILED, "line": ("o" if ok else "e") + line}
+        await self._collect(keys=keys, args=args | {"ttl": self.ttl_s})
 
     async def collected(self, batch_id: str) -> set[int]:
         return {int(i) for i in await self.redis.hkeys(self.keys.batch_results(batch_id))}

@@ -29,6 +29,7 @@ from typing import Any
 
 from app.core.jobs import text_of
 from app.core.keys import Keys
+from app.core.scripts import Script
 
 BUCKET_S = 1  # outcomes are counted per second; the window sums the last interval's buckets
 OUTCOME_TTL_S = 600  # a bucket outlives the interval (Policy.interval_s) many times over
@@ -117,22 +118,21 @@ def decide(snap: Snapshot, policy: Policy, now: float) -> Verdict:
 
 # --- the workers' side --------------------------------------------------------------------------
 
-# KEYS[1] = breaker hash, KEYS[2] = this second's outcome bucket.
-# ARGV = succeeded, failed, now, bucket ttl, state ttl.
+# K: breaker (its hash), bucket (this second's outcomes). A: ok, failed (jobs that ended so), now,
+# bucket_ttl, state_ttl.
 RECORD_LUA = """
-local ok, failed = tonumber(ARGV[1]), tonumber(ARGV[2])
-if ok > 0 then redis.call('HINCRBY', KEYS[2], 'ok', ok) end
-if failed > 0 then redis.call('HINCRBY', KEYS[2], 'failed', failed) end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-if redis.call('HGET', KEYS[1], 'state') == 'half_open' then
-  if failed > 0 then
-    redis.call('HSET', KEYS[1], 'state', 'open', 'opened_at', ARGV[3])
-    redis.call('HDEL', KEYS[1], 'probe_until')
-  elseif ok > 0 then
-    redis.call('HSET', KEYS[1], 'state', 'closed', 'since', ARGV[3])
-    redis.call('HDEL', KEYS[1], 'opened_at', 'probe_until')
+if A.ok > 0 then redis.call('HINCRBY', K.bucket, 'ok', A.ok) end
+if A.failed > 0 then redis.call('HINCRBY', K.bucket, 'failed', A.failed) end
+redis.call('EXPIRE', K.bucket, A.bucket_ttl)
+if redis.call('HGET', K.breaker, 'state') == 'half_open' then
+  if A.failed > 0 then
+    redis.call('HSET', K.breaker, 'state', 'open', 'opened_at', A.now)
+    redis.call('HDEL', K.breaker, 'probe_until')
+  elseif A.ok > 0 then
+    redis.call('HSET', K.breaker, 'state', 'closed', 'since', A.now)
+    redis.call('HDEL', K.breaker, 'opened_at', 'probe_until')
   end
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('EXPIRE', K.breaker, A.state_ttl)
 end
 return 1
 """
@@ -146,10 +146,15 @@ def record(pipe: Any, keys: Keys, model: str, *, succeeded: int, failed: int, no
     if succeeded <= 0 and failed <= 0:
         return
     second = math.floor(now / BUCKET_S) * BUCKET_S
-    script = pipe.register_script(RECORD_LUA)
-    script(
-        keys=[keys.breaker(model), keys.outcomes(model, second)],
-        args=[succeeded, failed, repr(now), OUTCOME_TTL_S, STATE_TTL_S],
+    Script(pipe, RECORD_LUA)(
+        keys={"breaker": keys.breaker(model), "bucket": keys.outcomes(model, second)},
+        args={
+            "ok": succeeded,
+            "failed": failed,
+            "now": repr(now),
+            "bucket_ttl": OUTCOME_TTL_S,
+            "state_ttl": STATE_TTL_S,
+        },
         client=pipe,
     )
 
@@ -170,36 +175,36 @@ def recorder(
 
 # --- the API's side ------------------------------------------------------------------------------
 
-# KEYS[1] = breaker hash. ARGV = now, state ttl, the `since` the decision was read with (0: none).
+# K.breaker: its hash. A: now, state_ttl, since (the `since` the decision was read with; 0: none).
 # Opens a closed breaker (a missing hash is closed) unless it closed again since that read.
 TRIP_LUA = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'since')
+local s = redis.call('HMGET', K.breaker, 'state', 'since')
 if s[1] and s[1] ~= 'closed' then return 0 end
-if tonumber(s[2] or '0') ~= tonumber(ARGV[3]) then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'open', 'opened_at', ARGV[1])
-redis.call('HDEL', KEYS[1], 'since', 'probe_until')
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+if tonumber(s[2] or '0') ~= tonumber(A.since) then return 0 end
+redis.call('HSET', K.breaker, 'state', 'open', 'opened_at', A.now)
+redis.call('HDEL', K.breaker, 'since', 'probe_until')
+redis.call('EXPIRE', K.breaker, A.state_ttl)
 return 1
 """
 
-# KEYS[1] = breaker hash. ARGV = now, interval, probe claim ttl, state ttl.
+# K.breaker: its hash. A: now, interval, claim_ttl (the probe claim's), state_ttl.
 # Claims the probe: an open breaker whose interval has passed, or a half-open one whose last claim
 # lapsed (its probe never reported), becomes half-open with this claim. Returns 1 when claimed.
 PROBE_LUA = """
-local s = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'probe_until')
-local now = tonumber(ARGV[1])
-local due = (s[1] == 'open' and tonumber(s[2] or 0) + tonumber(ARGV[2]) <= now)
+local s = redis.call('HMGET', K.breaker, 'state', 'opened_at', 'probe_until')
+local now = tonumber(A.now)
+local due = (s[1] == 'open' and tonumber(s[2] or 0) + A.interval <= now)
   or (s[1] == 'half_open' and tonumber(s[3] or 0) <= now)
 if not due then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'half_open', 'probe_until', ARGV[1] + tonumber(ARGV[3]))
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('HSET', K.breaker, 'state', 'half_open', 'probe_until', now + A.claim_ttl)
+redis.call('EXPIRE', K.breaker, A.state_ttl)
 return 1
 """
 
-# KEYS[1] = breaker hash. A claimed probe that was not submitted after all frees the claim.
+# K.breaker: its hash. A claimed probe that was not submitted after all frees the claim.
 RELEASE_LUA = """
-if redis.call('HGET', KEYS[1], 'state') == 'half_open' then
-  redis.call('HSET', KEYS[1], 'probe_until', '0')
+if redis.call('HGET', K.breaker, 'state') == 'half_open' then
+  redis.call('HSET', K.breaker, 'probe_until', '0')
 end
 return 1
 """
@@ -220,9 +225,9 @@ class Breaker:
         self.redis = redis
         self.keys = keys
         self.policy = policy
-        self._trip = redis.register_script(TRIP_LUA)
-        self._probe = redis.register_script(PROBE_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
+        self._trip = Script(redis, TRIP_LUA)
+        self._probe = Script(redis, PROBE_LUA)
+        self._release = Script(redis, RELEASE_LUA)
 
     def read(self, pipe: Any, model: str, now: float) -> Reader:
         """Append the reads of a snapshot to `pipe`: the state hash and the last interval's buckets."""
@@ -258,14 +263,16 @@ class Breaker:
 
     async def trip(self, model: str, snap: Snapshot, now: float) -> bool:
         since = repr(snap.since) if snap.since is not None else "0"
-        return bool(await self._trip(keys=[self.keys.breaker(model)], args=[repr(now), STATE_TTL_S, since]))
+        args = {"now": repr(now), "state_ttl": STATE_TTL_S, "since": since}
+        return bool(await self._trip(keys={"breaker": self.keys.breaker(model)}, args=args))
 
     async def claim_probe(self, model: str, now: float) -> bool:
-        args = [repr(now), self.policy.interval_s, self.policy.interval_s, STATE_TTL_S]
-        return bool(await self._probe(keys=[self.keys.breaker(model)], args=args))
+        interval = self.policy.interval_s
+        args = {"now": repr(now), "interval": interval, "claim_ttl": interval, "state_ttl": STATE_TTL_S}
+        return bool(await self._probe(keys={"breaker": self.keys.breaker(model)}, args=args))
 
     async def release_probe(self, model: str) -> None:
-        await self._release(keys=[self.keys.breaker(model)], args=[])
+        await self._release(keys={"breaker": self.keys.breaker(model)})
 
 
 def _float(value: str | None) -> float | None:

@@ -3,15 +3,13 @@ tests/unit/test_job_writes.py). The states a script may move a job from, and the
 timestamps and final events, are filled in from the lifecycle's table (app/core/jobs.py), never
 written by hand.
 
-Every script takes its keys by name and its arguments as one object (`script_call`): `K.job`,
-`K.events`, `A.maxlen`, `A.move.to`, never a position computed from counts."""
+Every script reads its keys by name and its arguments as one object (`app/core/scripts.py`):
+`K.job`, `K.events`, `A.maxlen`, `A.move.to`, never a position computed from counts."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from string import Template
-from typing import Any
 
 from app.core.jobs import FINAL_EVENT, TIMESTAMP_FIELD, WAITING, JobStatus, predecessors
 
@@ -36,45 +34,6 @@ def _lua(text: str) -> str:
     names["RECOVERABLE"] = _lua_set(set(predecessors(S.RECOVERING)) & set(predecessors(S.FAILED)))
     names["WAITING"] = _lua_set(str(s) for s in WAITING)
     return Template(text).substitute(names)
-
-
-def script_call(
-    keys: Mapping[str, str | Sequence[str] | None], args: Mapping[str, Any]
-) -> tuple[list[str], list[str]]:
-    """A script's KEYS and ARGV from its keys by name (one key, a list of keys, or None for one it is
-    not given) and its arguments by name: ARGV is one JSON object, the arguments and the keys' places,
-    which ARGUMENTS turns back into the tables `A` and `K`. The arguments hold no None (JSON's null is
-    not Lua's nil): an argument a call has no value for is left out."""
-    flat: list[str] = []
-    places: list[tuple[str, int, int]] = []  # name, first index, count (-1: one key, not a list)
-    for name, value in keys.items():
-        if value is None:
-            continue
-        if isinstance(value, str):
-            places.append((name, len(flat) + 1, -1))
-            flat.append(value)
-        else:
-            places.append((name, len(flat) + 1, len(value)))
-            flat.extend(value)
-    return flat, [json.dumps({**args, "keys": places}, separators=(",", ":"), ensure_ascii=False)]
-
-
-# A: the arguments, K: the keys by name (a list of keys for a name given a list), as `script_call`
-# sent them. Every script starts with it.
-ARGUMENTS = """
-local A = cjson.decode(ARGV[1])
-local K = {}
-for _, place in ipairs(A.keys) do
-  local name, first, count = place[1], place[2], place[3]
-  if count < 0 then
-    K[name] = KEYS[first]
-  else
-    local list = {}
-    for i = first, first + count - 1 do list[#list + 1] = KEYS[i] end
-    K[name] = list
-  end
-end
-"""
 
 
 # The tenants' waiting jobs (admission's tenant share, app/core/admission.py): a job is a member of
@@ -153,10 +112,7 @@ end
 """
 # One requested move. K: job, waiting, expiry (the tenants' waiting sets). A.move: the move.
 TRANSITION_LUA = (
-    ARGUMENTS
-    + WAITING_FUNCTION
-    + TRANSITION_FUNCTION
-    + "return transition(K.job, A.move, K.waiting, K.expiry)"
+    WAITING_FUNCTION + TRANSITION_FUNCTION + "return transition(K.job, A.move, K.waiting, K.expiry)"
 )
 
 # What a job keeps once it has ended. Its inputs (the prompt's token ids, tens of KB for a long
@@ -197,8 +153,7 @@ end
 # has read the job's inputs, so they go whatever state it left), move (the transition, above).
 # Returns the transition's result.
 END_LUA = (
-    ARGUMENTS
-    + WAITING_FUNCTION
+    WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + """
@@ -221,8 +176,7 @@ return done
 # no longer theirs. A row whose job ended meanwhile (cancelled while running) loses its prompt here:
 # this batch's prefill has read it (ENDED_FUNCTION).
 STEP_LUA = (
-    ARGUMENTS
-    + WAITING_FUNCTION
+    WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + _lua(
@@ -274,8 +228,7 @@ return gone
 # Moves a recoverable job to recovering (re-queued) or to failed (its inputs dropped: a stalled
 # batch read them long ago); returns the new status or ''.
 RECOVER_LUA = (
-    ARGUMENTS
-    + WAITING_FUNCTION
+    WAITING_FUNCTION
     + TRANSITION_FUNCTION
     + ENDED_FUNCTION
     + _lua(
@@ -326,8 +279,7 @@ return $RECOVERING
 # {'tenant_queue_full', the tenant's waiting jobs of the class} |
 # {'tenant_quota', '{retained bytes} {when its oldest job expires, unix ms}'} | {'ok', depth}.
 ADMIT_LUA = (
-    ARGUMENTS
-    + WAITING_FUNCTION
+    WAITING_FUNCTION
     + """
 -- A job id is written once: a batch's line fed again after a feeder died finds its job here.
 if redis.call('EXISTS', K.job) == 1 then return {'exists', ''} end

@@ -36,8 +36,9 @@ from app.core.jobs import (
     check_result,
     text_of,
 )
-from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA, script_call
+from app.core.jobscripts import ADMIT_LUA, END_LUA, RECOVER_LUA, STEP_LUA, TRANSITION_LUA
 from app.core.keys import PRIORITIES, Keys
+from app.core.scripts import Script
 
 S = JobStatus
 
@@ -80,11 +81,11 @@ def _end_call(
     life: Lifetimes,
     read: bool,
     when: Mapping[str, str] | None = None,
-) -> tuple[list[str], list[str]]:
+) -> tuple[dict[str, str], dict[str, Any]]:
     """END_LUA's keys and arguments for one job's final move to `status`; `data`: its final event's
     data, JSON."""
     transition = Transition(job_id, status, fields, when or {})
-    return script_call(
+    return (
         {
             "job": keys.job(job_id),
             "events": keys.events(job_id),
@@ -138,10 +139,10 @@ class JobStore:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
-        self._transition = redis.register_script(TRANSITION_LUA)
-        self._end = redis.register_script(END_LUA)
-        self._step = redis.register_script(STEP_LUA)
-        self._recover = redis.register_script(RECOVER_LUA)
+        self._transition = Script(redis, TRANSITION_LUA)
+        self._end = Script(redis, END_LUA)
+        self._step = Script(redis, STEP_LUA)
+        self._recover = Script(redis, RECOVER_LUA)
 
     def apply(self, transitions: Iterable[Transition], *, strict: bool = True) -> list[str]:
         """Apply moves in one round trip; returns the ids whose move applied.
@@ -161,7 +162,7 @@ class JobStore:
 
     def enqueue(self, pipe: Any, transition: Transition, now: float) -> None:
         """Add a move to a caller's pipeline (its result is not checked: a refused move is a no-op)."""
-        keys, args = script_call(
+        keys, args = (
             {"job": self.keys.job(transition.job_id), **_waiting_keys(self.keys)},
             {"move": transition.script_move(now)},
         )
@@ -205,7 +206,7 @@ class JobStore:
             row |= {"emit": int(out.emit), "index": out.index, "data": _json(token)}
             row |= {"text": out.completion_text, "tokens": count, "finish": out.finish_reason or ""}
             rows.append(row)
-        keys, args = script_call(
+        keys, args = (
             {"progress": self.keys.progress(), "jobs": jobs, "events": events},
             {
                 "now": repr(time.time()),
@@ -262,7 +263,7 @@ class JobStore:
     ) -> str:
         """Move a stalled job to recovering and back onto its class's intake stream (`entry`), or to
         failed once it has had `max_attempts`; returns its new status, '' when it was left alone."""
-        keys, args = script_call(
+        keys, args = (
             {
                 "progress": self.keys.progress(),
                 "job": self.keys.job(job_id),
@@ -356,8 +357,8 @@ class AsyncJobStore:
     def __init__(self, redis: Any, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._admit = redis.register_script(ADMIT_LUA)
-        self._end = redis.register_script(END_LUA)
+        self._admit = Script(redis, ADMIT_LUA)
+        self._end = Script(redis, END_LUA)
 
     async def admit(
         self,
@@ -398,20 +399,17 @@ class AsyncJobStore:
             args |= {"idempotency_value": idempotency[1], "idempotency_ttl": idempotency[2]}
         if callback_at is not None:
             args["callback_at"] = repr(callback_at)
-        keys, argv = script_call(
-            {
-                "job": self.keys.job(record.id),
-                "intake": self.keys.intake(record.priority),
-                "streams": [self.keys.intake(p) for p in PRIORITIES],
-                "callbacks": self.keys.webhook_jobs(),
-                **_waiting_keys(self.keys),
-                "retained": self.keys.tenant_retained(record.tenant),
-                "retained_bytes": self.keys.tenant_retained_bytes(record.tenant),
-                "idempotency": None if idempotency is None else self.keys.idempotency(idempotency[0]),
-            },
-            args,
-        )
-        outcome, detail = await self._admit(keys=keys, args=argv)
+        keys = {
+            "job": self.keys.job(record.id),
+            "intake": self.keys.intake(record.priority),
+            "streams": [self.keys.intake(p) for p in PRIORITIES],
+            "callbacks": self.keys.webhook_jobs(),
+            **_waiting_keys(self.keys),
+            "retained": self.keys.tenant_retained(record.tenant),
+            "retained_bytes": self.keys.tenant_retained_bytes(record.tenant),
+            "idempotency": None if idempotency is None else self.keys.idempotency(idempotency[0]),
+        }
+        outcome, detail = await self._admit(keys=keys, args=args)
         return text_of(outcome), text_of(detail)
 
     async def forget_embedding(self, job_id: str) -> None:

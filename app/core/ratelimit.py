@@ -34,16 +34,17 @@ from typing import Any
 from app.core.config import RateLimiterSettings
 from app.core.errors import InvalidRequest, MaxTokensExceeded, RateLimited
 from app.core.keys import Keys
+from app.core.scripts import Script
 
 BURST_S = 2  # a tenant's burst, unless its override gives one: this many seconds of its request rate
 
-# KEYS[1] = the tenant's hash. ARGV[1] = now in ms ('' = Redis's clock). Then per bucket b = 1
-# (requests), 2 (tokens), 3 (embedding bytes), at ARGV[3b-1 .. 3b+1]: interval in ms per unit
-# (0 = not charged), capacity (units at once), cost (units; below 0 a refund, always applied).
+# K.tenant: the tenant's hash. A.now: now in ms (absent: Redis's clock). A.buckets: per bucket
+# b = 1 (requests), 2 (tokens), 3 (embedding bytes) its interval in ms per unit (0 = not charged),
+# capacity (units at once) and cost (units; below 0 a refund, always applied).
 # Returns {admitted 0/1, refusing bucket (0 none), retry in ms, then per bucket: remaining, full in
 # ms}: integers, as Redis converts Lua numbers to integers anyway.
 GCRA_LUA = """
-local now = tonumber(ARGV[1])
+local now = A.now
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -51,12 +52,11 @@ end
 local fields = {'requests', 'tokens', 'bytes'}
 local out = {1, 0, 0, -1, 0, -1, 0, -1, 0}
 local tats = {}
-for b = 1, 3 do
-  local interval = tonumber(ARGV[3 * b - 1])
+for b, bucket in ipairs(A.buckets) do
+  local interval = bucket.interval
   if interval > 0 then
-    local capacity = tonumber(ARGV[3 * b])
-    local cost = tonumber(ARGV[3 * b + 1])
-    local tat = tonumber(redis.call('HGET', KEYS[1], fields[b])) or now
+    local capacity, cost = bucket.capacity, bucket.cost
+    local tat = tonumber(redis.call('HGET', K.tenant, fields[b])) or now
     local base = math.max(tat, now)
     local new = math.max(base + cost * interval, now)
     local dvt = capacity * interval
@@ -78,11 +78,11 @@ if out[1] == 1 then
   local full = 0
   for b = 1, 3 do
     if tats[b] then
-      redis.call('HSET', KEYS[1], fields[b], string.format('%.3f', tats[b]))
+      redis.call('HSET', K.tenant, fields[b], string.format('%.3f', tats[b]))
       full = math.max(full, tats[b] - now)
     end
   end
-  if full > 0 then redis.call('PEXPIRE', KEYS[1], math.ceil(full) + 1000) end
+  if full > 0 then redis.call('PEXPIRE', K.tenant, math.ceil(full) + 1000) end
 end
 return out
 """
@@ -178,7 +178,7 @@ class RateLimiter:
         self.redis = redis
         self.keys = keys
         self.settings = settings
-        self._gcra = redis.register_script(GCRA_LUA)
+        self._gcra = Script(redis, GCRA_LUA)
 
     async def charge(
         self, tenant: str, *, requests: int, tokens: int, embedding_bytes: int = 0, now: float | None = None
@@ -191,10 +191,17 @@ class RateLimiter:
         buckets = tuple(b if cost else None for b, cost in zip(limits, costs, strict=True))
         if not any(buckets):
             return None
-        args: list[Any] = ["" if now is None else repr(now * 1000)]
-        for bucket, cost in zip(buckets, costs, strict=True):
-            args += [bucket.interval_ms, bucket.capacity, cost] if bucket else [0, 0, 0]
-        reply = [int(x) for x in await self._gcra(keys=[self.keys.rate_limit(tenant)], args=args)]
+        args: dict[str, Any] = {
+            "buckets": [
+                {"interval": b.interval_ms, "capacity": b.capacity, "cost": cost}
+                if b
+                else {"interval": 0, "capacity": 0, "cost": 0}
+                for b, cost in zip(buckets, costs, strict=True)
+            ]
+        }
+        if now is not None:
+            args["now"] = now * 1000
+        reply = [int(x) for x in await self._gcra(keys={"tenant": self.keys.rate_limit(tenant)}, args=args)]
         quotas = {
             b.name: Quota(b.name, b.capacity, reply[3 + 2 * i], math.ceil(reply[4 + 2 * i] / 1000))
             for i, b in enumerate(buckets)

@@ -29,6 +29,7 @@ from app.core.jobrecord import JobRecord
 from app.core.jobs import FINAL_EVENTS
 from app.core.jobview import JobPublic
 from app.core.keys import Keys
+from app.core.scripts import HOLD_LEASE, Script
 from app.webhooks import events as ev
 from app.webhooks.retries import RetryQueue
 
@@ -42,11 +43,6 @@ ENTRIES_PER_STREAM = 256
 MAX_FOLLOWED = 20_000  # the oldest this many registered jobs are followed; the rest wait their turn
 RETRIES_PER_STEP = 1000  # due retries sent per step; more wait for the next (a quarter second on)
 TOKEN_INTERVAL_S = 0.5  # `token` events of a job batched this long: at most two token webhooks a second
-
-RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
-"""
 
 
 @dataclass
@@ -81,7 +77,7 @@ class Dispatcher:
         self.me = uuid.uuid4().hex
         self.follows: dict[str, Follow] = {}
         self.batches = ev.TokenBatches(TOKEN_INTERVAL_S)
-        self._renew = redis.register_script(RENEW_LUA)
+        self._hold = Script(redis, HOLD_LEASE)
         self.retries = RetryQueue(redis, keys)
 
     def run(self, stop: threading.Event) -> None:
@@ -100,7 +96,8 @@ class Dispatcher:
                 stop.wait(1.0)
 
     def _lease(self) -> bool:
-        return bool(self._renew(keys=[self.keys.webhook_lease()], args=[self.me, int(LEASE_S * 1000)]))
+        args = {"holder": self.me, "ms": int(LEASE_S * 1000)}
+        return bool(self._hold(keys={"lease": self.keys.webhook_lease()}, args=args))
 
     def _forget(self) -> None:
         self.follows.clear()

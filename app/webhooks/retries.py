@@ -22,40 +22,47 @@ import uuid
 from typing import Any
 
 from app.core.keys import Keys
+from app.core.scripts import Script
 
+# K: retries (the schedule: id by due time), messages (id -> message), counts (tenant -> waiting).
+# A: id, due, message, tenant, max (a tenant's waiting events). 0 when the tenant has `max` waiting.
 SCHEDULE_LUA = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-  redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if redis.call('HEXISTS', K.messages, A.id) == 1 then
+  redis.call('HSET', K.messages, A.id, A.message)
+  redis.call('ZADD', K.retries, A.due, A.id)
   return 1
 end
-local waiting = tonumber(redis.call('HGET', KEYS[3], ARGV[4]) or '0')
-if waiting >= tonumber(ARGV[5]) then return 0 end
-redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+local waiting = tonumber(redis.call('HGET', K.counts, A.tenant) or '0')
+if waiting >= A.max then return 0 end
+redis.call('HINCRBY', K.counts, A.tenant, 1)
+redis.call('HSET', K.messages, A.id, A.message)
+redis.call('ZADD', K.retries, A.due, A.id)
 return 1
 """
 
+# K: as SCHEDULE_LUA's. A.taken: per message {id, score (its due time when it was read), tenant};
+# each still due at that score is forgotten. Returns how many.
 REMOVE_LUA = """
 local removed = 0
-for i = 1, #ARGV, 3 do
-  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  if score and tonumber(score) == tonumber(ARGV[i + 1]) then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    redis.call('HDEL', KEYS[2], ARGV[i])
-    if redis.call('HINCRBY', KEYS[3], ARGV[i + 2], -1) <= 0 then redis.call('HDEL', KEYS[3], ARGV[i + 2]) end
+for _, t in ipairs(A.taken) do
+  local score = redis.call('ZSCORE', K.retries, t.id)
+  if score and tonumber(score) == tonumber(t.score) then
+    redis.call('ZREM', K.retries, t.id)
+    redis.call('HDEL', K.messages, t.id)
+    if redis.call('HINCRBY', K.counts, t.tenant, -1) <= 0 then redis.call('HDEL', K.counts, t.tenant) end
     removed = removed + 1
   end
 end
 return removed
 """
 
+# K.slots: a tenant's deliveries in progress (token by when it lapses). A: now, lapses (this slot's),
+# max, token. 1 when the slot is taken.
 ACQUIRE_LUA = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
-redis.call('PEXPIREAT', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+redis.call('ZREMRANGEBYSCORE', K.slots, '-inf', A.now)
+if redis.call('ZCARD', K.slots) >= A.max then return 0 end
+redis.call('ZADD', K.slots, A.lapses, A.token)
+redis.call('PEXPIREAT', K.slots, math.ceil(tonumber(A.lapses) * 1000))
 return 1
 """
 
@@ -74,21 +81,25 @@ class RetryQueue:
         self.redis = redis
         self.keys = keys
         self.max_per_tenant = TENANT_MAX_RETRIES if max_per_tenant is None else max_per_tenant
-        self._schedule = redis.register_script(SCHEDULE_LUA)
-        self._remove = redis.register_script(REMOVE_LUA)
+        self._schedule = Script(redis, SCHEDULE_LUA)
+        self._remove = Script(redis, REMOVE_LUA)
 
-    def _keys(self) -> list[str]:
+    def _keys(self) -> dict[str, str]:
         k = self.keys
-        return [k.webhook_retries(), k.webhook_retry_messages(), k.webhook_retry_counts()]
+        return {
+            "retries": k.webhook_retries(),
+            "messages": k.webhook_retry_messages(),
+            "counts": k.webhook_retry_counts(),
+        }
 
-    def _schedule_args(self, message: dict[str, Any], due: float) -> list[Any]:
-        return [
-            message["webhook_id"],
-            repr(due),
-            json.dumps(message),
-            tenant_of(message),
-            self.max_per_tenant,
-        ]
+    def _schedule_args(self, message: dict[str, Any], due: float) -> dict[str, Any]:
+        return {
+            "id": message["webhook_id"],
+            "due": repr(due),
+            "message": json.dumps(message),
+            "tenant": tenant_of(message),
+            "max": self.max_per_tenant,
+        }
 
     def schedule(self, message: dict[str, Any], *, due: float) -> bool:
         """Queue `message` (its `attempt` says which) for `due`; False when its tenant already has
@@ -117,11 +128,11 @@ class RetryQueue:
 
     def remove(self, taken: list[tuple[dict[str, Any], str]]) -> int:
         """Forget messages `due` returned and the caller has sent (unless rescheduled meanwhile)."""
-        args: list[str] = []
+        rows = []
         for message, token in taken:
             member, score = token.rsplit(" ", 1)
-            args += [member, score, tenant_of(message)]
-        return int(self._remove(keys=self._keys(), args=args)) if args else 0
+            rows.append({"id": member, "score": score, "tenant": tenant_of(message)})
+        return int(self._remove(keys=self._keys(), args={"taken": rows})) if rows else 0
 
     def waiting(self, tenant: str) -> int:
         return int(self.redis.hget(self.keys.webhook_retry_counts(), tenant) or 0)
@@ -133,13 +144,13 @@ class TenantSlots:
         self.keys = keys
         self.per_tenant = per_tenant
         self.hold_s = hold_s  # a slot lapses this long after it was taken
-        self._acquire = redis.register_script(ACQUIRE_LUA)
+        self._acquire = Script(redis, ACQUIRE_LUA)
 
     def acquire(self, tenant: str, *, now: float) -> str | None:
         """A slot's token, or None when the tenant has `per_tenant` deliveries in progress."""
         token = uuid.uuid4().hex
-        args = [repr(now), repr(now + self.hold_s), self.per_tenant, token]
-        return token if self._acquire(keys=[self.keys.webhook_slots(tenant)], args=args) else None
+        args = {"now": repr(now), "lapses": repr(now + self.hold_s), "max": self.per_tenant, "token": token}
+        return token if self._acquire(keys={"slots": self.keys.webhook_slots(tenant)}, args=args) else None
 
     def release(self, tenant: str, token: str) -> None:
         self.redis.zrem(self.keys.webhook_slots(tenant), token)

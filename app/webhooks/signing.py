@@ -31,18 +31,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from app.core.keys import Keys
+from app.core.scripts import Script
 
 PREFIX = "whsec_"
 KEY_BYTES = 32  # what a generated secret holds; the spec asks for 24 to 64
 DERIVATION = b"conveyor-webhook-secret/v1"  # domain separation: the master key signs nothing else
 
 # Rotate a tenant's secret: the next generation, and since when the previous one still signs too.
+# K.tenants: every tenant's record. A: tenant, now.
 ROTATE_LUA = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local raw = redis.call('HGET', K.tenants, A.tenant)
 local generation = 0
 if raw then generation = cjson.decode(raw)['generation'] end
-local record = cjson.encode({generation = generation + 1, rotated_at = tonumber(ARGV[2])})
-redis.call('HSET', KEYS[1], ARGV[1], record)
+local record = cjson.encode({generation = generation + 1, rotated_at = A.now})
+redis.call('HSET', K.tenants, A.tenant, record)
 return generation + 1
 """
 
@@ -123,8 +125,10 @@ class TenantRecord:
 def rotate(redis: Any, keys: Keys, tenant: str, *, now: float | None = None) -> int:
     """Give `tenant` a new secret generation (its first creates it); the generation. Called by
     `conveyor keys create` and `conveyor keys webhook-secret --rotate`."""
-    script = redis.register_script(ROTATE_LUA)
-    return int(script(keys=[keys.webhook_tenants()], args=[tenant, repr(now or time.time())]))
+    rotated = Script(redis, ROTATE_LUA)
+    return int(
+        rotated(keys={"tenants": keys.webhook_tenants()}, args={"tenant": tenant, "now": now or time.time()})
+    )
 
 
 def generation(redis: Any, keys: Keys, tenant: str) -> int | None:

@@ -93,6 +93,9 @@ def job_writes(source: str) -> list[str]:
             if names:
                 found.append(node)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Script":
+            if any(isinstance(n, ast.Name) and n.id in scripts for a in node.args for n in ast.walk(a)):
+                found.append(node)  # app/core/scripts.py's registration
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             args = [*node.args, *(k.value for k in node.keywords)]
             if node.func.attr in WRITES and any(_is_job_key(a, tainted) for a in args):
@@ -153,6 +156,8 @@ def test_the_store_itself_is_what_the_scan_would_flag() -> None:
         "X = \"redis.call('HSET', KEYS[1], 'status', ARGV[1])\"",
         "X = \"redis.call('XADD', KEYS[2], '*', 'event', 'done', 'data', '{}')\"",
         "from app.core.jobstore import END_LUA\ns = redis.register_script(END_LUA)",
+        "from app.core.jobscripts import STEP_LUA as X\ns = Script(redis, X)",
+        "self._script(keys={'job': self.keys.job(j), 'other': k}, args={})",
     ],
 )
 def test_a_job_write_elsewhere_is_found(source: str) -> None:
@@ -169,6 +174,8 @@ def test_a_job_write_elsewhere_is_found(source: str) -> None:
         "redis.zadd(self.keys.workers(m, 0), {w: 1.0})",
         "X = \"redis.call('HSET', KEYS[1], 'state', 'open')\"",
         "s = redis.register_script(FORGET_LUA)",
+        "s = Script(redis, RELEASE_IF_HELD)",
+        "self._hold(keys={'lease': self.keys.webhook_lease()}, args={'holder': me})",
     ],
 )
 def test_reads_and_other_keys_are_not_job_writes(source: str) -> None:
