@@ -30,6 +30,7 @@ from app.core.sampling import (
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    SamplingParams,
     temperature_problem,
 )
 
@@ -317,11 +318,13 @@ class JobCreate(BaseModel):
     def _temperature(cls, value: float | None) -> float | None:
         return None if value is None else checked_temperature(value)
 
-    def sampling(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
-        """The sampling values as `SamplingParams` takes them, each one left out taken from
-        `defaults` (the model's generation_config.json), but `bad_words` (words: the API tokenizes
-        them)."""
-        given = {
+    def sampling(
+        self, defaults: Mapping[str, Any], bad_words: tuple[tuple[int, ...], ...] = ()
+    ) -> SamplingParams:
+        """The job's sampling values, each one left out taken from `defaults` (the model's
+        generation_config.json); `bad_words`: the request's words as token sequences (the API
+        tokenizes them with the model's tokenizer)."""
+        given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -329,16 +332,18 @@ class JobCreate(BaseModel):
             "repetition_penalty": self.repetition_penalty,
         }
         chosen = {name: defaults.get(name) if value is None else value for name, value in given.items()}
-        return {name: value for name, value in chosen.items() if value is not None} | {
-            "seed": self.seed,
-            "logprobs": self.logprobs,
-            "prompt_logprobs": self.prompt_logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),
-            "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            "stop_token_ids": tuple(self.stop_token_ids or ()),
-        }
+        return SamplingParams(
+            **{name: value for name, value in chosen.items() if value is not None},
+            seed=self.seed,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items())),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=bad_words,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+        )
 
     @field_validator("grammar")
     @classmethod

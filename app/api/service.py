@@ -153,10 +153,8 @@ class JobService:
         if model is None:
             model = await run_in_threadpool(self.catalog.get, name)
         prompt_ids = await self.prompts.encode(model, request)
-        sampling = SamplingParams(
-            bad_words=await self.prompts.encode_words(model, request.bad_words or []),
-            **request.sampling(model.sampling_defaults),
-        )
+        bad_words = await self.prompts.encode_words(model, request.bad_words or [])
+        sampling = request.sampling(model.sampling_defaults, bad_words)
         problem = sampling.problem(model.vocab_size)
         if problem is not None:
             raise InvalidRequest(problem)
