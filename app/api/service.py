@@ -41,7 +41,7 @@ from app.core.errors import (
     SyncTimeout,
 )
 from app.core.follow import Event, follow, is_over
-from app.core.jobrecord import JobRecord, JobRequest
+from app.core.jobrecord import EMBEDDING_JOB, JobRecord, JobRequest
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
@@ -446,7 +446,7 @@ class JobService:
             status=JobStatus.QUEUED,
             model=EMBEDDING_MODEL,
             tenant=tenant,
-            kind="embedding",
+            kind=EMBEDDING_JOB,
             priority=priority,
             created_at=now,
             deadline=deadline,
@@ -459,6 +459,7 @@ class JobService:
             priority=priority,
             deadline=deadline,
             tenant=tenant,
+            kind=EMBEDDING_JOB,
         )
         written = await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
         return not written.existed

@@ -36,9 +36,11 @@ def intake_fields(
     deadline: float | None = None,
     tenant: str = "",
     max_tokens: int = 0,
+    kind: str | None = None,
 ) -> dict[str, str]:
     """One intake entry. `deadline`: unix time by which the job must have started, else it expires;
-    `tenant` and `max_tokens`: whose job it is and what it may generate, for fair share."""
+    `tenant` and `max_tokens`: whose job it is and what it may generate, for fair share; `kind`: the
+    job's (the record's), where it is not a generation (EMBEDDING_JOB)."""
     fields = {"job_id": job_id, "model": model, "prompt_tokens": str(prompt_tokens), "priority": priority}
     if deadline is not None:
         fields["deadline"] = repr(deadline)
@@ -46,6 +48,8 @@ def intake_fields(
         fields["tenant"] = tenant
     if max_tokens:
         fields["max_tokens"] = str(max_tokens)
+    if kind:
+        fields["kind"] = kind
     return fields
 
 

@@ -77,12 +77,13 @@ class Monitor:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in stalled:
             pipe.hmget(
-                self.keys.job(job_id), ["model", "priority", "prompt_tokens", "completion_tokens", "tenant"]
+                self.keys.job(job_id),
+                ["model", "priority", "prompt_tokens", "completion_tokens", "tenant", "kind"],
             )
         records = pipe.execute()
         moved: dict[str, str] = {}
         ready: dict[str, bool] = {}
-        for job_id, (model, priority, prompt, completion, tenant) in zip(stalled, records, strict=True):
+        for job_id, (model, priority, prompt, completion, tenant, kind) in zip(stalled, records, strict=True):
             if model is None:  # the record expired: nothing to run
                 self.jobs.unprogressed([job_id])
                 continue
@@ -98,7 +99,12 @@ class Monitor:
                 "(a worker died or missed its step deadline each time)",
             }
             entry = intake_fields(
-                job_id=job_id, model=model, prompt_tokens=tokens, priority=priority, tenant=text_of(tenant)
+                job_id=job_id,
+                model=model,
+                prompt_tokens=tokens,
+                priority=priority,
+                tenant=text_of(tenant),
+                kind=text_of(kind) if kind else None,
             )
             status = self.jobs.recover(
                 job_id,

@@ -4,8 +4,9 @@ The loop owns no policy: `windows.plan` decides what to dispatch, this module on
 around it. An intake entry is acknowledged only after its batch was handed to the broker.
 
 Embeddings jobs come through the same intake, admission, windows, budget and stall recovery; their
-model (`EMBEDDING_MODEL`) has a pipeline of its own, `embedding_stages` long, and a batch of them
-goes to that pipeline's first queue as one `embed_batch` message instead of a prefill.
+kind (`EMBEDDING_JOB`, in the record and the intake entry) has a pipeline of its own,
+`embedding_stages` long, and a batch of them goes to that pipeline's first queue as one
+`embed_batch` message instead of a prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from app.batching import fairshare, intake, windows
 from app.batching.budget import REPLICA_BATCHES, Budget, Census, Share, budget
 from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
-from app.core.config import EMBEDDING_MODEL, BatcherSettings, Settings
+from app.core.config import BatcherSettings, Settings
+from app.core.jobrecord import EMBEDDING_JOB
 from app.core.jobs import JobStatus, Transition, text_of
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
@@ -168,11 +170,12 @@ class Batcher:
         gone = {id(it) for it in late}
         self.pending = [it for it in self.pending if id(it) not in gone]
 
-    def budgets(self, models: set[str]) -> dict[str, Budget]:
-        """Each model's budget now, from its live stage replicas (app/batching/budget.py)."""
+    def budgets(self, kinds: dict[str, str | None]) -> dict[str, Budget]:
+        """Each model's budget now (`kinds`: model -> its jobs' kind), from its live stage replicas
+        (app/batching/budget.py)."""
         budgets = {
-            model: budget(live, EMBEDDING_SHARE if model == EMBEDDING_MODEL else self.share)
-            for model, live in self.census.live(models).items()
+            model: budget(live, EMBEDDING_SHARE if kinds[model] == EMBEDDING_JOB else self.share)
+            for model, live in self.census.live(set(kinds)).items()
         }
         for model, b in budgets.items():
             metrics.PIPELINE_REPLICAS.labels(model).set(b.replicas)
@@ -187,7 +190,7 @@ class Batcher:
             self.waiting_for_room = False
             return
         inflight = {m: self.redis.hlen(self.keys.inflight(m)) for m in models}
-        budgets = self.budgets(models)
+        budgets = self.budgets({it.model: it.kind for it in self.pending})
         capacity = {m: b.batches for m, b in budgets.items()}
         counted = self.census.in_flight()  # every scheduled or running sequence, per model
         running = {m: counted[m] for m in models}
@@ -271,6 +274,7 @@ class Batcher:
             alone=int(f.get("attempts", "0")) >= 2,
             tenant=f.get("tenant", ""),
             max_tokens=int(f.get("max_tokens", "0")),
+            kind=f.get("kind"),
         )
 
     def _dispatch(self, batch: windows.Batch) -> None:
@@ -301,7 +305,7 @@ class Batcher:
             if batch.priority < windows.URGENT:
                 self.unstarted[batch.model] = (scheduled[0], self.clock())
             message: StepMessage | dict[str, Any]
-            if batch.model == EMBEDDING_MODEL:  # a job kind of its own, on its own pipeline
+            if batch.kind == EMBEDDING_JOB:  # a job kind of its own, on its own pipeline
                 message, queue = embed_batch(batch_id, scheduled), self.keys.embed_queue(0)
             else:
                 message = StepMessage(

@@ -57,6 +57,7 @@ class Item:
     alone: bool = False  # recovered more than once: dispatched in a batch of its own
     tenant: str = ""  # who submitted it: fair share is across tenants
     max_tokens: int = 0  # what it may generate (0 for a recovered job: it was charged once)
+    kind: str | None = None  # the job's, where it is not a generation (EMBEDDING_JOB)
 
     @property
     def cost(self) -> int:
@@ -141,6 +142,14 @@ class Batch:
     def priority(self) -> int:
         """The most urgent class among its jobs."""
         return min(it.priority for it in self.items)
+
+    @property
+    def kind(self) -> str | None:
+        """Its jobs' kind: one model's jobs are all of one kind, so a batch is too."""
+        kinds = {it.kind for it in self.items}
+        if len(kinds) != 1:
+            raise ValueError(f"a batch of {self.model} mixes job kinds {sorted(map(str, kinds))}")
+        return kinds.pop()
 
 
 def length_bucket(prompt_tokens: int, bounds: Sequence[int]) -> int:

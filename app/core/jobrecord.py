@@ -84,6 +84,11 @@ _CODECS: dict[str, tuple[Any, Any]] = {
 }
 
 
+# A job's kind, where it is not a generation: an embeddings job (the record's `kind`, and its intake
+# entry's). The batcher sends a batch by its jobs' kind, never by their model's name.
+EMBEDDING_JOB = "embedding"
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobRecord:
     """The job hash (`job:{id}`), typed. A field that is None is absent from the hash. Fields are
@@ -93,7 +98,7 @@ class JobRecord:
     status: JobStatus
     model: str
     tenant: str
-    kind: str | None = None  # "embedding"; absent for a generation job
+    kind: str | None = None  # EMBEDDING_JOB; absent for a generation job
     priority: str
     created_at: float
     request: JobRequest | None = None
