@@ -81,15 +81,16 @@ def api(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "api.log").read_text()
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the API did not start"
-            time.sleep(0.2)
+        with httpx.Client(timeout=1) as poll:  # one client for every poll (conftest.start_stack)
+            while True:
+                assert process.poll() is None, (tmp_path / "api.log").read_text()
+                try:
+                    if poll.get(f"{url}/healthz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the API did not start"
+                time.sleep(0.2)
         yield url, key, process.pid
     finally:
         process.terminate()
