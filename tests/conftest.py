@@ -31,7 +31,7 @@ import redis as redis_lib
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Harness, start_harness  # noqa: E402
+from harness import TLS, Harness, start_harness  # noqa: E402
 from keyaudit import unbounded_keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +137,7 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)  # what `conveyor up` was started with
 
     def client(self, **kwargs: object) -> httpx.Client:
+        kwargs.setdefault("verify", TLS)
         return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)  # type: ignore[arg-type]
 
     def stop(self) -> int:
@@ -210,7 +211,7 @@ def start_stack(
     deadline = time.monotonic() + ready_timeout_s
     # One client for every poll: `httpx.get` builds a client, and its TLS context, each call (~50 ms
     # of CPU, taken from the stack that is starting on the same two cores).
-    with httpx.Client(timeout=2) as poll:
+    with httpx.Client(timeout=2, verify=TLS) as poll:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"the stack exited early:\n{log.read_text()[-4000:]}")

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # Settings that turn authentication on (as conftest.AUTH_SETTINGS): without one the stack is open.
 AUTH_SETTINGS = {"CONVEYOR_AUTH", "CONVEYOR_API_KEYS", "CONVEYOR_JWT_KEY", "CONVEYOR_JWT_KEY_FILE"}
 _ENVIRON = threading.Lock()  # Settings read os.environ: one harness reads it at a time
+# The tests' clients share one TLS context: httpx builds one per client otherwise (certifi's bundle
+# read and parsed, ~35 ms of CPU a client, where a test may open several).
+TLS = httpx.create_ssl_context()
 
 
 def settings_from_env(env: dict[str, str]) -> Settings:
@@ -136,6 +139,7 @@ class Harness:
         return redis_lib.Redis.from_url(self.settings.redis_url or "")
 
     def client(self, **kwargs: object) -> httpx.Client:
+        kwargs.setdefault("verify", TLS)
         return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)  # type: ignore[arg-type]
 
     def openai(self, **kwargs: Any) -> Any:
