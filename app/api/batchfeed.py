@@ -50,6 +50,7 @@ from app.api.toolformats import ToolFormat
 from app.core import batchstore as bs
 from app.core.batchstore import BatchStore, line_job_id, output_file_id
 from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.discovery import EMBEDDING, kind_of
 from app.core.errors import ConveyorError, JobFinished, JobNotFound, Refused
 from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
@@ -221,7 +222,7 @@ class BatchFeeder:
                 model = parsed["body"].get("model") or self.settings.default_model
                 if endpoint == EMBEDDINGS:
                     model = parsed["body"].get("model") or EMBEDDING_MODEL
-                    models[model] = model == EMBEDDING_MODEL
+                    models[model] = kind_of(model) == EMBEDDING
                 elif model not in models:
                     models[model] = await self._known(model)
                 if not models[model]:

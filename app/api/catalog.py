@@ -27,6 +27,7 @@ from app.api.toolformats import ToolFormat
 from app.api.toolprompt import template_format, written_in
 from app.core import modelstore, routing
 from app.core.config import EMBEDDING_MODEL, CatalogSettings, Settings
+from app.core.discovery import GENERATION, kind_of
 from app.core.errors import InvalidRequest, ModelNotFound, UnsupportedModel
 from app.core.keys import Keys
 from app.core.sampling import SamplingParams
@@ -34,8 +35,6 @@ from app.partitions.loading import check_servable
 
 log = logging.getLogger(__name__)
 
-GENERATION: Final = "generation"
-EMBEDDING: Final = "embedding"
 ROUTE: Final = "route"  # a name routed to one of two generation models (app/core/routing.py)
 
 
@@ -154,7 +153,7 @@ class Catalog:
         resolved once: the API's lifespan calls it first, so a route naming a model that is not served
         stops the start (RouteConfigError) instead of failing requests."""
         if self._routes is None:
-            served = [name for name in available(self.settings) if name != EMBEDDING_MODEL]
+            served = [name for name in available(self.settings) if kind_of(name) == GENERATION]
             sizes = {name: parameter_count(self.settings.model_path(name)) for name in served}
             self._routes = routing.resolve(self.settings.routes, served, sizes)
         return self._routes
@@ -268,8 +267,7 @@ async def serving(settings: Settings, redis: Any) -> dict[str, str]:
     their workers still load. Otherwise, those of the known models (configured, added, the embeddings
     model) whose workers' heartbeats are live: one ZCOUNT per model and stage, never a key scan.
     """
-    kinds = dict.fromkeys(settings.model_names(), GENERATION)
-    kinds[EMBEDDING_MODEL] = EMBEDDING
+    kinds = {name: kind_of(name) for name in [*settings.model_names(), EMBEDDING_MODEL]}
     if settings.served_models:
         return {name: kinds[name] for name in settings.served_models if name in kinds}
     keys = Keys(settings.namespace)

@@ -10,6 +10,7 @@ import hashlib
 from app.api.auth import ANONYMOUS
 from app.api.schemas import JobCreate
 from app.core.config import EMBEDDING_MODEL, JobServiceSettings
+from app.core.discovery import EMBEDDING, kind_of
 from app.core.errors import InvalidRequest, MaxTokensExceeded, ModelNotFound, NotServed, PriorityNotAllowed
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
 
@@ -87,7 +88,7 @@ def check_stop(stop: list[str]) -> None:
 def check_embeddings(settings: JobServiceSettings, texts: list[str], model: str | None) -> None:
     if settings.embedding_stages <= 0:
         raise NotServed("embeddings are not served here (CONVEYOR_EMBEDDING_STAGES=0)")
-    if (model or EMBEDDING_MODEL) != EMBEDDING_MODEL:
+    if kind_of(model or EMBEDDING_MODEL) != EMBEDDING:
         raise ModelNotFound(
             f"embeddings model {model!r} does not exist; available: {[EMBEDDING_MODEL]}", model=model
         )

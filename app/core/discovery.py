@@ -8,14 +8,25 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Final
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # /v1/embeddings' one model (app/workers/embedding.py)
+# A model's kind: what its jobs are (the job record's `kind`), which endpoints take it and which
+# pipeline runs it. `kind_of` is the one place that tells a model's kind.
+GENERATION: Final = "generation"
+EMBEDDING: Final = "embedding"
 # Its texts are truncated at this many tokens: sentence-transformers' max_seq_length for it
 # (sentence_bert_config.json).
 EMBEDDING_MAX_TOKENS = 256
 # A model's name: a directory name under the model home and a Redis key part, never a path.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def kind_of(model: str) -> str:
+    """`model`'s kind: EMBEDDING for the embeddings model (its own endpoint, its own pipeline of
+    torch.fx graph pieces, `embedding_stages` long), GENERATION for every other."""
+    return EMBEDDING if model == EMBEDDING_MODEL else GENERATION
 
 
 def valid_model_name(name: str) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.core.discovery import EMBEDDING
 from app.core.grammar import Grammar
 from app.core.jobs import TIMESTAMP_FIELD, JobStatus, decode_record, encode_field
 from app.core.sampling import SamplingParams
@@ -84,9 +85,9 @@ _CODECS: dict[str, tuple[Any, Any]] = {
 }
 
 
-# A job's kind, where it is not a generation: an embeddings job (the record's `kind`, and its intake
-# entry's). The batcher sends a batch by its jobs' kind, never by their model's name.
-EMBEDDING_JOB = "embedding"
+# A job's kind (`app.core.discovery.kind_of` of its model), kept in the record and its intake entry
+# where it is not a generation: the batcher sends a batch by its jobs' kind, never by a model's name.
+EMBEDDING_JOB = EMBEDDING
 
 
 @dataclass(frozen=True, kw_only=True)

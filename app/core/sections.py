@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.core.breaker import Policy as BreakerPolicy
-from app.core.discovery import EMBEDDING_MODEL, find_model, known_models
+from app.core.discovery import EMBEDDING, find_model, kind_of, known_models
 from app.core.errors import RETRY_AFTER_S
 from app.core.jobstore import Lifetimes
 from app.core.keys import PRIORITIES, PRIORITY_ALIASES
@@ -43,9 +43,9 @@ def build(cls: type[T], settings: object, *, prefix: str = "", **derived: Any) -
 
 
 def pipeline_stages(model: str, *, stages: int, embedding_stages: int) -> int:
-    """How many stages `model`'s pipeline has: the embeddings model its own count, every generation
+    """How many stages `model`'s pipeline has: an embeddings model its own count, every generation
     model `stages`. One answer for the API's admission and the batcher's census and monitor."""
-    return embedding_stages if model == EMBEDDING_MODEL else stages
+    return embedding_stages if kind_of(model) == EMBEDDING else stages
 
 
 class TenantLimits(BaseModel):

@@ -40,3 +40,18 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
     found = upward_imports()
     assert found - ALLOWED.keys() == set(), "imports that go up or sideways"
     assert ALLOWED.keys() - found == set(), "allowed imports that are gone: remove them from ALLOWED"
+
+
+def test_a_model_s_kind_is_told_in_one_place() -> None:
+    """Only `app.core.discovery.kind_of` compares a model's name with the embeddings model's: every
+    other module asks it for the kind, so what a model is decides once, not in each caller."""
+    found = []
+    for path in sorted(APP.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(n, ast.Name) and n.id == "EMBEDDING_MODEL" for n in [node.left, *node.comparators]
+            ):
+                found.append(f"{path.relative_to(APP)}:{node.lineno}")
+    others = [f for f in found if not f.startswith("core/discovery.py:")]
+    assert len(found) - len(others) == 1, "kind_of compares once"
+    assert others == [], "compare kind_of(model) with EMBEDDING or GENERATION instead"

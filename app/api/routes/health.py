@@ -15,7 +15,8 @@ from app.api.deps import get_jobs, get_settings
 from app.api.schemas import Health
 from app.api.service import JobService
 from app.core.breaker import Action, decide
-from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.config import Settings
+from app.core.discovery import GENERATION, kind_of
 from app.core.errors import ConveyorError
 from app.core.health import not_healthy
 from app.core.keys import Keys
@@ -147,5 +148,5 @@ async def _is_admin(request: Request, settings: Settings) -> bool:
 
 def _generation_models(settings: Settings) -> list[str]:
     """The default model first, then the other generation models `conveyor up` started."""
-    others = [m for m in settings.served_models if m not in (settings.default_model, EMBEDDING_MODEL)]
+    others = [m for m in settings.served_models if m != settings.default_model and kind_of(m) == GENERATION]
     return [settings.default_model, *others]

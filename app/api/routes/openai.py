@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from app.api import audit
 from app.api.auth import current_tenant
-from app.api.catalog import EMBEDDING, GENERATION, ROUTE, serving
+from app.api.catalog import ROUTE, serving
 from app.api.chat_schemas import ChatCompletionCreate
 from app.api.deps import get_jobs, get_settings
 from app.api.openai_answers import (
@@ -50,6 +50,7 @@ from app.api.service import JobService
 from app.api.toolformats import ToolFormat
 from app.core import routing
 from app.core.config import Settings
+from app.core.discovery import EMBEDDING, GENERATION
 from app.core.errors import InvalidRequest, ModelNotFound
 from app.core.jobrecord import JobRecord
 
