@@ -40,8 +40,10 @@ run: $(STAMP)
 # one test at a time: its stacks wait on heartbeats, restarts and timeouts more than they compute, so
 # the lanes share the two cores instead of taking turns. The background lane's output is printed when
 # both are done (and kept in .e2e.log). The bench/ and deployment-manifest tests have targets of their
-# own (test-bench, test-deploy).
+# own (test-bench, test-deploy). Each lane ends with its ten slowest tests (setup, call, teardown):
+# where the gate's time goes, every run.
 TEST_WORKERS ?= 2
+SLOWEST := --durations=10
 APART  := not bench and not deploy
 FAST   := -m "not slow and not e2e and $(APART)"
 INPROC := -m "not e2e and $(APART)"
@@ -50,10 +52,10 @@ LATE   := -m "(slow or e2e) and $(APART)"
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check app tests bench
-	@{ $(BIN)/mypy; lint=$$?; $(BIN)/python -m pytest $(E2E); e2e=$$?; \
+	@{ $(BIN)/mypy; lint=$$?; $(BIN)/python -m pytest $(SLOWEST) $(E2E); e2e=$$?; \
 	   echo "mypy exit $$lint, e2e tier exit $$e2e"; [ $$lint = 0 ] && [ $$e2e = 0 ]; } > .e2e.log 2>&1 & \
 	lane=$$!; \
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(INPROC); inproc=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(SLOWEST) $(INPROC); inproc=$$?; \
 	wait $$lane; lane=$$?; \
 	echo "===== mypy and the e2e tier ====="; cat .e2e.log; \
 	[ $$inproc = 0 ] && [ $$lane = 0 ]
