@@ -31,6 +31,7 @@ from app.batching.intake import intake_fields, padded_bytes, padded_positions
 from app.core import metrics, routing
 from app.core.admission import Admission
 from app.core.config import EMBEDDING_MODEL, JobServiceSettings
+from app.core.discovery import EMBEDDING
 from app.core.errors import (
     ContextLengthExceeded,
     IdempotencyConflict,
@@ -41,7 +42,7 @@ from app.core.errors import (
     SyncTimeout,
 )
 from app.core.follow import Event, follow, is_over
-from app.core.jobrecord import EMBEDDING_JOB, JobRecord, JobRequest
+from app.core.jobrecord import JobRecord, JobRequest
 from app.core.jobs import JobStatus
 from app.core.keys import Keys
 from app.core.ratelimit import Quota, RateLimiter
@@ -446,7 +447,7 @@ class JobService:
             status=JobStatus.QUEUED,
             model=EMBEDDING_MODEL,
             tenant=tenant,
-            kind=EMBEDDING_JOB,
+            kind=EMBEDDING,
             priority=priority,
             created_at=now,
             deadline=deadline,
@@ -459,7 +460,7 @@ class JobService:
             priority=priority,
             deadline=deadline,
             tenant=tenant,
-            kind=EMBEDDING_JOB,
+            kind=EMBEDDING,
         )
         written = await self.admission.write(ticket, record=record, intake=intake, idempotency=None)
         return not written.existed

@@ -40,7 +40,7 @@ def intake_fields(
 ) -> dict[str, str]:
     """One intake entry. `deadline`: unix time by which the job must have started, else it expires;
     `tenant` and `max_tokens`: whose job it is and what it may generate, for fair share; `kind`: the
-    job's (the record's), where it is not a generation (EMBEDDING_JOB)."""
+    job's (the record's), where it is not a generation (`app.core.discovery.EMBEDDING`)."""
     fields = {"job_id": job_id, "model": model, "prompt_tokens": str(prompt_tokens), "priority": priority}
     if deadline is not None:
         fields["deadline"] = repr(deadline)

@@ -4,7 +4,7 @@ The loop owns no policy: `windows.plan` decides what to dispatch, this module on
 around it. An intake entry is acknowledged only after its batch was handed to the broker.
 
 Embeddings jobs come through the same intake, admission, windows, budget and stall recovery; their
-kind (`EMBEDDING_JOB`, in the record and the intake entry) has a pipeline of its own,
+kind (`EMBEDDING`, in the record and the intake entry) has a pipeline of its own,
 `embedding_stages` long, and a batch of them goes to that pipeline's first queue as one
 `embed_batch` message instead of a prefill.
 """
@@ -26,7 +26,7 @@ from app.batching.budget import REPLICA_BATCHES, Budget, Census, Share, budget
 from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
 from app.core.config import BatcherSettings, Settings
-from app.core.jobrecord import EMBEDDING_JOB
+from app.core.discovery import EMBEDDING
 from app.core.jobs import JobStatus, Transition, text_of
 from app.core.jobstore import JobStore
 from app.core.keys import BATCH_LOG_MAXLEN, PRIORITIES, PRIORITY_ALIASES, Keys
@@ -174,7 +174,7 @@ class Batcher:
         """Each model's budget now (`kinds`: model -> its jobs' kind), from its live stage replicas
         (app/batching/budget.py)."""
         budgets = {
-            model: budget(live, EMBEDDING_SHARE if kinds[model] == EMBEDDING_JOB else self.share)
+            model: budget(live, EMBEDDING_SHARE if kinds[model] == EMBEDDING else self.share)
             for model, live in self.census.live(set(kinds)).items()
         }
         for model, b in budgets.items():
@@ -305,7 +305,7 @@ class Batcher:
             if batch.priority < windows.URGENT:
                 self.unstarted[batch.model] = (scheduled[0], self.clock())
             message: StepMessage | dict[str, Any]
-            if batch.kind == EMBEDDING_JOB:  # a job kind of its own, on its own pipeline
+            if batch.kind == EMBEDDING:  # a job kind of its own, on its own pipeline
                 message, queue = embed_batch(batch_id, scheduled), self.keys.embed_queue(0)
             else:
                 message = StepMessage(

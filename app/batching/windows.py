@@ -57,7 +57,7 @@ class Item:
     alone: bool = False  # recovered more than once: dispatched in a batch of its own
     tenant: str = ""  # who submitted it: fair share is across tenants
     max_tokens: int = 0  # what it may generate (0 for a recovered job: it was charged once)
-    kind: str | None = None  # the job's, where it is not a generation (EMBEDDING_JOB)
+    kind: str | None = None  # the job's, where it is not a generation (`app.core.discovery.EMBEDDING`)
 
     @property
     def cost(self) -> int:

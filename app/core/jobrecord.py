@@ -9,7 +9,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.discovery import EMBEDDING
 from app.core.grammar import Grammar
 from app.core.jobs import TIMESTAMP_FIELD, JobStatus, decode_record, encode_field
 from app.core.sampling import SamplingParams
@@ -85,11 +84,6 @@ _CODECS: dict[str, tuple[Any, Any]] = {
 }
 
 
-# A job's kind (`app.core.discovery.kind_of` of its model), kept in the record and its intake entry
-# where it is not a generation: the batcher sends a batch by its jobs' kind, never by a model's name.
-EMBEDDING_JOB = EMBEDDING
-
-
 @dataclass(frozen=True, kw_only=True)
 class JobRecord:
     """The job hash (`job:{id}`), typed. A field that is None is absent from the hash. Fields are
@@ -99,7 +93,9 @@ class JobRecord:
     status: JobStatus
     model: str
     tenant: str
-    kind: str | None = None  # EMBEDDING_JOB; absent for a generation job
+    # The job's kind (`app.core.discovery.kind_of` of its model) where it is not a generation:
+    # EMBEDDING. The batcher sends a batch by its jobs' kind, never by a model's name.
+    kind: str | None = None
     priority: str
     created_at: float
     request: JobRequest | None = None

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 from app.batching import intake
 from app.batching.scheduler import Batcher
 from app.core.config import EMBEDDING_MODEL, Settings
-from app.core.jobrecord import EMBEDDING_JOB, JobRecord
+from app.core.discovery import EMBEDDING
+from app.core.jobrecord import JobRecord
 from app.core.jobs import JobStatus
 from app.core.jobstore import AsyncJobStore, JobStore, Lifetimes
 from app.core.keys import Keys
@@ -100,7 +101,7 @@ class Line:
             status=JobStatus.QUEUED,
             model=EMBEDDING_MODEL,
             tenant=tenant,
-            kind=EMBEDDING_JOB,
+            kind=EMBEDDING,
             priority="normal",
             created_at=time.time(),
             input=tuple(texts),
@@ -111,7 +112,7 @@ class Line:
             prompt_tokens=intake.padded_positions(texts),
             priority="normal",
             tenant=tenant,
-            kind=EMBEDDING_JOB,
+            kind=EMBEDDING,
         )
 
         async def admit() -> tuple[str, str]:
