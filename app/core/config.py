@@ -177,8 +177,10 @@ class Settings(BaseSettings):
     submit_durability: Literal["memory", "fsync"] = "memory"
 
     # /v1/embeddings: all-MiniLM-L6-v2 cut on its torch.fx graph into this many stage workers
-    # (0 turns the endpoint off). Two shows the graph partitioning at work on a small model.
-    embedding_stages: int = 2
+    # (0 turns the endpoint off). One serves it whole in one worker: a 22M-parameter encoder gains
+    # nothing from a cut (two workers answered one text in 29-32 ms against 24 ms, with twice the
+    # memory: bench/results/embedding-stages.md); more cut it, one piece per worker.
+    embedding_stages: int = 1
 
     # Admission and overload (API).
     # Jobs waiting per priority class (its intake stream's length): past it 429 queue_full. About the

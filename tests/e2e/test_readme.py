@@ -298,7 +298,7 @@ def test_what_make_run_starts_is_what_the_pages_say(monkeypatch) -> None:  # typ
     assert (defaults.api_port, defaults.embedded_redis_port, defaults.flower_port) == (8000, 6390, 5555)
     assert defaults.redis_url is None and defaults.flower and defaults.auth == "keys"
     children = [child.name for _, child in processes(defaults, [DEFAULT_MODEL], me=[], cores=2)]
-    assert children == ["batcher", "webhooks", "callbacks", "stage0", "embed0", "embed1"]
+    assert children == ["batcher", "webhooks", "callbacks", "stage0", "embed0"]
     quickstart = " ".join(QUICKSTART.read_text().split())
     for name in ("redis", "api", *children, "flower"):
         assert name in quickstart
@@ -310,8 +310,8 @@ def test_what_make_run_starts_is_what_the_pages_say(monkeypatch) -> None:  # typ
     assert (launcher.MAX_RESTARTS, launcher.RESTART_WINDOW_S) == (5, 60)
     assert "more than five times within a minute" in quickstart
     readme = " ".join(README.read_text().split())
-    assert "one stage worker, two embeddings workers" in readme and defaults.stages == 1
-    assert defaults.embedding_stages == 2
+    assert "one stage worker, one embeddings worker" in readme and defaults.stages == 1
+    assert defaults.embedding_stages == 1
 
 
 def test_the_api_pages_openai_example_runs(readme_stack) -> None:  # type: ignore[no-untyped-def]
