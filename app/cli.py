@@ -132,10 +132,13 @@ def worker(
     stage: Annotated[int, typer.Option(help="Which stage of the pipeline this worker serves.")] = 0,
     stages: Annotated[int | None, typer.Option(help="Stages in the pipeline.")] = None,
     model: Annotated[str | None, typer.Option(help="Model name; the default model when omitted.")] = None,
-    embedding: Annotated[bool, typer.Option(help="Serve a stage of the embeddings pipeline.")] = False,
 ) -> None:
-    """Run one stage worker (a Celery worker owning one partition of the model)."""
+    """Run one stage worker (a Celery worker owning one partition of the model): layers of a
+    generation model, or a piece of the embeddings model's graph (`--model all-MiniLM-L6-v2`)."""
+    from app.core.discovery import EMBEDDING, kind_of
+
     setup_logging()
+    embedding = model is not None and kind_of(model) == EMBEDDING
     settings = load_settings() if embedding else load_settings(stages=stages)
     if settings.cpus:  # before any thread of the model's starts: they all run there
         from app.core.cpus import bind, parse_cpus

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.redis import ensure_password
 from app.launcher import Child
 
@@ -184,7 +184,8 @@ def processes(
         argv = [
             *me,
             "worker",
-            "--embedding",
+            "--model",
+            EMBEDDING_MODEL,
             "--stage",
             str(stage),
             "--stages",

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import redis as redis_lib
 
+from app.core.discovery import EMBEDDING_MODEL
 from bench.load import JobResult, closed_loop_until, inference_job, poisson_arrivals
 from bench.prompts import Prompt
 from bench.report import RESULTS_DIR, git_commit, table, write_results
@@ -82,7 +83,7 @@ def role_of(cmdline: str) -> str:
     """The stack's name for a process, from its command line."""
     for needle, role in (
         ("redis-server", "redis"),
-        ("--embedding", "embeddings worker"),
+        (f"--model {EMBEDDING_MODEL} ", "embeddings worker"),
         ("webhooks dispatcher", "webhooks dispatcher"),
         ("webhooks worker", "callbacks worker"),
         (" worker ", "stage worker"),

@@ -170,7 +170,7 @@ class EmbeddingStage:
 
 
 def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel: str = "INFO") -> None:
-    """Entry point of one embeddings stage worker (`conveyor worker --embedding`)."""
+    """Entry point of one embeddings stage worker (`conveyor worker --model all-MiniLM-L6-v2`)."""
     import os
     import socket
 

@@ -44,6 +44,7 @@ def test_slope_per_hour() -> None:
     [
         ("/x/redis-server 127.0.0.1:6400", "redis"),
         ("/v/python -m app.cli worker --model tiny --stage 0 --stages 2", "stage worker"),
+        ("/v/python -m app.cli worker --model all-MiniLM-L6-v2 --stage 1 --stages 2", "embeddings worker"),
         ("/v/python -m app.cli batcher", "batcher"),
         ("/v/python -m app.cli webhooks dispatcher", "webhooks dispatcher"),
         ("/v/python -m app.cli webhooks worker", "callbacks worker"),
