@@ -504,3 +504,37 @@ def test_the_peer_benchmark_sends_no_prompt_twice():
     assert len(set(texts)) == len(texts) == len(prompts)
     with pytest.raises(ValueError, match="76 prompts for 332 requests"):
         prompt_sets(prompts, [1, 16, 64])
+
+
+def test_the_ab_head_is_a_snapshot_of_the_working_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench.ab runs this tree from a worktree of `snapshot()`: a commit holding the working tree as
+    it is (a changed file, a new one; not an ignored one), made without touching the index or HEAD."""
+    import subprocess
+
+    from bench import ab
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("ignored.txt\n")
+    (tmp_path / "kept.txt").write_text("committed\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "kept.txt").write_text("changed\n")
+    (tmp_path / "new.txt").write_text("untracked\n")
+    (tmp_path / "ignored.txt").write_text("ignored\n")
+    monkeypatch.setattr(ab, "ROOT", tmp_path)
+
+    commit = ab.snapshot()
+
+    assert git("show", f"{commit}:kept.txt") == "changed\n"
+    assert git("show", f"{commit}:new.txt") == "untracked\n"
+    assert "ignored.txt" not in git("ls-tree", "--name-only", commit).split()
+    assert git("rev-parse", f"{commit}^") == head and git("rev-parse", "HEAD") == head
+    assert git("status", "--porcelain") == " M kept.txt\n?? new.txt\n"  # the index as it was
