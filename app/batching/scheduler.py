@@ -306,7 +306,7 @@ class Batcher:
                 self.unstarted[batch.model] = (scheduled[0], self.clock())
             message: StepMessage | dict[str, Any]
             if batch.kind == EMBEDDING:  # a job kind of its own, on its own pipeline
-                message, queue = embed_batch(batch_id, scheduled), self.keys.embed_queue(0)
+                message, queue = embed_batch(batch_id, scheduled), self.keys.stage_queue(batch.model, 0)
             else:
                 message = StepMessage(
                     batch_id=batch_id,

@@ -148,12 +148,9 @@ class Keys:
         return f"{self.namespace}:latency:{model}"
 
     def stage_queue(self, model: str, stage: int) -> str:
-        """Celery queue shared by every replica of a stage: prefill steps land here."""
+        """Celery queue shared by every replica of a stage of `model`'s pipeline: a generation
+        model's prefill steps land here, and an embeddings model's batches, at every stage."""
         return f"{self.namespace}.stage.{model}.{stage}"
-
-    def embed_queue(self, stage: int) -> str:
-        """Celery queue of one stage of the embeddings pipeline."""
-        return f"{self.namespace}.embed.{stage}"
 
     @lives(ttl="the lane's TTL, renewed with each message (workers/lane.py)")
     def lane(self, model: str, stage: int, worker: str) -> str:

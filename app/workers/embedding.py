@@ -219,7 +219,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
             life=replace(settings.lifetimes, stream_maxlen=EVENTS_BESIDE_TOKENS),
         ),
         send=lambda message, queue: send_embedding(celery, message, queue),
-        next_queue=keys.embed_queue(stage + 1) if stage + 1 < num_stages else None,
+        next_queue=keys.stage_queue(EMBEDDING_MODEL, stage + 1) if stage + 1 < num_stages else None,
     )
     celery.task(name=EMBED_TASK, ignore_result=True)(runtime.handle)
     worker = f"{socket.gethostname()}-{os.getpid()}"
@@ -230,7 +230,7 @@ def run_embedding_worker(settings: Any, *, stage: int, num_stages: int, loglevel
         heartbeat_key=keys.workers(EMBEDDING_MODEL, stage),
         worker=worker,
         hostname=f"embed{stage}-{worker}",
-        queues=[keys.embed_queue(stage)],
+        queues=[keys.stage_queue(EMBEDDING_MODEL, stage)],
         loglevel=loglevel,
         labels=(EMBEDDING_MODEL, str(stage)),
     )

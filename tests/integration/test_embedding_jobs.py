@@ -75,7 +75,7 @@ class Line:
                 jobs=self.jobs,
                 outcomes=outcomes,
                 send=self._send,
-                next_queue=self.keys.embed_queue(1) if k == 0 else None,
+                next_queue=self.keys.stage_queue(EMBEDDING_MODEL, 1) if k == 0 else None,
             )
             for k, plan in enumerate(plans)
         ]
@@ -131,14 +131,14 @@ class Line:
     def dispatch(self) -> list[dict[str, Any]]:
         """Tick the batcher past its window; the batches it sent to the first stage."""
         self.clock.now += 1.0
-        before = len(self.queues.get(self.keys.embed_queue(0), []))
+        before = len(self.queues.get(self.keys.stage_queue(EMBEDDING_MODEL, 0), []))
         for _ in range(3):
             self.batcher.tick()
-        return self.queues.get(self.keys.embed_queue(0), [])[before:]
+        return self.queues.get(self.keys.stage_queue(EMBEDDING_MODEL, 0), [])[before:]
 
     def run(self, stage: int) -> None:
         """Deliver every message waiting on a stage's queue to that stage."""
-        queue = self.queues.pop(self.keys.embed_queue(stage), [])
+        queue = self.queues.pop(self.keys.stage_queue(EMBEDDING_MODEL, stage), [])
         for message in queue:
             self.stages[stage].handle(message)
 
@@ -182,7 +182,7 @@ def test_a_stalled_embeddings_job_is_run_again(line: Line) -> None:
     job_id = line.submit(["a text whose stage 1 worker died"])
     (first,) = line.dispatch()
     line.run(0)
-    lost = line.queues.pop(line.keys.embed_queue(1))
+    lost = line.queues.pop(line.keys.stage_queue(EMBEDDING_MODEL, 1))
     assert line.status(job_id) == "running"
     moved = line.batcher.monitor.sweep(now=time.time() + STALL_S + 1)
     assert moved == {job_id: "recovering"}
@@ -210,7 +210,8 @@ def test_one_tenants_heavy_requests_keep_another_tenants_sentence_waiting_for_fe
     sent += line.dispatch()
     while all(sentence not in batch["job_ids"] for batch in sent):
         assert len(sent) <= len(heavy), "b's sentence waits for every one of a's batches"
-        line.stages[0].handle(line.queues[line.keys.embed_queue(0)].pop(0))  # the oldest batch ends
+        oldest = line.queues[line.keys.stage_queue(EMBEDDING_MODEL, 0)].pop(0)
+        line.stages[0].handle(oldest)  # the oldest batch ends
         line.run(1)
         sent += line.dispatch()
     ahead = [batch for batch in sent if sentence not in batch["job_ids"]]
@@ -231,7 +232,7 @@ def test_embeddings_and_generation_jobs_each_go_to_their_own_pipeline(line: Line
     for _ in range(3):
         line.batcher.tick()
     queues = {queue: message for message, queue in sent}
-    assert queues[line.keys.embed_queue(0)]["job_ids"] == [job_id]
+    assert queues[line.keys.stage_queue(EMBEDDING_MODEL, 0)]["job_ids"] == [job_id]
     assert queues[line.keys.stage_queue("tiny", 0)].seq_ids == [entry["job_id"]]
 
 

@@ -174,7 +174,7 @@ class Stages:
             jobs=self.jobs,
             outcomes=Outcomes(self.redis, self.keys, self.jobs, life=Lifetimes(60, 60, 16)),
             send=lambda message, queue: self.sent.append((queue, message)),
-            next_queue=None if last else self.keys.embed_queue(k + 1),
+            next_queue=None if last else self.keys.stage_queue(EMBEDDING_MODEL, k + 1),
         )
 
     def new_job(self, texts: list[str], *, batch_id: str | None = "b0") -> str:
@@ -204,7 +204,7 @@ def test_stages_hand_on_their_plan_and_finish_the_job(redis, worker_plans):  # t
     job_id = stages.new_job(TEXTS)
     first.handle(embed_batch("b0", [job_id]))  # the batcher's message: no plan, stage 0 starts the chain
     ((queue, message),) = stages.sent
-    assert queue == stages.keys.embed_queue(1)
+    assert queue == stages.keys.stage_queue(EMBEDDING_MODEL, 1)
     assert message["plan"] == first.fingerprint == last.fingerprint
     last.handle(message)
     record = stages.jobs.get(job_id)

@@ -17,7 +17,8 @@ import msgpack
 import redis as redis_lib
 
 from app.core.broker import create_celery_app, send_embedding, send_step
-from app.core.config import Settings
+from app.core.config import EMBEDDING_MODEL, Settings
+from app.core.keys import Keys
 from app.core.protocol import StepMessage
 from app.partitions.codecs import encode_tensor
 from app.webhooks.dispatcher import send_delivery
@@ -98,7 +99,7 @@ def test_an_embeddings_message_shows_neither_its_input_nor_its_hidden_states(red
     import torch
 
     app, namespace = _app(redis_url)
-    queue = f"{namespace}.embed.1"
+    queue = Keys(namespace).stage_queue(EMBEDDING_MODEL, 1)
     hidden = {"hidden": encode_tensor(torch.full((1, 4), 31337.0))}
     message = {"batch_id": "0123456789ab", "job_ids": ["fedcba9876543210"], "rows": [1], "tensors": hidden}
     send_embedding(app, message, queue)

@@ -10,7 +10,7 @@ import pytest
 from app.core.keys import Keys, Lifetime
 
 NOT_KEYS = {"announce_pattern", "job_id_from_announce", "families", "lifetime_of"}
-QUEUES = {"stage_queue", "embed_queue", "callbacks_queue"}  # Celery's queues: kombu's names, not ours
+QUEUES = {"stage_queue", "callbacks_queue"}  # Celery's queues: kombu's names, not ours
 
 
 def test_every_builder_declares_a_lifetime() -> None:
