@@ -289,16 +289,24 @@ class Batcher:
         # so if this process dies before the send below, the monitor finds the job stalled and
         # runs it again (a duplicate delivery of an already scheduled job is skipped, not re-run).
         pipe = self.redis.pipeline(transaction=True)
+        self.jobs.progress_of(pipe, job_ids)
         for move in moves:
             self.jobs.enqueue(pipe, move, now)
         self.jobs.batch_sent(pipe, batch.model, batch_id, job_ids)
         self.jobs.progressed(job_ids, now, pipe=pipe)
         results = pipe.execute()
         self.census.dispatched(batch.model, job_ids)
+        held, results = results[: len(job_ids)], results[len(job_ids) :]
         scheduled = [move.job_id for move, result in zip(moves, results, strict=False) if int(result[0])]
         if len(scheduled) < len(job_ids):
             # A job cancelled while it waited in this window was not scheduled: it takes no seat.
-            self.jobs.unprogressed([j for j in job_ids if j not in set(scheduled)])
+            # One an earlier dispatch scheduled (a batcher killed before it acknowledged the entry
+            # that this one read again) keeps its progress score: if that batch never reached a
+            # worker, the monitor finds the job stalled and runs it again.
+            taken = set(scheduled)
+            self.jobs.unprogressed(
+                [j for j, score in zip(job_ids, held, strict=True) if j not in taken and score is None]
+            )
             self.jobs.batch_narrowed(batch.model, batch_id, scheduled)
         if scheduled:
             self._observe(batch, set(scheduled))

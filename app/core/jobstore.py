@@ -173,6 +173,12 @@ class JobStore:
         With `pipe`, added to the caller's pipeline (the batcher's dispatch transaction)."""
         (pipe or self.redis).zadd(self.keys.progress(), dict.fromkeys(job_ids, now))
 
+    def progress_of(self, pipe: Any, job_ids: Sequence[str]) -> None:
+        """Queue each job's progress score on the caller's transaction (None: not in `progress`),
+        read before the rest of it: the jobs an earlier dispatch already holds."""
+        for job_id in job_ids:
+            pipe.zscore(self.keys.progress(), job_id)
+
     def unprogressed(self, job_ids: Sequence[str]) -> None:
         """Take jobs out of `progress` (their dispatch was undone, or their record has expired)."""
         if job_ids:
