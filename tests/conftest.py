@@ -81,6 +81,17 @@ def redis(redis_url: str) -> redis_lib.Redis:
     return redis_lib.Redis.from_url(redis_url)
 
 
+@pytest.fixture()
+def keys(redis: redis_lib.Redis) -> Iterator[Any]:
+    """A namespace of this test's own on the shared Redis (`app.core.keys.Keys`), emptied after it."""
+    from app.core.keys import Keys
+
+    keys = Keys(f"test-{uuid.uuid4().hex[:8]}")
+    yield keys
+    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
+        redis.delete(key)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny import make_tiny_model

@@ -11,14 +11,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from app.batching import intake
 from app.batching.scheduler import Batcher
 from app.core.config import Settings
-from app.core.keys import Keys
 from app.core.protocol import StepMessage
 
 MODEL = "m"
@@ -26,14 +24,6 @@ MODEL = "m"
 
 class Killed(BaseException):
     """The process dies at the broker: nothing after it runs (no rollback, no acknowledgement)."""
-
-
-@pytest.fixture()
-def keys(redis) -> Iterator[Keys]:  # type: ignore[no-untyped-def]
-    keys = Keys(f"test-restart-{uuid.uuid4().hex[:8]}")
-    yield keys
-    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
-        redis.delete(key)
 
 
 def killed(message: object, queue: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,14 +28,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture()
-def keys(redis) -> Iterator[Keys]:  # type: ignore[no-untyped-def]
-    keys = Keys(f"test-budget-{uuid.uuid4().hex[:8]}")
-    yield keys
-    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
-        redis.delete(key)
 
 
 @pytest.fixture()

@@ -4,19 +4,8 @@ import json
 import time
 import uuid
 
-import pytest
-
 from app.batching.recovery import Monitor
 from app.core.jobstore import JobStore
-from app.core.keys import Keys
-
-
-@pytest.fixture()
-def keys(redis):  # type: ignore[no-untyped-def]
-    keys = Keys(f"test-monitor-{uuid.uuid4().hex[:8]}")
-    yield keys
-    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
-        redis.delete(key)
 
 
 def monitor(redis, keys, **overrides):  # type: ignore[no-untyped-def]
