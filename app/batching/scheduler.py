@@ -303,9 +303,9 @@ class Batcher:
             # One an earlier dispatch scheduled (a batcher killed before it acknowledged the entry
             # that this one read again) keeps its progress score: if that batch never reached a
             # worker, the monitor finds the job stalled and runs it again.
-            taken = set(scheduled)
+            chosen = set(scheduled)
             self.jobs.unprogressed(
-                [j for j, score in zip(job_ids, held, strict=True) if j not in taken and score is None]
+                [j for j, score in zip(job_ids, held, strict=True) if j not in chosen and score is None]
             )
             self.jobs.batch_narrowed(batch.model, batch_id, scheduled)
         if scheduled:
