@@ -14,6 +14,10 @@ gone are recovered by the monitor (app/batching/recovery.py), whatever the budge
 Sequences in flight are counted per model from the progress set (`Keys.progress`, every job
 scheduled or running, of every model): the batcher remembers the model of each job it dispatched
 and looks up, once, the few it does not know (dispatched before a restart).
+
+A pipeline on the step engine says itself what it may still take (`app.core.credit`): its replicas'
+free sequences and KV blocks replace the replica share and the progress-set count as its room, less
+what the batcher has sent that no replica has reported receiving yet (`Ledger`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.batching.windows import prompt_blocks
+from app.core.credit import ReplicaCredit, live_credits
 from app.core.jobs import text_of
 from app.core.keys import Keys
 
@@ -108,6 +114,10 @@ class Census:
                 self._live[model] = (now, [next(counts) for _ in range(self.stages_of(model))])
         return {m: self._live[m][1] for m in models}
 
+    def credits(self, models: Iterable[str]) -> dict[str, list[ReplicaCredit]]:
+        """The live replicas' credit of each model served by the step engine (`app.core.credit`)."""
+        return live_credits(self.redis, self.keys, models, since=time.time() - self.heartbeat_ttl_s)
+
     def in_flight(self) -> Counter[str]:
         """Sequences scheduled or running, per model."""
         members = [text_of(m) for m in self.redis.zrange(self.keys.progress(), 0, -1)]
@@ -120,3 +130,47 @@ class Census:
             self.model_of.update(zip(unknown, (text_of(m) for m in pipe.execute()), strict=True))
         self.model_of = {m: self.model_of[m] for m in members}  # forget the jobs that ended
         return Counter(self.model_of.values())
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a step-engine pipeline may still take now: its replicas' credit, less what is on its way."""
+
+    sequences: int
+    blocks: int
+    block_size: int
+    max_sequences: int  # its replicas' sequence slots in all (the batch class's reserve is taken from it)
+
+
+class Ledger:
+    """Batches sent to step-engine pipelines that no replica has reported receiving yet.
+
+    A batch leaves the ledger when a live replica's report names it (its jobs are in that replica's
+    credit from then), or `horizon_s` after it was sent: a message that long on its way was lost with
+    a worker, and the recovery monitor has its jobs.
+    """
+
+    def __init__(self, *, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self.on_the_way: dict[str, tuple[str, tuple[int, ...], float]] = {}  # batch -> (model, prompts, sent)
+
+    def sent(self, model: str, batch_id: str, prompt_tokens: Iterable[int], now: float) -> None:
+        self.on_the_way[batch_id] = (model, tuple(prompt_tokens), now)
+
+    def room(self, model: str, credits: Sequence[ReplicaCredit], now: float) -> Room:
+        """`model`'s room from its live replicas' `credits` (at least one)."""
+        received = {b for c in credits for b in c.received}
+        self.on_the_way = {
+            b: sent
+            for b, sent in self.on_the_way.items()
+            if b not in received and now - sent[2] <= self.horizon_s
+        }
+        block_size = max(c.block_size for c in credits)
+        prompts = [t for m, batch, _ in self.on_the_way.values() if m == model for t in batch]
+        promised = sum(prompt_blocks(t, block_size) for t in prompts)
+        return Room(
+            sequences=max(0, sum(c.sequences for c in credits) - len(prompts)),
+            blocks=max(0, sum(c.blocks for c in credits) - promised),
+            block_size=block_size,
+            max_sequences=sum(c.max_sequences for c in credits),
+        )

@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.batching import fairshare, intake, windows
-from app.batching.budget import REPLICA_BATCHES, Budget, Census, Share, budget
+from app.batching.budget import REPLICA_BATCHES, Budget, Census, Ledger, Share, budget
 from app.batching.recovery import MAX_ATTEMPTS, Monitor
 from app.core import metrics
 from app.core.config import BatcherSettings, Settings
@@ -101,6 +101,8 @@ class Batcher:
             redis, self.keys, stages=settings.stages_of, heartbeat_ttl_s=settings.heartbeat_ttl_s, clock=clock
         )
         self.share = Share(REPLICA_BATCHES, settings.max_running_sequences)
+        self.ledger = Ledger(horizon_s=settings.heartbeat_ttl_s)
+        self.credited: set[str] = set()  # the models on the step engine at the last dispatch round
         self.last_sweep = -float("inf")
         self.waiting_for_room = False
         # model -> (a job of its newest urgent batch, when it was dispatched) until that batch starts
@@ -201,6 +203,13 @@ class Batcher:
             if b.sequences is not None
         }
         now = self.clock()
+        # A pipeline on the step engine: its replicas' credit is its room (app/batching/budget.py).
+        rooms = {m: self.ledger.room(m, c, now) for m, c in self.census.credits(models).items()}
+        for m, r in rooms.items():
+            room[m] = r.sequences
+            reserve[m] = windows.batch_reserve(r.max_sequences, self.limits)
+            metrics.INFLIGHT_BUDGET.labels(m, "sequences").set(r.max_sequences)
+        self.credited = set(rooms)
         weights = self.settings.tenant_weights
         self.tenant_clock = fairshare.settle(self.tenant_clock, {it.tenant for it in self.pending})
         for batch in windows.plan(
@@ -215,6 +224,7 @@ class Batcher:
             share=self.tenant_clock,
             weights=weights,
             reserve=reserve,
+            kv={m: (r.blocks, r.block_size) for m, r in rooms.items()},
         ):
             self._dispatch(batch)
             self.tenant_clock = fairshare.charge(self.tenant_clock, batch.items, weights)
@@ -344,6 +354,10 @@ class Batcher:
             log.info(
                 "batch %s: %d jobs of %s (bucket %d)", batch_id[:8], len(scheduled), batch.model, batch.bucket
             )
+            if batch.model in self.credited:
+                sent = set(scheduled)
+                prompts = [it.prompt_tokens for it in batch.items if it.job_id in sent]
+                self.ledger.sent(batch.model, batch_id, prompts, self.clock())
         intake.ack(self.redis, self.keys, [(it.stream, it.entry_id) for it in batch.items])
         taken = {id(it) for it in batch.items}
         self.pending = [it for it in self.pending if id(it) not in taken]

@@ -25,7 +25,12 @@ Rules (one call to `plan` per batcher wake-up):
   fetched and run first);
 - with `max_prefill_tokens`, a batch holds at most that many prompt positions (its size times its
   longest prompt): one prefill is the longest a stage makes the decode steps and an urgent prefill
-  wait, so it is bounded (what vLLM calls max_num_batched_tokens).
+  wait, so it is bounded (what vLLM calls max_num_batched_tokens);
+- a pipeline on the step engine takes a batch against its KV blocks too (`kv`): a window takes the
+  head of its jobs whose prompts fit the blocks free there; an urgent job goes beyond (its
+  replica preempts less urgent sequences for it), and a prompt larger than the whole free cache
+  goes alone to an idle pipeline, whose replica refuses it with its reason rather than the job
+  waiting here forever.
 """
 
 from __future__ import annotations
@@ -187,6 +192,7 @@ def plan(
     share: fairshare.Share | None = None,
     weights: Mapping[str, float] | None = None,
     reserve: Mapping[str, int] | None = None,
+    kv: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[Batch]:
     """Which batches to dispatch now. Does not mutate its inputs (expired jobs are left out).
 
@@ -200,6 +206,7 @@ def plan(
     budget, so a saturated pipeline still starts them within a step.
     `share`/`weights`: the tenants' virtual times (fairshare.settle) and weights; None: one tenant.
     `reserve`: seats of a pipeline's `room` the batch class leaves free for the interactive classes.
+    `kv`: a step-engine pipeline's free KV blocks and its block size (the module's docstring).
     """
     late = {id(it) for it in expired(pending, now)}
     live = [it for it in pending if id(it) not in late]
@@ -212,6 +219,7 @@ def plan(
     free = {model: capacity.get(model, 1) - inflight.get(model, 0) for model, _, _ in groups}
     seats = {model: (room or {}).get(model, UNBOUNDED) for model, _, _ in groups}
     idle = {m for m in free if inflight.get(m, 0) == 0 and (running or {}).get(m, 0) == 0}
+    blocks = {model: free_blocks for model, (free_blocks, _) in (kv or {}).items()}
     batches: list[Batch] = []
     for model, bucket, items in sorted(groups, key=lambda g: rank(g[2][0])):
         while items:
@@ -236,6 +244,10 @@ def plan(
             interactive = sum(it.priority < BATCH for it in take)
             spare = seats[model] - interactive - (reserve or {}).get(model, 0)
             take = take[: interactive + max(spare, 0)]
+            if model in blocks:
+                block_size = (kv or {})[model][1]
+                take = within_blocks(take, blocks[model], block_size, alone=model in idle)
+                blocks[model] -= sum(prompt_blocks(it.prompt_tokens, block_size) for it in take)
             if not take:
                 break
             chosen = {id(it) for it in take}
@@ -265,6 +277,24 @@ def within_tokens(items: Sequence[Item], max_tokens: int | None) -> list[Item]:
         if n and (n + 1) * longest > max_tokens:
             return list(items[:n])
     return list(items)
+
+
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a step-engine replica counts a waiting prompt for: the prompt and its first token."""
+    return -(-(prompt_tokens + 1) // block_size)
+
+
+def within_blocks(items: Sequence[Item], free: int, block_size: int, *, alone: bool) -> list[Item]:
+    """The head of `items` whose prompts fit `free` KV blocks, urgent jobs counted but never held
+    back; with `alone` (an idle pipeline) at least the first job, whatever its prompt."""
+    taken: list[Item] = []
+    for it in items:
+        need = prompt_blocks(it.prompt_tokens, block_size)
+        if need > free and it.priority >= URGENT and not (alone and not taken):
+            break
+        taken.append(it)
+        free -= need
+    return taken
 
 
 def next_deadline(pending: Sequence[Item], limits: Limits) -> float | None:

@@ -127,6 +127,11 @@ class Keys:
         """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
         return f"{self.namespace}:workers:{model}:{stage}"
 
+    @lives(ttl="10 x heartbeat_ttl_s from the last report (core/credit.py)")
+    def credit(self, model: str) -> str:
+        """Hash: stage-0 worker -> what its step engine may still take (JSON, `app.core.credit`)."""
+        return f"{self.namespace}:credit:{model}"
+
     @lives(ttl="10 x heartbeat_ttl_s from the last beat (workers/heartbeat.py)")
     def devices(self) -> str:
         """Hash: worker -> its GPU's memory, utilisation and temperature (JSON), from its heartbeat."""

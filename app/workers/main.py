@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from app.core import breaker
+from app.core import breaker, credit
 from app.core.broker import VISIBILITY_TIMEOUT_S, create_celery_app, send_step
 from app.core.config import Settings
 from app.core.cpus import allowed, format_cpus
@@ -185,6 +185,11 @@ def run_worker(
         info=info,
         health=health,
     )
+    if engine:
+        try:
+            credit.withdraw(redis, keys, model, worker)
+        except Exception:  # Redis away: the batcher stops counting it with its heartbeat anyway
+            log.debug("could not withdraw the credit", exc_info=True)
     compute.stop()
 
 
@@ -239,6 +244,10 @@ def stage_runtime(
             kv_positions=settings.max_batch_kv_positions,
             max_running=settings.max_running_sequences,
             step_tokens=settings.max_prefill_tokens,
+        )
+        # It advertises what it may still take: the batcher sends against that (app/core/credit.py).
+        engine["advertise"] = lambda offer: credit.publish(
+            redis, keys, identity.model, identity.worker, offer, ttl_s=settings.heartbeat_ttl_s
         )
     return kind(
         identity=identity,

@@ -14,7 +14,9 @@ import pytest
 
 from app.batching import intake
 from app.batching.scheduler import Batcher
+from app.core import credit
 from app.core.config import Settings
+from app.core.credit import ReplicaCredit
 from app.core.keys import Keys
 from app.core.protocol import StepMessage
 from app.workers.heartbeat import Heartbeat
@@ -192,3 +194,38 @@ def test_a_job_cancelled_in_the_batchers_window_takes_no_seat(redis, keys, batch
     [after] = submit(redis, keys, "a", 1)
     assert settle(batcher) == {"a": PER_REPLICA + 1}  # the seat is free for the next job
     assert batcher.sent[-1].seq_ids == [after]
+
+
+def advertise(redis, keys: Keys, beat: Heartbeat, sequences: int, blocks: int, received=()) -> None:  # type: ignore[no-untyped-def]
+    """A step-engine replica's report, as its runtime publishes it."""
+    offer = ReplicaCredit(sequences, blocks, block_size=16, max_sequences=8, received=tuple(received))
+    credit.publish(redis, keys, "s", beat.member, offer, ttl_s=10.0)
+
+
+def test_a_step_engine_pipeline_gets_what_its_replica_advertises_and_no_more(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    beat = replica(redis, keys, "s", 0)
+    advertise(redis, keys, beat, sequences=3, blocks=100)
+    submit(redis, keys, "s", 10)
+    assert settle(batcher) == {"s": 3}  # its credit, not the replica share (PER_REPLICA)
+    assert settle(batcher) == {"s": 3}  # what is on its way counts until the replica reports it
+    received = [m.batch_id for m in batcher.sent]
+    advertise(redis, keys, beat, sequences=0, blocks=97, received=received)  # it took them: full
+    assert settle(batcher) == {"s": 3}
+    advertise(redis, keys, beat, sequences=2, blocks=99, received=received)  # two sequences ended
+    assert settle(batcher) == {"s": 5}
+    advertise(redis, keys, beat, sequences=8, blocks=2, received=[m.batch_id for m in batcher.sent])
+    assert settle(batcher) == {"s": 7}  # its KV blocks bound it too: a prompt and a token, a block each
+
+
+def test_a_pipeline_with_a_live_replica_that_advertises_nothing_is_bounded_by_the_census(
+    redis, keys, batcher
+):  # type: ignore[no-untyped-def]
+    step = replica(redis, keys, "s", 0)
+    advertise(redis, keys, step, sequences=8, blocks=100)
+    replica(redis, keys, "s", 0)  # a batch-engine replica beside it: no credit of its own
+    for stage in (1,):
+        replica(redis, keys, "s", stage)
+    submit(redis, keys, "s", 20)
+    assert settle(batcher) == {"s": PER_REPLICA}
+    step.stop()  # a replica that stopped is not counted, whatever it last advertised
+    assert credit.live_credits(redis, keys, ["s"], since=time.time() - 10) == {}

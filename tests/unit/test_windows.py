@@ -257,3 +257,45 @@ def test_a_busy_pipeline_still_waits_for_a_full_batch_or_the_window_whatever_the
     assert ids(plan(four, inflight={"m": 1}, capacity={"m": 2}, limits=MIN3, now=0.01)) == [
         ["j0", "j1", "j2", "j3"]
     ]
+
+
+def test_a_step_engine_pipeline_takes_the_head_of_a_window_whose_prompts_fit_its_kv_blocks():
+    # 20-token prompts take 2 blocks of 16 each (the prompt and its first token): 5 free blocks hold two.
+    pending = [item(i, tokens=20) for i in range(4)]
+    kv = {"m": (5, 16)}
+    batches = plan(pending, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv=kv)
+    assert ids(batches) == [["j0", "j1"]]
+    assert (
+        plan(pending, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (1, 16)}) == []
+    )
+    # Without a KV bound (the batch engine) the whole window goes.
+    assert ids(plan(pending, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0)) == [
+        ["j0", "j1", "j2", "j3"]
+    ]
+
+
+def test_urgent_jobs_go_beyond_the_kv_blocks_and_what_they_take_counts():
+    high = [item(0, tokens=40, priority=1)]
+    normal = [item(1, tokens=20, arrived=0.0)]
+    # No free block: the high job goes anyway (its replica preempts for it); the normal one waits.
+    batches = plan(
+        high + normal, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (0, 16)}
+    )
+    assert ids(batches) == [["j0"]]
+    # 4 free blocks: the high job takes 3 of them, so the normal job (2 blocks) still waits.
+    batches = plan(
+        high + normal, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (4, 16)}
+    )
+    assert ids(batches) == [["j0"]]
+
+
+def test_a_prompt_larger_than_the_free_cache_goes_alone_to_an_idle_pipeline_only():
+    huge = [item(0, tokens=500), item(1, tokens=10)]
+    # Idle: it goes (alone), and its replica refuses it with the reason; it never waits here forever.
+    batches = plan(
+        huge, inflight={}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (8, 16)}, running={}
+    )
+    assert ids(batches) == [["j0"]]
+    # Busy: it waits for the blocks the running sequences hold; a job that fits goes past it.
+    busy = plan(huge, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (8, 16)})
+    assert ids(busy) == [["j1"]]

@@ -16,6 +16,9 @@ Echo's prompt logprobs: a job that asks for them computes its whole prompt (no c
 `Seq.reuse`); the final hidden states of its prompt's chunks are kept as the steps run them, and
 on its first token they go through the model's norm and head (`app.workers.echo`).
 
+Credit: the replica advertises what it may still take (`app.core.credit`) whenever that changes,
+after an admission or a step; the batcher sends windows against it.
+
 Threads: admissions run on the compute thread as urgent items, so they run between two steps;
 `pump` is the ordinary item that runs steps while there is work (`Pump` starts it when an
 admission brings work to an idle loop).
@@ -26,12 +29,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from app.core import metrics
+from app.core.credit import RECEIVED, ReplicaCredit
 from app.core.jobs import JobStatus, Transition
 from app.core.keys import PRIORITIES
 from app.core.protocol import StepMessage
@@ -67,6 +73,7 @@ class EngineRuntime(StageRuntime):
     """A one-stage pipeline's worker on the step engine (see the module's docstring)."""
 
     engine: SchedulerConfig | None = None
+    advertise: Callable[[ReplicaCredit], None] | None = None  # where its credit goes (the batcher's)
     loop: EngineLoop = field(init=False)
     rows: dict[str, Sequence] = field(init=False, default_factory=dict)  # running jobs' sampling state
     batch_of: dict[str, str] = field(init=False, default_factory=dict)  # job -> batch, until its first token
@@ -75,7 +82,9 @@ class EngineRuntime(StageRuntime):
     # position (echo's prompt logprobs), until its first token
     echoes: dict[str, Echo] = field(init=False, default_factory=dict)
     wake: threading.Event = field(init=False, default_factory=threading.Event)
+    received: deque[str] = field(init=False, default_factory=lambda: deque(maxlen=RECEIVED))  # batches
     _progressed_at: float = field(init=False, default=0.0)
+    _advertised: ReplicaCredit | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not (self.partition.is_first and self.partition.is_last):
@@ -89,6 +98,7 @@ class EngineRuntime(StageRuntime):
                 kv_positions=self.max_kv_positions, max_running=self.max_running, step_tokens=512
             ),
         )
+        self.advertise_credit()  # from its start: the batcher knows it for a step-engine pipeline
 
     @property
     def busy(self) -> bool:
@@ -104,8 +114,31 @@ class EngineRuntime(StageRuntime):
         except Exception as exc:  # the worker's error boundary: this batch fails, the loop goes on
             log.exception("batch %s could not be admitted", msg.batch_id)
             self._fail(msg, exc)
+        self.received.append(msg.batch_id)
+        self.advertise_credit()
         self.wake.set()
         yield from ()
+
+    def advertise_credit(self) -> None:
+        """Tell the batcher what this replica may still take, if that changed since it last did."""
+        if self.advertise is None:
+            return
+        config, credit = self.loop.scheduler.config, self.loop.scheduler.credit()
+        offer = ReplicaCredit(
+            sequences=credit.sequences,
+            blocks=credit.blocks,
+            block_size=config.block_size,
+            max_sequences=config.max_num_seqs,
+            received=tuple(self.received),
+        )
+        if offer == self._advertised:
+            return
+        try:
+            self.advertise(offer)
+        except Exception:  # Redis away for a moment: the next change says it again
+            log.warning("the credit of %s could not be advertised", self.identity.model, exc_info=True)
+            return
+        self._advertised = offer
 
     def _admit(self, msg: StepMessage) -> None:
         # A job cancelled meanwhile, or rescheduled into another batch (a late redelivery), drops out.
@@ -164,6 +197,7 @@ class EngineRuntime(StageRuntime):
             for job_id in held:
                 self._leave(job_id)
             self.loop.reset()  # the failed step's plan was never applied
+        self.advertise_credit()
 
     def _plan_and_run(self) -> None:
         scheduler = self.loop.scheduler
