@@ -25,7 +25,8 @@ Rules (one call to `plan` per batcher wake-up):
   fetched and run first);
 - with `max_prefill_tokens`, a batch holds at most that many prompt positions (its size times its
   longest prompt): one prefill is the longest a stage makes the decode steps and an urgent prefill
-  wait, so it is bounded (what vLLM calls max_num_batched_tokens);
+  wait, so it is bounded (what vLLM calls max_num_batched_tokens); not on the step engine, which
+  runs prompts in chunks of its own;
 - a pipeline on the step engine takes a batch against its KV blocks too (`kv`): a window takes the
   head of its jobs whose prompts fit the blocks free there; an urgent job goes beyond (its
   replica preempts less urgent sequences for it), and a prompt larger than the whole free cache
@@ -237,7 +238,8 @@ def plan(
             if not (full or waited or gathered):
                 break
             size = 1 if items[0].alone else size
-            take = within_tokens(items[:size], limits.max_prefill_tokens)
+            # a step-engine pipeline chunks prompts itself: its KV blocks bound a batch instead
+            take = items[:size] if model in blocks else within_tokens(items[:size], limits.max_prefill_tokens)
             if urgent and (free[model] <= 0 or seats[model] < len(take)):  # on the reserve: urgent only
                 take = [it for it in take if it.priority < URGENT]
             # batch lines rank after every interactive job: they fill only the seats beyond the reserve

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from clients import events, submit, tokens, wait
+from clients import TERMINAL, events, submit, tokens, wait
 from harness import harness
 from integration.test_generation import reference_tokens
 from integration.test_openai_choices import reference
@@ -170,3 +170,41 @@ def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
     assert "a kernel failed" in failed["error"]["message"]
     assert after[0]["status"] == "succeeded"
     assert after[1] == reference_tokens(tiny_model, "one two three", 5)
+
+
+def test_the_batcher_sends_the_engine_only_the_prompts_its_kv_cache_holds(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+    """The replica advertises its free KV blocks (app/core/credit.py): a cache of 4 blocks of 16
+    holds two of these prompts (21-23 tokens and a first token: 2 blocks each), so the batcher
+    sends two and keeps the others queued, where priorities and fair share still order them, until
+    blocks free; every job still streams the tokens of `generate`."""
+    prompts = [
+        "the cat sat on the mat",
+        "a dog ran in the park",
+        "one two three four five",
+        "red green blue yellow",
+    ]
+    env = {**ENGINE, "CONVEYOR_MAX_BATCH_KV_POSITIONS": "64", "CONVEYOR_MAX_WAIT_MS": "0"}  # no window
+    with (
+        harness(
+            tmp_path,
+            redis_url=redis_url,
+            models={"tiny": tiny_model},
+            default_model="tiny",
+            extra_env=env,
+            batcher="tick",
+        ) as stack,
+        stack.client() as client,
+    ):
+        jobs = [submit(client, prompt=p, max_tokens=4, temperature=0, ignore_eos=True) for p in prompts]
+        stack.tick()
+        first = [client.get(f"/v1/jobs/{job['id']}").json() for job in jobs]
+        assert [j["status"] == "queued" for j in first].count(True) == 2, first
+        deadline = time.monotonic() + 120
+        while any(client.get(f"/v1/jobs/{job['id']}").json()["status"] not in TERMINAL for job in jobs):
+            assert time.monotonic() < deadline, "the queued jobs were never sent"
+            stack.tick()
+        results = [(wait(client, job["id"]), events(client, job["urls"]["events"])) for job in jobs]
+    for prompt, (job, stream) in zip(prompts, results, strict=True):
+        assert job["status"] == "succeeded", job
+        assert 20 <= job["usage"]["prompt_tokens"] <= 30  # 2 blocks each, as the docstring counts
+        assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(tiny_model, prompt, 4)

@@ -299,3 +299,11 @@ def test_a_prompt_larger_than_the_free_cache_goes_alone_to_an_idle_pipeline_only
     # Busy: it waits for the blocks the running sequences hold; a job that fits goes past it.
     busy = plan(huge, inflight={"m": 1}, capacity={"m": 4}, limits=LIMITS, now=1.0, kv={"m": (8, 16)})
     assert ids(busy) == [["j1"]]
+
+
+def test_a_step_engine_batch_is_bounded_by_kv_blocks_not_by_padded_prefill_positions():
+    limits = Limits(8, 0.0, (64, 128, 256), max_prefill_tokens=16)
+    pending = [Item(f"j{i}", "m", 40, 2, arrived=0.0) for i in range(4)]  # 3 blocks each
+    assert ids(plan(pending, inflight={}, capacity={"m": 1}, limits=limits, now=1.0)) == [["j0"]]
+    batches = plan(pending, inflight={}, capacity={"m": 1}, limits=limits, now=1.0, kv={"m": (9, 16)})
+    assert ids(batches) == [["j0", "j1", "j2"]]

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16  # as the prefix cache's blocks (`app.partitions.digest.BLOCK`)
 PROGRESS_EVERY_S = 2.0  # waiting sequences' stall clocks restarted this often (the monitor's)
+CREDIT_REFRESH_S = 30.0  # an unchanged credit is said again this often (its key lives 10 x heartbeat_ttl_s)
 
 # A prompt, and the final hidden states of its chunks run so far, by first position.
 Echo = tuple[tuple[int, ...], dict[int, torch.Tensor]]
@@ -85,6 +86,8 @@ class EngineRuntime(StageRuntime):
     received: deque[str] = field(init=False, default_factory=lambda: deque(maxlen=RECEIVED))  # batches
     _progressed_at: float = field(init=False, default=0.0)
     _advertised: ReplicaCredit | None = field(init=False, default=None)
+    _advertised_at: float = field(init=False, default=0.0)
+    _advertising: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if not (self.partition.is_first and self.partition.is_last):
@@ -131,14 +134,26 @@ class EngineRuntime(StageRuntime):
             max_sequences=config.max_num_seqs,
             received=tuple(self.received),
         )
-        if offer == self._advertised:
+        with self._advertising:  # one report at a time: a refresh never says an older one after it
+            if offer != self._advertised:
+                self._say(offer)
+
+    def refresh_credit(self) -> None:
+        """Say an unchanged credit again now and then, so that its key does not expire while idle."""
+        with self._advertising:
+            offer = self._advertised
+            if offer is not None and time.monotonic() - self._advertised_at >= CREDIT_REFRESH_S:
+                self._say(offer)
+
+    def _say(self, offer: ReplicaCredit) -> None:
+        if self.advertise is None:
             return
         try:
             self.advertise(offer)
-        except Exception:  # Redis away for a moment: the next change says it again
+        except Exception:  # Redis away for a moment: the next change or refresh says it again
             log.warning("the credit of %s could not be advertised", self.identity.model, exc_info=True)
             return
-        self._advertised = offer
+        self._advertised, self._advertised_at = offer, time.monotonic()
 
     def _admit(self, msg: StepMessage) -> None:
         # A job cancelled meanwhile, or rescheduled into another batch (a late redelivery), drops out.
@@ -304,6 +319,7 @@ class Pump(threading.Thread):
         while not self.compute.stopping:
             self.runtime.wake.wait(1.0)
             self.runtime.wake.clear()
+            self.runtime.refresh_credit()
             if self.runtime.busy and not self.compute.stopping:
                 try:
                     self.compute.call(self.runtime.pump)
