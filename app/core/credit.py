@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,17 +57,33 @@ class ReplicaCredit:
         )
 
 
-def publish(redis: Any, keys: Keys, model: str, worker: str, credit: ReplicaCredit, *, ttl_s: float) -> None:
-    """Advertise `worker`'s credit (it serves stage 0 of `model`)."""
-    pipe = redis.pipeline(transaction=False)
-    pipe.hset(keys.credit(model), worker, credit.to_json())
-    pipe.expire(keys.credit(model), int(10 * ttl_s))
-    pipe.execute()
+class Advertiser:
+    """Publishes one stage-0 worker's credit (`ReplicaCredit`) for the batcher. Now and then it also
+    drops the reports of workers its stage's heartbeats have forgotten (a worker killed before it
+    could withdraw its own), so the hash holds the workers of the last 10 x heartbeat_ttl_s."""
 
+    TIDY_EVERY_S = 60.0
 
-def withdraw(redis: Any, keys: Keys, model: str, worker: str) -> None:
-    """`worker` stops serving: its credit is no longer on offer."""
-    redis.hdel(keys.credit(model), worker)
+    def __init__(self, redis: Any, keys: Keys, model: str, worker: str, *, ttl_s: float) -> None:
+        self.redis, self.keys, self.model, self.worker, self.ttl_s = redis, keys, model, worker, ttl_s
+        self._tidied = 0.0
+
+    def __call__(self, credit: ReplicaCredit) -> None:
+        key = self.keys.credit(self.model)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, self.worker, credit.to_json())
+        pipe.expire(key, int(10 * self.ttl_s))
+        pipe.execute()
+        if time.monotonic() - self._tidied >= self.TIDY_EVERY_S:
+            self._tidied = time.monotonic()
+            known = {text_of(w) for w in self.redis.zrange(self.keys.workers(self.model, 0), 0, -1)}
+            gone = [f for f in map(text_of, self.redis.hkeys(key)) if f not in known and f != self.worker]
+            if gone:
+                self.redis.hdel(key, *gone)
+
+    def withdraw(self) -> None:
+        """This worker stops serving: its credit is no longer on offer."""
+        self.redis.hdel(self.keys.credit(self.model), self.worker)
 
 
 def live_credits(

@@ -127,7 +127,7 @@ class Keys:
         """Sorted set: live workers of one stage, scored by their last heartbeat (unix seconds)."""
         return f"{self.namespace}:workers:{model}:{stage}"
 
-    @lives(ttl="10 x heartbeat_ttl_s from the last report (core/credit.py)")
+    @lives(ttl="10 x heartbeat_ttl_s from the last report; a worker's field as long as its heartbeat")
     def credit(self, model: str) -> str:
         """Hash: stage-0 worker -> what its step engine may still take (JSON, `app.core.credit`)."""
         return f"{self.namespace}:credit:{model}"

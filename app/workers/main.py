@@ -185,9 +185,9 @@ def run_worker(
         info=info,
         health=health,
     )
-    if engine:
+    if isinstance(runtime, EngineRuntime) and isinstance(runtime.advertise, credit.Advertiser):
         try:
-            credit.withdraw(redis, keys, model, worker)
+            runtime.advertise.withdraw()
         except Exception:  # Redis away: the batcher stops counting it with its heartbeat anyway
             log.debug("could not withdraw the credit", exc_info=True)
     compute.stop()
@@ -246,8 +246,8 @@ def stage_runtime(
             step_tokens=settings.max_prefill_tokens,
         )
         # It advertises what it may still take: the batcher sends against that (app/core/credit.py).
-        engine["advertise"] = lambda offer: credit.publish(
-            redis, keys, identity.model, identity.worker, offer, ttl_s=settings.heartbeat_ttl_s
+        engine["advertise"] = credit.Advertiser(
+            redis, keys, identity.model, identity.worker, ttl_s=settings.heartbeat_ttl_s
         )
     return kind(
         identity=identity,

@@ -199,7 +199,7 @@ def test_a_job_cancelled_in_the_batchers_window_takes_no_seat(redis, keys, batch
 def advertise(redis, keys: Keys, beat: Heartbeat, sequences: int, blocks: int, received=()) -> None:  # type: ignore[no-untyped-def]
     """A step-engine replica's report, as its runtime publishes it."""
     offer = ReplicaCredit(sequences, blocks, block_size=16, max_sequences=8, received=tuple(received))
-    credit.publish(redis, keys, "s", beat.member, offer, ttl_s=10.0)
+    credit.Advertiser(redis, keys, "s", beat.member, ttl_s=10.0)(offer)
 
 
 def test_a_step_engine_pipeline_gets_what_its_replica_advertises_and_no_more(redis, keys, batcher):  # type: ignore[no-untyped-def]
@@ -229,3 +229,14 @@ def test_a_pipeline_with_a_live_replica_that_advertises_nothing_is_bounded_by_th
     assert settle(batcher) == {"s": PER_REPLICA}
     step.stop()  # a replica that stopped is not counted, whatever it last advertised
     assert credit.live_credits(redis, keys, ["s"], since=time.time() - 10) == {}
+
+
+def test_a_replica_s_report_is_dropped_once_its_stage_forgets_it(redis, keys):  # type: ignore[no-untyped-def]
+    """A worker killed before it could withdraw its report: the next tidy of a live replica's
+    advertiser drops it once the stage's heartbeats have forgotten the worker."""
+    killed, live = replica(redis, keys, "s", 0), replica(redis, keys, "s", 0)
+    offer = ReplicaCredit(1, 1, block_size=16, max_sequences=1)
+    credit.Advertiser(redis, keys, "s", killed.member, ttl_s=10.0)(offer)
+    redis.zrem(keys.workers("s", 0), killed.member)  # forgotten (10 x heartbeat_ttl_s after its last beat)
+    credit.Advertiser(redis, keys, "s", live.member, ttl_s=10.0)(offer)
+    assert set(redis.hkeys(keys.credit("s"))) == {live.member.encode()}
