@@ -235,9 +235,24 @@ def _chunk(
     return out.reshape(kv_heads, group, new, dim).permute(2, 0, 1, 3).reshape(new, heads, dim)
 
 
+# From this many gathered bytes on, a gather copies head by head along the blocks' own dimension
+# (PyTorch's CPU kernel copies whole blocks there), not in one `index_select` over dimension 1.
+# The gather alone (bf16, SmolLM2's 3 KV heads, 12 blocks a row, two threads): 1.3-1.6x faster at
+# 64 rows (4.5 MiB), 0.76x at 16 rows, 0.14x for one (three calls' overhead), the crossover between
+# 32 and 48 rows; whole decode steps: 1.00x at 16 and 64 streams, 1.09x at 96
+# (bench/results/paged-gather.md).
+GATHER_BY_HEAD_BYTES = 4 * 2**20
+
+
 def _gather(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
     """pool [Hkv, NB, bs, D], blocks [rows * n] (row by row) -> [Hkv, rows, n * bs, D], one copy."""
-    return pool.index_select(1, blocks).view(pool.shape[0], rows, -1, pool.shape[3])
+    kv_heads, _, size, dim = pool.shape
+    if len(blocks) * size * dim * kv_heads * pool.element_size() < GATHER_BY_HEAD_BYTES:
+        return pool.index_select(1, blocks).view(kv_heads, rows, -1, dim)
+    out = torch.empty((kv_heads, len(blocks), size, dim), dtype=pool.dtype, device=pool.device)
+    for head in range(kv_heads):
+        torch.index_select(pool[head], 0, blocks, out=out[head])
+    return out.view(kv_heads, rows, -1, dim)
 
 
 def _attend(

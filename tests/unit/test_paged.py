@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from app.partitions import paged
 from app.partitions.paged import LayerAttention, PagedCache, Ragged, ragged_attention
 from app.workers.engine.scheduler import Scheduler, SchedulerConfig, Seq
 from tests.families import CONFIGS
@@ -67,8 +68,11 @@ def dense_reference(query, dense, shape, layer: LayerAttention, *, heads: int): 
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("by_head", [False, True], ids=["one-gather", "gather-by-head"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (3, 1)])
-def test_a_mixed_step_equals_dense_attention(heads: int, kv_heads: int) -> None:
+def test_a_mixed_step_equals_dense_attention(heads: int, kv_heads: int, by_head: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    if by_head:  # a large step's gather, whatever this one's size
+        monkeypatch.setattr(paged, "GATHER_BY_HEAD_BYTES", 0)
     cache, step, query, dense = batch(MIXED, heads=heads, kv_heads=kv_heads)
     layer = LayerAttention(scale=16**-0.5)
     out = ragged_attention(query, cache.keys[0], cache.values[0], step, layer)
