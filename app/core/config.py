@@ -104,16 +104,19 @@ class Settings(BaseSettings):
     # live replica's share of its pipeline's sequences scheduled or running (the KV cache every stage
     # holds): the pipeline takes this many per live replica of its thinnest stage
     # (app/batching/budget.py), so a replica added raises it at its first heartbeat and one that stops
-    # beating lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch.
+    # beating lowers it heartbeat_ttl_s later. realtime and high may exceed it by one batch. On the
+    # step engine: the scheduler's sequences, and the batcher sends what the replicas advertise free.
     max_running_sequences: int = 64
     # Continuous batching: a join pads every row of the merged batch to its longest; a batch joins a
     # running one only if rows x padded positions stays under this (the KV cache a stage holds for
     # one batch: positions x layers x 2 x kv heads x head dim x dtype bytes). 65536 positions is
     # 3 GB for all of SmolLM2-135M's 30 layers in fp32; a joiner that does not fit runs on its own.
+    # On the step engine: its paged KV cache, whose free blocks the batcher sends prompts against.
     max_batch_kv_positions: int = Field(default=65536, ge=1)
     # Continuous batching: prompt positions (batch size x longest prompt) one prefill batch may hold.
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent
-    # prefill waits behind. A longer prompt still goes, alone.
+    # prefill waits behind. A longer prompt still goes, alone. On the step engine: the tokens of one
+    # step (decode rows and prompt chunks); the batcher does not bound its batches by it.
     max_prefill_tokens: int = Field(default=512, ge=1)
 
     # Stage workers.

@@ -17,7 +17,9 @@ from integration.test_generation import reference_tokens
 from integration.test_openai_choices import reference
 from transformers import AutoTokenizer
 
+from app.core.credit import ReplicaCredit
 from app.workers import echo
+from app.workers.engine import runtime as engine_runtime
 
 # A step of at most 16 tokens, 4 sequences at once: the longer prompts arrive in chunks, and the
 # fifth and sixth jobs wait for a sequence to end.
@@ -172,7 +174,9 @@ def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
     assert after[1] == reference_tokens(tiny_model, "one two three", 5)
 
 
-def test_the_batcher_sends_the_engine_only_the_prompts_its_kv_cache_holds(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+def test_the_batcher_sends_the_engine_only_the_prompts_its_kv_cache_holds(
+    tmp_path, redis_url, tiny_model, monkeypatch
+):  # type: ignore[no-untyped-def]
     """The replica advertises its free KV blocks (app/core/credit.py): a cache of 4 blocks of 16
     holds two of these prompts (21-23 tokens and a first token: 2 blocks each), so the batcher
     sends two and keeps the others queued, where priorities and fair share still order them, until
@@ -204,6 +208,14 @@ def test_the_batcher_sends_the_engine_only_the_prompts_its_kv_cache_holds(tmp_pa
             assert time.monotonic() < deadline, "the queued jobs were never sent"
             stack.tick()
         results = [(wait(client, job["id"]), events(client, job["urls"]["events"])) for job in jobs]
+        # idle again, it says its whole credit again now and then (its key must not expire)
+        runtime = next(iter(stack.runtimes.values()))
+        said: list[ReplicaCredit] = []
+        runtime.advertise = said.append
+        monkeypatch.setattr(engine_runtime, "CREDIT_REFRESH_S", 0.0)
+        runtime.refresh_credit()
+    assert said == [ReplicaCredit(4, 4, block_size=16, max_sequences=4, received=said[0].received)]
+    assert len(said[0].received) >= 2  # the batches it was sent (two at least: 4 blocks, 2 each)
     for prompt, (job, stream) in zip(prompts, results, strict=True):
         assert job["status"] == "succeeded", job
         assert 20 <= job["usage"]["prompt_tokens"] <= 30  # 2 blocks each, as the docstring counts
