@@ -94,6 +94,9 @@ class Census:
         self.clock = clock
         self.model_of: dict[str, str] = {}  # job id -> model, for the jobs in the progress set
         self._live: dict[str, tuple[float, list[int]]] = {}  # model -> (when read, live per stage)
+        self._credited: set[str] = set()  # the models on the step engine when last read
+        self._seen: set[str] = set()  # the models read then
+        self._engines_read = -float("inf")
 
     def dispatched(self, model: str, job_ids: Iterable[str]) -> None:
         """The batcher scheduled these jobs of `model` (they are in the progress set now)."""
@@ -115,8 +118,21 @@ class Census:
         return {m: self._live[m][1] for m in models}
 
     def credits(self, models: Iterable[str]) -> dict[str, list[ReplicaCredit]]:
-        """The live replicas' credit of each model served by the step engine (`app.core.credit`)."""
-        return live_credits(self.redis, self.keys, models, since=time.time() - self.heartbeat_ttl_s)
+        """The live replicas' credit of each model served by the step engine (`app.core.credit`).
+        Which models those are is read again every LIVE_REFRESH_S; in between, only theirs is read:
+        a round of a batch-engine pipeline costs no Redis round trip for it."""
+        models = set(models)
+        now = self.clock()
+        if now - self._engines_read >= LIVE_REFRESH_S or not models <= self._seen:
+            self._engines_read, self._seen = now, models | self._seen
+            found = live_credits(self.redis, self.keys, models, since=time.time() - self.heartbeat_ttl_s)
+            self._credited = (self._credited - models) | set(found)
+            return found
+        if not models & self._credited:
+            return {}
+        return live_credits(
+            self.redis, self.keys, models & self._credited, since=time.time() - self.heartbeat_ttl_s
+        )
 
     def in_flight(self) -> Counter[str]:
         """Sequences scheduled or running, per model."""

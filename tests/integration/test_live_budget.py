@@ -240,3 +240,33 @@ def test_a_replica_s_report_is_dropped_once_its_stage_forgets_it(redis, keys):  
     redis.zrem(keys.workers("s", 0), killed.member)  # forgotten (10 x heartbeat_ttl_s after its last beat)
     credit.Advertiser(redis, keys, "s", live.member, ttl_s=10.0)(offer)
     assert set(redis.hkeys(keys.credit("s"))) == {live.member.encode()}
+
+
+class Counted:
+    """A Redis client that counts the pipelines it hands out (one round trip each)."""
+
+    def __init__(self, redis) -> None:  # type: ignore[no-untyped-def]
+        self.redis, self.pipelines = redis, 0
+
+    def pipeline(self, **kwargs):  # type: ignore[no-untyped-def]
+        self.pipelines += 1
+        return self.redis.pipeline(**kwargs)
+
+
+def test_a_batch_engine_pipeline_s_rounds_read_no_credit_between_refreshes(redis, keys, batcher):  # type: ignore[no-untyped-def]
+    """Which models are on the step engine is read once per refresh (LIVE_REFRESH_S); between two,
+    a batch-engine model's dispatch rounds read no credit, and a step-engine model's credit is read
+    at every round."""
+    for stage in range(2):
+        replica(redis, keys, "a", stage)
+    census = batcher.census
+    assert census.credits(["a"]) == {}  # read: "a" advertises nothing
+    census.redis = counted = Counted(redis)
+    assert census.credits(["a"]) == {} and counted.pipelines == 0
+    step = replica(redis, keys, "s", 0)
+    advertise(redis, keys, step, sequences=3, blocks=9)
+    assert [c.sequences for c in census.credits(["a", "s"])["s"]] == [3]  # a model not seen yet: read
+    assert counted.pipelines == 1
+    assert census.credits(["a"]) == {} and counted.pipelines == 1
+    advertise(redis, keys, step, sequences=2, blocks=9)
+    assert [c.sequences for c in census.credits(["s"])["s"]] == [2] and counted.pipelines == 2
