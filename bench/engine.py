@@ -11,7 +11,8 @@ no Redis. "batch": `StagePartition` over a `BatchState`, what the batch engine's
 2. A 2,000-token prompt arrives into 16 decoding streams. Step: it is cut into chunks of the
    token budget (`--chunk`) that share steps with the 16 decode rows; the streams' inter-token
    latency is the step time, its p99 while the prompt arrives is printed against a decode-only step
-   and one chunk's own time. Batch: the prompt is one prefill the streams wait behind whole.
+   and a chunk's own time (the median chunk's, and the longest's: a chunk late in the prompt
+   attends over more of it). Batch: the prompt is one prefill the streams wait behind whole.
 3. Where a step engine's decode step at the largest batch goes (torch profiler).
 
     .venv/bin/python -m bench.engine [--batches 1,16,64] [--steps 12] [--rounds 3] [--chunk 256]
@@ -111,6 +112,7 @@ def long_prompt(stage: StagePartition, streams: int, chunk: int) -> dict[str, fl
         "decode": decode,
         "p99": p99,
         "chunk": statistics.median(during) - decode,
+        "longest": max(during) - decode,  # a chunk late in the prompt attends over more of it
         "whole": whole,
         "chunks": chunks,
     }
@@ -194,7 +196,8 @@ def main() -> None:
         f"({got['chunks']:.0f} steps carried one): step engine ITL {got['decode'] * 1e3:.1f} ms "
         f"decode-only, p99 "
         f"{got['p99'] * 1e3:.1f} ms while it arrives (+{(got['p99'] - got['decode']) * 1e3:.1f} ms; one "
-        f"chunk's own time {got['chunk'] * 1e3:.1f} ms); the batch engine's streams wait behind its whole "
+        f"chunk's own time {got['chunk'] * 1e3:.1f} ms, the longest's {got['longest'] * 1e3:.1f} ms); "
+        f"the batch engine's streams wait behind its whole "
         f"prefill, {got['whole'] * 1e3:.0f} ms.\n"
     )
     print(profile(stage, max(int(b) for b in args.batches.split(",")), 4))

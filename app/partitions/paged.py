@@ -237,11 +237,10 @@ def _chunk(
 
 # From this many gathered bytes on, a gather copies head by head along the blocks' own dimension
 # (PyTorch's CPU kernel copies whole blocks there), not in one `index_select` over dimension 1.
-# The gather alone (bf16, SmolLM2's 3 KV heads, 12 blocks a row, two threads): 1.3-1.6x faster at
-# 64 rows (4.5 MiB), 0.76x at 16 rows, 0.14x for one (three calls' overhead), the crossover between
-# 32 and 48 rows; whole decode steps: 1.00x at 16 and 64 streams, 1.09x at 96
-# (bench/results/paged-gather.md).
-GATHER_BY_HEAD_BYTES = 4 * 2**20
+# Whole decode steps of SmolLM2 in bf16 on two threads, interleaved, one `index_select` against by
+# head: 28.5 against 29.2 ms at one row (55 KiB; three calls' overhead), level at 4-8 rows, 1.04-1.08x
+# faster at 32 rows and 1.06-1.26x at 64 (bench/results/paged-gather.md).
+GATHER_BY_HEAD_BYTES = 512 * 2**10
 
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
