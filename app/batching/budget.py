@@ -28,8 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.batching.windows import prompt_blocks
-from app.core.credit import ReplicaCredit, live_credits
+from app.core.credit import ReplicaCredit, live_credits, prompt_blocks
 from app.core.jobs import text_of
 from app.core.keys import Keys
 

@@ -43,6 +43,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.batching import fairshare
+from app.core.credit import prompt_blocks
 from app.core.protocol import BATCH_CLASS, URGENT_CLASSES
 
 URGENT = URGENT_CLASSES  # realtime and high: no window, and a reserve beyond the pipeline's bounds
@@ -279,11 +280,6 @@ def within_tokens(items: Sequence[Item], max_tokens: int | None) -> list[Item]:
         if n and (n + 1) * longest > max_tokens:
             return list(items[:n])
     return list(items)
-
-
-def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
-    """The KV blocks a step-engine replica counts a waiting prompt for: the prompt and its first token."""
-    return -(-(prompt_tokens + 1) // block_size)
 
 
 def within_blocks(items: Sequence[Item], free: int, block_size: int, *, alone: bool) -> list[Item]:

@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 RECEIVED = 64  # batches a report names: the newest ones this replica received
 
 
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a replica's credit counts a waiting prompt for: the prompt and its first token.
+    The replica's scheduler promises them (`Scheduler.credit`), the batcher sends against them."""
+    return -(-(prompt_tokens + 1) // block_size)
+
+
 @dataclass(frozen=True)
 class ReplicaCredit:
     """One replica's report: what it may still take, and the batches it has received lately."""

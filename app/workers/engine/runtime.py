@@ -146,8 +146,7 @@ class EngineRuntime(StageRuntime):
                 self._say(offer)
 
     def _say(self, offer: ReplicaCredit) -> None:
-        if self.advertise is None:
-            return
+        assert self.advertise is not None  # nothing is said without it (`advertise_credit`)
         try:
             self.advertise(offer)
         except Exception:  # Redis away for a moment: the next change or refresh says it again

@@ -35,6 +35,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from app.core.credit import prompt_blocks
 from app.workers.engine.blocks import BlockPool
 
 
@@ -228,7 +229,7 @@ class Scheduler:
     def credit(self) -> Credit:
         """What the batcher may still send this replica (see `Credit`)."""
         held = len(self.running) + len(self.waiting)
-        promised = sum(self.pool.blocks_for(s.length + 1) for s in self.waiting)
+        promised = sum(prompt_blocks(s.length, self.pool.block_size) for s in self.waiting)
         return Credit(
             sequences=max(0, self.config.max_num_seqs - held),
             blocks=max(0, self.pool.free_blocks - promised),
