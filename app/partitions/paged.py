@@ -17,7 +17,10 @@ lengths, block tables, where each new token's key goes); each layer writes its n
 
 - the decode rows together: each row's blocks gathered into [kv heads, rows, blocks x block_size,
   head dim], the query heads of a KV head packed as that head's queries (`app.partitions.attention`
-  says why), the positions past each row's length masked; one attention call;
+  says why), the positions past each row's length masked; one attention call. From `SLAB_MIN_ROWS`
+  rows on, when the step names their sequences (the engine loop's steps do), they read the cache's
+  slab instead (`app.partitions.slab`: the decoding sequences' keys and values kept contiguous
+  between steps), which saves the gather, a copy of every row's history in every layer;
 - each prefill chunk on its own: its blocks gathered, a causal mask offset by what it had cached.
 
 Grouped-query heads, sliding windows (a query at position q sees keys in (q - window, q], the
@@ -37,7 +40,7 @@ batch engine's batches run over `app.partitions.kvcache`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 
 from app.partitions.attention import HALF, WIDE_MIN_ROWS
 from app.partitions.families import SLIDING, attention_kinds
+from app.partitions.slab import Slab, SlabStep
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class LayerAttention:
         return cls(float(scale), window, getattr(config, "attn_logit_softcapping", None))
 
 
+# From this many decode rows on, a step's decode rows read the slab (`app.partitions.slab`), not their
+# blocks: whole decode steps of SmolLM2 in bf16 on two threads, interleaved with the batch engine's,
+# went from 0.86x to 0.96x of its speed at 16 rows and 0.81x to 0.95x at 64 (`python -m bench.engine`).
+SLAB_MIN_ROWS = WIDE_MIN_ROWS
+
+
 class PagedCache:
     """Key and value block pools of the layers `layers` (global indices), on one device."""
 
@@ -93,15 +103,33 @@ class PagedCache:
         # uninitialised NaN there would poison the row
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        # the decoding sequences' keys and values again, contiguous (`app.partitions.slab`)
+        self.slab = Slab(layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+
+    def prepare(self, step: Ragged) -> SlabStep | None:
+        """The slab brought to a step's decode rows, when the step names their sequences and has at
+        least `SLAB_MIN_ROWS` of them (fewer: each row's gather is small, and the slab is let go)."""
+        if len(step.decode_ids) < SLAB_MIN_ROWS:
+            self.slab.reset()
+            return None
+        rows = [i for i, q in enumerate(step.query_lens) if q == 1]
+        return self.slab.prepare(
+            step.decode_ids,
+            [step.context_lens[i] for i in rows],
+            [step.tables[i] for i in rows],
+            (self.keys, self.values),
+            self.block_size,
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.keys.values(), *self.values.values()])
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store a step's new keys/values [T, kv heads, head dim] at `slots` [T] (block * size + offset)."""
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        self.keys[layer][:, blocks, offsets] = key.transpose(0, 1).to(self.keys[layer].dtype)
-        self.values[layer][:, blocks, offsets] = value.transpose(0, 1).to(self.values[layer].dtype)
+        """Store a step's new keys/values [T, kv heads, head dim] at `slots` [T] (block * size + offset):
+        one `index_copy_` per pool along its positions, the pool seen as [kv heads, blocks x size, dim]."""
+        for pool, new in ((self.keys[layer], key), (self.values[layer], value)):
+            kv_heads, _, _, dim = pool.shape
+            pool.view(kv_heads, -1, dim).index_copy_(1, slots, new.transpose(0, 1).to(pool.dtype))
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,9 @@ class Ragged:
     decodes: torch.Tensor  # [B] long: the flat index of each one-token row's query
     decode_blocks: torch.Tensor  # [B * max blocks] long: their tables, padded with block 0
     decode_positions: torch.Tensor  # [B] long: each one-token row's query position
+    decode_ids: tuple[str, ...] = ()  # the one-token rows' sequences, when the caller names them (the slab's)
+    # what every layer of the step would build again: masks by (rows' kind, width, window), blocks
+    _shared: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -127,9 +158,13 @@ class Ragged:
         tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        seq_ids: Sequence[str] = (),
     ) -> Ragged:
+        """`seq_ids`, one per row when given, lets the decode rows read the cache's slab."""
         if not len(query_lens) == len(context_lens) == len(tables):
             raise ValueError("one query length, context length and block table per sequence")
+        if seq_ids and len(seq_ids) != len(query_lens):
+            raise ValueError("one sequence id per row")
         slots: list[int] = []
         for q, n, table in zip(query_lens, context_lens, tables, strict=True):
             if not 0 < q <= n or len(table) * block_size < n:
@@ -154,11 +189,47 @@ class Ragged:
             tensor([starts[i] for i in rows]),
             tensor(padded).reshape(len(rows) * width),
             tensor([context_lens[i] - 1 for i in rows]),
+            tuple(seq_ids[i] for i in rows) if seq_ids else (),
         )
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    def decode_allowed(self, width: int, window: int | None) -> torch.Tensor:
+        """[1, B, 1, width]: which of the `width` gathered positions each decode row's query sees
+        (built once a step for each window, not once a layer)."""
+        key = ("decode", width, window)
+        if key not in self._shared:
+            column = torch.arange(width, device=self.decode_positions.device)  # [L]
+            at = self.decode_positions[:, None]  # [B, 1]
+            allowed = column <= at  # [B, L]
+            if window is not None:
+                allowed &= column > at - window
+            self._shared[key] = allowed[None, :, None, :]
+        return self._shared[key]
+
+    def chunk_blocks(self, row: int, device: torch.device) -> torch.Tensor:
+        """The blocks holding prefill row `row`'s history, as a tensor (once a step)."""
+        key = ("blocks", row)
+        if key not in self._shared:
+            n = -(-self.context_lens[row] // self.block_size)
+            self._shared[key] = torch.tensor(self.tables[row][:n], dtype=torch.long, device=device)
+        return self._shared[key]
+
+    def chunk_allowed(self, row: int, window: int | None, group: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, group x S, N]: which of its N positions each of prefill row `row`'s S queries sees,
+        repeated for the `group` query heads of a KV head (once a step for each window)."""
+        key = ("chunk", row, window, group)
+        if key not in self._shared:
+            new, length = self.query_lens[row], self.context_lens[row]
+            at = torch.arange(length - new, length, device=device)[:, None]  # [S, 1]
+            column = torch.arange(length, device=device)[None, :]  # [1, N]
+            allowed = column <= at  # [S, N]
+            if window is not None:
+                allowed &= column > at - window
+            self._shared[key] = allowed.repeat(group, 1)[None, None]
+        return self._shared[key]
 
 
 def ragged_attention(
@@ -167,18 +238,27 @@ def ragged_attention(
     values: torch.Tensor,
     step: Ragged,
     layer: LayerAttention,
+    slab: tuple[torch.Tensor, torch.Tensor, SlabStep] | None = None,
 ) -> torch.Tensor:
     """Attention of a ragged step's queries [T, heads, head dim] over a layer's block pools
-    [kv heads, num blocks, block size, head dim] (this step's keys already written): [T, heads, dim]."""
+    [kv heads, num blocks, block size, head dim] (this step's keys already written): [T, heads, dim].
+    The decode rows read the layer's slab instead when it is given (its keys, values and the step's
+    view of it)."""
+
+    def decode(rows: torch.Tensor) -> torch.Tensor:
+        if slab is not None:
+            return _decode_slab(rows, *slab, layer)
+        return _decode_rows(rows, keys, values, step, layer)
+
     if len(step.decodes) == len(query):  # decode rows only: no scatter
-        return _decode_rows(query, keys, values, step, layer)
+        return decode(query)
     out = torch.empty_like(query)
     if len(step.decodes):
-        out[step.decodes] = _decode_rows(query[step.decodes], keys, values, step, layer)
+        out[step.decodes] = decode(query[step.decodes])
     start = 0
-    for q, n, table in zip(step.query_lens, step.context_lens, step.tables, strict=True):
+    for row, q in enumerate(step.query_lens):
         if q > 1:
-            out[start : start + q] = _chunk(query[start : start + q], keys, values, table, n, layer)
+            out[start : start + q] = _chunk(query[start : start + q], keys, values, step, row, layer)
         start += q
     return out
 
@@ -191,11 +271,7 @@ def _decode_rows(
     kv_heads = keys.shape[0]
     k = _gather(keys, step.decode_blocks, rows)  # [Hkv, B, L, D]
     v = _gather(values, step.decode_blocks, rows)
-    column = torch.arange(k.shape[2], device=query.device)  # [L]
-    at = step.decode_positions[:, None]  # [B, 1]
-    allowed = column <= at  # [B, L]
-    if layer.window is not None:
-        allowed &= column > at - layer.window
+    allowed = step.decode_allowed(k.shape[2], layer.window)  # [1, B, 1, L]
     packed = query.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [Hkv, B, G, D]
     # Half precision from WIDE_MIN_ROWS rows on: two products, as the batch engine's decode steps
     # (`app.partitions.attention`); SDPA's CPU kernel is slower there (bf16, SmolLM2's heads, 208
@@ -203,35 +279,47 @@ def _decode_rows(
     # 64; whole decode steps of SmolLM2 on two threads, interleaved: 1.04x faster at 16 rows, 1.16x
     # at 32, 1.12x at 64).
     products = query.dtype in HALF and rows >= WIDE_MIN_ROWS
-    out = _attend(packed, k, v, allowed[None, :, None, :], layer, products=products)  # [Hkv, B, G, D]
+    out = _attend(packed, k, v, allowed, layer, products=products)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(rows, heads, dim)
+
+
+def _decode_slab(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: SlabStep, layer: LayerAttention
+) -> torch.Tensor:
+    """query [B, H, D], one per row, over the slab's keys and values [Hkv, slots, L, D] -> [B, H, D];
+    the queries are put in slot order (a free slot gets a zero query, its output unread)."""
+    rows, heads, dim = query.shape
+    kv_heads, used = keys.shape[0], at.used
+    q = query if at.ordered else query.new_zeros(used, heads, dim).index_copy_(0, at.slots, query)
+    packed = q.reshape(used, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [Hkv, S, G, D]
+    products = query.dtype in HALF and rows >= WIDE_MIN_ROWS  # as `_decode_rows`
+    out = _attend(packed, keys, values, at.allowed(layer.window), layer, products=products)
+    out = out.transpose(0, 1).reshape(used, heads, dim)
+    return out if at.ordered else out.index_select(0, at.slots)
 
 
 def _chunk(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    table: tuple[int, ...],
-    length: int,
+    step: Ragged,
+    row: int,
     layer: LayerAttention,
 ) -> torch.Tensor:
-    """One sequence's S queries [S, H, D], the last S of its `length` positions -> [S, H, D]."""
+    """Prefill row `row`'s S queries [S, H, D], the last S of its N positions -> [S, H, D]."""
     new, heads, dim = query.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    blocks = torch.tensor(table[: -(-length // keys.shape[2])], dtype=torch.long, device=query.device)
+    length = step.context_lens[row]
+    blocks = step.chunk_blocks(row, query.device)
     k = _gather(keys, blocks, 1).transpose(0, 1)[:, :, :length]  # [1, Hkv, N, D]
     v = _gather(values, blocks, 1).transpose(0, 1)[:, :, :length]
-    at = torch.arange(length - new, length, device=query.device)[:, None]  # [S, 1]
-    column = torch.arange(length, device=query.device)[None, :]  # [1, N]
-    allowed = column <= at  # [S, N]
-    if layer.window is not None:
-        allowed &= column > at - layer.window
+    allowed = step.chunk_allowed(row, layer.window, group, query.device)  # [1, 1, G * S, N]
     # [S, H, D] -> [1, Hkv, G * S, D]: a KV head's queries, query head by query head
     packed = (
         query.reshape(new, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * new, dim)
     )
-    out = _attend(packed, k, v, allowed.repeat(group, 1)[None, None], layer)  # [1, Hkv, G * S, D]
+    out = _attend(packed, k, v, allowed, layer)  # [1, Hkv, G * S, D]
     return out.reshape(kv_heads, group, new, dim).permute(2, 0, 1, 3).reshape(new, heads, dim)
 
 

@@ -34,31 +34,44 @@ from transformers import AttentionInterface
 from app.core.errors import UnsupportedModel
 from app.partitions.layers import StagePartition
 from app.partitions.paged import LayerAttention, PagedCache, Ragged, ragged_attention
+from app.partitions.slab import SlabStep
 
 IMPLEMENTATION = "conveyor_ragged"
 
 
 class StepLayout:
-    """One step's layout and each layer's attention rules: what the layers receive as their
-    attention mask, read back by `_attention` (transformers hands the mask through unchanged)."""
+    """One step's layout, each layer's attention rules and the cache's slab for the step: what the
+    layers receive as their attention mask, read back by `_attention` (transformers hands the mask
+    through unchanged)."""
 
-    def __init__(self, step: Ragged, layers: dict[int, LayerAttention]) -> None:
+    def __init__(
+        self, step: Ragged, layers: dict[int, LayerAttention], cache: PagedCache, slab: SlabStep | None
+    ) -> None:
         self.step = step
         self.layers = layers
+        self.cache = cache
+        self.slab = slab
 
 
 class _StepCache:
-    """The cache a layer sees during a ragged step: new keys/values go to the paged pools."""
+    """The cache a layer sees during a ragged step: new keys/values go to the paged pools (and the
+    decode rows' to the slab)."""
 
-    def __init__(self, cache: PagedCache, step: Ragged) -> None:
+    def __init__(self, cache: PagedCache, step: Ragged, slab: SlabStep | None) -> None:
         self.cache = cache
         self.step = step
+        self.slab = slab
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value [1, kv heads, T, D] -> this layer's pools [kv heads, blocks, block size, D]."""
-        self.cache.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), self.step.slots)
+        key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv heads, D]
+        self.cache.write(layer_idx, key, value, self.step.slots)
+        if self.slab is not None:
+            if len(self.step.decodes) != len(key):
+                key, value = key[self.step.decodes], value[self.step.decodes]
+            self.cache.slab.write(layer_idx, key, value, self.slab)
         return self.cache.keys[layer_idx], self.cache.values[layer_idx]
 
 
@@ -74,8 +87,12 @@ def _attention(
     attention functions return it."""
     if not isinstance(attention_mask, StepLayout):
         raise RuntimeError("ragged attention runs only inside a ragged step (`forward`)")
-    rules = attention_mask.layers[module.layer_idx]  # type: ignore[index]
-    out = ragged_attention(query[0].transpose(0, 1), key, value, attention_mask.step, rules)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    at = attention_mask.slab
+    slab = None if at is None else (*attention_mask.cache.slab.view(layer, at), at)
+    out = ragged_attention(
+        query[0].transpose(0, 1), key, value, attention_mask.step, attention_mask.layers[layer], slab
+    )
     return out[None], None
 
 
@@ -143,8 +160,9 @@ def forward(
     x = x.to(device)
     hidden = stage._embed(x[None], position_ids) if stage.embed_tokens is not None else x[None]
     rotary = stage._rotary(hidden, position_ids)
-    layout = StepLayout(step, rules if rules is not None else layer_rules(stage))
-    paged = _StepCache(cache, step)
+    slab = cache.prepare(step)
+    layout = StepLayout(step, rules if rules is not None else layer_rules(stage), cache, slab)
+    paged = _StepCache(cache, step, slab)
     config = stage.config
     chosen = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION

@@ -15,7 +15,7 @@ from families import CONFIGS
 from unit.test_families import reference
 
 from app.core.errors import UnsupportedModel
-from app.partitions import ragged
+from app.partitions import paged, ragged
 from app.partitions.layers import LayerRange, StagePartition
 from app.workers.engine.loop import EngineLoop
 from app.workers.engine.scheduler import SchedulerConfig, Seq
@@ -39,9 +39,22 @@ def load(path: Path, stages: int) -> list[StagePartition]:
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_ragged_steps_decode_exactly_as_generate(
-    family_models: dict[str, tuple[Path, Any]], name: str, stages: int
+    family_models: dict[str, tuple[Path, Any]], name: str, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, model = family_models[name]
+    # decode rows read the slab from 2 rows on (one row reads its blocks): both paths, and the slab
+    # built, appended to, left and built again as sequences join, leave and are preempted
+    monkeypatch.setattr(paged, "SLAB_MIN_ROWS", 2)
+    slabbed = 0
+    prepare = paged.PagedCache.prepare
+
+    def counted(cache: paged.PagedCache, step: paged.Ragged) -> Any:
+        nonlocal slabbed
+        at = prepare(cache, step)
+        slabbed += at is not None
+        return at
+
+    monkeypatch.setattr(paged.PagedCache, "prepare", counted)
     loop = EngineLoop(load(path, stages), CONFIG)
     seqs = {k: Seq(k, tuple(p), n) for k, (p, n, _) in SEQUENCES.items()}
     got: dict[str, list[torch.Tensor]] = {k: [] for k in seqs}
@@ -58,6 +71,7 @@ def test_ragged_steps_decode_exactly_as_generate(
             got[seq_id].append(logits)
     assert not loop.has_work
     assert sum(s.preemptions for s in seqs.values()) >= 1
+    assert slabbed >= 8 * stages  # every stage read its slab on several steps
     assert mixed >= 1
     for k, seq in seqs.items():
         prompt, n, _ = SEQUENCES[k]

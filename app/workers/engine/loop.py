@@ -41,6 +41,7 @@ def layout(plan: StepPlan, device: torch.device | str = "cpu") -> tuple[Ragged, 
         [r.table for r in rows],
         plan.block_size,
         device,
+        seq_ids=[r.seq_id for r in rows],
     )
     ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long)
     sample, end = [], 0
@@ -75,6 +76,8 @@ class EngineLoop:
         """Forget every sequence and plan (after a step that raised): a fresh scheduler over the same
         caches, whose contents no block table names any more."""
         self.scheduler = Scheduler(self.scheduler.config)
+        for cache in self.caches:
+            cache.slab.reset()
 
     def add(self, seq: Seq) -> None:
         self.scheduler.add(seq)
