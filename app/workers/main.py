@@ -16,7 +16,7 @@ from app.core import breaker, credit
 from app.core.broker import VISIBILITY_TIMEOUT_S, create_celery_app, send_step
 from app.core.config import Settings
 from app.core.cpus import allowed, format_cpus
-from app.core.errors import ModelNotFound
+from app.core.errors import ModelNotFound, UnsupportedModel
 from app.core.health import Thresholds
 from app.core.jobstore import JobStore
 from app.core.keys import Keys
@@ -24,6 +24,7 @@ from app.core.modelstore import registered_dtype
 from app.core.outcomes import Outcomes
 from app.core.protocol import StepMessage
 from app.core.redis import sync_client
+from app.partitions import ragged
 from app.partitions.claimcheck import ClaimCheck
 from app.partitions.layers import LayerRange, StagePartition
 from app.partitions.loading import check_servable
@@ -99,7 +100,7 @@ def run_worker(
 
     partition, dtype = compute.call(load)
     tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
-    info = served_info(settings, model, stage, layers, partition, dtype, device)
+    info = served_info(settings, model, stage, layers, partition, dtype, device, num_stages)
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
         "on CPUs %s, decode steps %s, prefix cache %d MiB, engine %s",
@@ -201,8 +202,10 @@ def served_info(
     partition: StagePartition,
     dtype: torch.dtype,
     device: str,
+    num_stages: int | None = None,
 ) -> dict[str, Any]:
-    """What a stage worker says it serves, with each heartbeat (shown by /readyz to admins)."""
+    """What a stage worker of a pipeline of `num_stages` stages (the setting's unless given) says it
+    serves, with each heartbeat (shown by /readyz to admins)."""
     return {
         "model": model,
         "stage": stage,
@@ -215,7 +218,7 @@ def served_info(
         else "eager",
         "param_bytes": partition.param_bytes(),
         "prefix_cache_mb": settings.prefix_cache_mb,
-        "engine": settings.engine,
+        "engine": engine_of(settings, num_stages or settings.stages, partition),
     }
 
 
@@ -238,7 +241,7 @@ def stage_runtime(
     jobs = JobStore(redis, keys, ttl_s=settings.job_ttl_s)
     engine: dict[str, Any] = {}
     kind: type[StageRuntime] = StageRuntime
-    if settings.engine == "step":
+    if engine_of(settings, identity.num_stages, partition) == "step":
         kind = EngineRuntime
         engine["engine"] = scheduler_config(
             kv_positions=settings.max_batch_kv_positions,
@@ -277,6 +280,20 @@ def stage_runtime(
         claims=ClaimCheck(redis, settings.namespace, CLAIM_CHECK_BYTES, VISIBILITY_TIMEOUT_S),
         **engine,
     )
+
+
+def engine_of(settings: Settings, num_stages: int, partition: StagePartition) -> str:
+    """The engine a stage of a pipeline of `num_stages` runs: the setting's, and for `auto` the step
+    engine where it serves the pipeline (one stage, on a CPU, a model ragged steps run exactly)."""
+    if settings.engine != "auto":
+        return settings.engine
+    if num_stages != 1 or partition.device.type != "cpu":
+        return "batch"
+    try:
+        ragged.check(partition)
+    except UnsupportedModel:
+        return "batch"
+    return "step"
 
 
 def load_partition(

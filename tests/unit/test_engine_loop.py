@@ -14,11 +14,13 @@ import torch
 from families import CONFIGS
 from unit.test_families import reference
 
+from app.core.config import Settings
 from app.core.errors import UnsupportedModel
 from app.partitions import paged, ragged
 from app.partitions.layers import LayerRange, StagePartition
 from app.workers.engine.loop import EngineLoop
 from app.workers.engine.scheduler import SchedulerConfig, Seq
+from app.workers.main import engine_of
 
 # (prompt, max_tokens, the step it arrives at)
 SEQUENCES = {
@@ -106,3 +108,15 @@ def test_a_length_dependent_rope_is_refused(tmp_path: Path) -> None:
     stage = StagePartition.load(tmp_path)
     with pytest.raises(UnsupportedModel, match="per row"):
         ragged.check(stage)
+    assert engine_of(Settings(engine="auto"), 1, stage) == "batch"  # the default serves it anyway
+
+
+def test_the_default_engine_is_the_step_engine_where_it_serves_the_pipeline(
+    family_models: dict[str, tuple[Path, Any]],
+) -> None:
+    path, _ = family_models["llama"]
+    whole = StagePartition.load(path)
+    assert engine_of(Settings(engine="auto"), 1, whole) == "step"  # one stage on a CPU
+    assert engine_of(Settings(engine="auto"), 2, whole) == "batch"  # several stages
+    assert engine_of(Settings(engine="batch"), 1, whole) == "batch"  # a choice is kept
+    assert Settings.model_fields["engine"].default == "auto"

@@ -1,4 +1,5 @@
-"""The stage worker of a one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`).
+"""The stage worker of a one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`, or `auto`
+on a CPU: `app.workers.main.engine_of`).
 
 The batcher's windows arrive as they do for every stage worker (a prefill message per batch, from
 the stage's queue); here they only *admit* their jobs: each becomes a sequence of the engine loop's
