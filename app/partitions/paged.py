@@ -79,7 +79,8 @@ class LayerAttention:
 
 # From this many decode rows on, a step's decode rows read the slab (`app.partitions.slab`), not their
 # blocks: whole decode steps of SmolLM2 in bf16 on two threads, interleaved with the batch engine's,
-# went from 0.86x to 0.96x of its speed at 16 rows and 0.81x to 0.95x at 64 (`python -m bench.engine`).
+# went from 0.85-0.93x of its speed to 0.96-0.97x at 16 rows and from 0.86-0.88x to 0.95-0.99x at 64
+# (bench/results/slab.md). At one row the slab measured slower than the row's small gather (0.81x).
 SLAB_MIN_ROWS = WIDE_MIN_ROWS
 
 

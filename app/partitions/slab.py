@@ -6,7 +6,8 @@ history, in every layer, at every step: at 64 rows of SmolLM2 in bf16 a fifth of
 (`aten::index_select` in `python -m bench.engine`'s profile). The slab keeps each decoding
 sequence at a slot of one [kv heads, slots, positions, head dim] tensor per layer and appends its
 new key and value there as it decodes (each is written to its block as well), so a decode step
-attends over a view of the slab, as the batch engine's contiguous caches are read.
+attends over the whole slab in place (the positions past each row's length and the free slots
+masked), as the batch engine attends over its contiguous caches' whole buffers.
 
 The pools stay the truth. Before a step's layers run, `Slab.prepare` brings the slab to the step's
 decode rows: a sequence that decodes again, one position longer, keeps its slot; one that starts
@@ -34,7 +35,6 @@ class SlabStep:
     """One step's view of the slab: each decode row's slot (in the step's row order), where its new
     key and value go, and the slots and positions the step's attention spans."""
 
-    slab: Slab
     slots: torch.Tensor  # [B] long
     writes: torch.Tensor  # [B] long: slot x capacity + position, in the flattened slab
     # per slot, positions after the step (0: a free slot). The step attends over every slot and
@@ -135,7 +135,6 @@ class Slab:
             self.lengths[slot] = n
         capacity, positions = self.capacity
         return SlabStep(
-            self,
             torch.tensor(rows, dtype=torch.long, device=self.device),
             torch.tensor(
                 [s * positions + n - 1 for s, n in zip(rows, lengths, strict=True)], device=self.device
