@@ -146,7 +146,8 @@ class Settings(BaseSettings):
     # prompts it prefilled, in whole blocks of 16 tokens, and a later prompt that starts with the same
     # tokens (a chat template's system prompt) computes only the rest. MiB per stage worker, least
     # recently used evicted; 0 turns it off. SmolLM2-135M in bf16 holds 23 KB a token: 256 MiB is
-    # about 11,000 prompt tokens.
+    # about 11,000 prompt tokens. On the step engine the cache is the KV cache's own free blocks (no
+    # budget of its own); 0 turns it off there too.
     prefix_cache_mb: int = Field(default=256, ge=0)
     # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
     # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.

@@ -247,6 +247,7 @@ def stage_runtime(
             kv_positions=settings.max_batch_kv_positions,
             max_running=settings.max_running_sequences,
             step_tokens=settings.max_prefill_tokens,
+            caching=settings.prefix_cache_mb > 0,
         )
         # It advertises what it may still take: the batcher sends against that (app/core/credit.py).
         engine["advertise"] = credit.Advertiser(

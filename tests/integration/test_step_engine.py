@@ -2,8 +2,9 @@
 jobs the batcher dispatches are admitted into one scheduler whose ragged steps give the tokens of
 `generate`, with prompts longer than a step's token budget (chunked prefill) and jobs arriving while
 others decode; echo's prompt logprobs are the model's log-softmax over chunked prompts; a cancelled
-job leaves and the others go on; a step that raises fails its jobs alone; a pipeline of several
-stages is refused at start."""
+job leaves and the others go on; a step that raises fails its jobs alone; a prompt seen before takes
+its cached blocks (and the prefix cache's metrics count them); a pipeline of several stages is
+refused at start."""
 
 from __future__ import annotations
 
@@ -68,6 +69,42 @@ def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_u
         assert job["status"] == "succeeded", job
         assert got == reference_tokens(tiny_model, prompt, n), prompt
         assert job["usage"]["completion_tokens"] == len(got)
+
+
+@pytest.mark.parametrize("cache_mb", ["256", "0"], ids=["cached", "off"])
+def test_a_prompt_seen_before_takes_its_cached_blocks_and_the_metrics_say_so(  # type: ignore[no-untyped-def]
+    tmp_path, redis_url, tiny_model, cache_mb
+):
+    """The step engine's prefix cache is counted as the batch engine's is (the dashboard's panel):
+    the second job of the same prompt reuses its whole blocks, computes only the rest, and streams
+    the same tokens; with CONVEYOR_PREFIX_CACHE_MB=0 it computes the whole prompt again."""
+    from prometheus_client import REGISTRY
+
+    def counted(source: str) -> float:
+        labels = {"model": "tiny", "stage": "0", "source": source}
+        return REGISTRY.get_sample_value("conveyor_prefix_cache_tokens_total", labels) or 0.0
+
+    prompt = PROMPTS[1]  # longer than two blocks of 16 tokens
+    runs = []
+    env = {**ENGINE, "CONVEYOR_PREFIX_CACHE_MB": cache_mb}
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=env
+        ) as stack,
+        stack.client() as client,
+    ):
+        for _ in range(2):
+            before = counted("cache"), counted("computed")
+            job, got = greedy(client, prompt, 6)
+            runs.append((counted("cache") - before[0], counted("computed") - before[1], got))
+    (cached_first, computed_first, first), (cached_second, computed_second, second) = runs
+    assert cached_first == 0 and computed_first >= 33
+    if cache_mb == "0":
+        assert (cached_second, computed_second) == (0, computed_first)
+    else:
+        assert cached_second >= 32 and cached_second % 16 == 0
+        assert cached_second + computed_second == computed_first  # the same prompt, split otherwise
+    assert first == second == reference_tokens(tiny_model, prompt, 6)
 
 
 def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]

@@ -59,14 +59,18 @@ CREDIT_REFRESH_S = 30.0  # an unchanged credit is said again this often (its key
 Echo = tuple[tuple[int, ...], dict[int, torch.Tensor]]
 
 
-def scheduler_config(*, kv_positions: int, max_running: int, step_tokens: int) -> SchedulerConfig:
+def scheduler_config(
+    *, kv_positions: int, max_running: int, step_tokens: int, caching: bool = True
+) -> SchedulerConfig:
     """The engine's budgets from the worker's settings: the KV cache of `kv_positions` positions in
-    blocks, `max_running` sequences, `step_tokens` tokens a step (at least one per sequence)."""
+    blocks, `max_running` sequences, `step_tokens` tokens a step (at least one per sequence); with
+    `caching`, whole computed blocks are kept for later prompts that start with them."""
     return SchedulerConfig(
         num_blocks=max(1, kv_positions // BLOCK_SIZE),
         block_size=BLOCK_SIZE,
         max_num_seqs=max_running,
         max_num_batched_tokens=max(step_tokens, max_running),
+        prefix_caching=caching,
     )
 
 
@@ -86,6 +90,7 @@ class EngineRuntime(StageRuntime):
     wake: threading.Event = field(init=False, default_factory=threading.Event)
     received: deque[str] = field(init=False, default_factory=lambda: deque(maxlen=RECEIVED))  # batches
     _progressed_at: float = field(init=False, default=0.0)
+    _counted: set[str] = field(init=False, default_factory=set)  # jobs whose cached prompt is counted
     _advertised: ReplicaCredit | None = field(init=False, default=None)
     _advertised_at: float = field(init=False, default=0.0)
     _advertising: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -222,6 +227,7 @@ class EngineRuntime(StageRuntime):
         logits = self.loop.run(plan, final) if plan.rows else torch.zeros(0)
         if final:
             self._keep_prompt_columns(plan, final[0])
+        self._count_prompts(plan)
         took = time.perf_counter() - started
         metrics.PARTITION_LATENCY.labels(self.identity.model, str(self.identity.stage)).observe(took)
         if self.latency is not None:
@@ -245,6 +251,25 @@ class EngineRuntime(StageRuntime):
             if seq.job_id in gone or seq.finish_reason is not None:
                 self._leave(seq.job_id)
         self._keep_waiting_alive()
+
+    def _count_prompts(self, plan: StepPlan) -> None:
+        """The prefix cache's metrics, as the batch engine's stages count them: the prompt positions
+        of jobs without a first token that this step computed, and, at a job's first row, those its
+        cached blocks gave it; the memory the cached blocks hold."""
+        computed = reused = 0
+        for row in plan.rows:
+            if row.seq_id in self.batch_of:  # its prompt is being prefilled
+                computed += len(row.tokens)
+                if row.seq_id not in self._counted:
+                    self._counted.add(row.seq_id)
+                    reused += row.start
+        if not computed:
+            return
+        labels = (self.identity.model, str(self.identity.stage))
+        metrics.PREFIX_TOKENS.labels(*labels, "cache").inc(reused)
+        metrics.PREFIX_TOKENS.labels(*labels, "computed").inc(computed)
+        pool, cache = self.loop.scheduler.pool, self.loop.caches[0]
+        metrics.PREFIX_CACHE_BYTES.labels(*labels).set(pool.cached_blocks * cache.nbytes() // pool.num_blocks)
 
     def _keep_prompt_columns(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """Keep the final hidden states [T, D] of this step's prompt positions of the jobs that
@@ -282,6 +307,7 @@ class EngineRuntime(StageRuntime):
 
     def _first_token(self, job_id: str) -> None:
         """A job has its first token (or left): its batch is done once all of its jobs are."""
+        self._counted.discard(job_id)
         batch_id = self.batch_of.pop(job_id, None)
         if batch_id is None:
             return
