@@ -82,22 +82,18 @@ def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts
 
 
 def test_jobs_submitted_while_a_batch_runs_join_it_at_a_step_boundary(tmp_path, redis, redis_url, tiny_model):  # type: ignore[no-untyped-def]
-    from harness import start_harness
+    from harness import harness
 
     # the batch engine's joins (a one-stage pipeline's default is the step engine, whose sequences
     # share steps without batches: tests/integration/test_step_engine.py)
-    one = start_harness(
-        tmp_path,
-        redis_url=redis_url,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        extra_env={"CONVEYOR_ENGINE": "batch"},
-    )
-    try:
-        with one.client() as client:
-            joins_running_batch(client, redis, one.namespace, tiny_model)
-    finally:
-        one.stop()
+    batch = {"CONVEYOR_ENGINE": "batch"}
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=batch
+        ) as one,
+        one.client() as client,
+    ):
+        joins_running_batch(client, redis, one.namespace, tiny_model)
 
 
 def test_tokens_concatenated_equal_final_text_and_indices_have_no_gap(stack):  # type: ignore[no-untyped-def]
