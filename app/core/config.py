@@ -112,8 +112,9 @@ class Settings(BaseSettings):
     # one batch: positions x layers x 2 x kv heads x head dim x dtype bytes). 65536 positions is
     # 3 GB for all of SmolLM2-135M's 30 layers in fp32; a joiner that does not fit runs on its own.
     # On the step engine: its paged KV cache (and prefix cache), whose free blocks the batcher sends
-    # prompts against, allocated at the worker's start: 65536 positions of SmolLM2-135M are 1.5 GB in
-    # bf16 (3 GB in fp32), the stage worker about 2.3 GB resident with its weights (4 GB in fp32).
+    # prompts against, reserved at the worker's start and resident as its blocks are used: 65536
+    # positions of SmolLM2-135M are 1.5 GB in bf16 (3 GB in fp32), the stage worker about 0.95 GB
+    # resident at start and up to 2.4 GB once they have all been used (1.1 and 4 GB in fp32).
     max_batch_kv_positions: int = Field(default=65536, ge=1)
     # Continuous batching: prompt positions (batch size x longest prompt) one prefill batch may hold.
     # A prefill holds its stage as long as it runs; bounding it bounds what a decode step or an urgent

@@ -170,3 +170,22 @@ def test_a_layers_attention_is_the_one_transformers_builds(family: str) -> None:
         )
         assert LayerAttention.of(config, index) == expected
         assert LayerAttention.of(config, index, module) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pool_takes_memory_only_for_the_blocks_written(dtype: torch.dtype) -> None:
+    """A CPU pool of 1 GiB costs no resident memory at its start and reads zeros wherever nothing
+    was written: a worker's KV cache holds what its sequences used, not its whole size."""
+    import psutil
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    num_blocks = 2**30 // (2 * 2 * 2 * 16 * 64 * dtype.itemsize)  # 2 layers, keys and values, 2 heads: 1 GiB
+    cache = PagedCache([0, 1], num_blocks=num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=dtype)
+    assert me.memory_info().rss - before < 2**27  # under 128 MiB of the 1 GiB
+    k = torch.randn(3, 2, 64).to(dtype)
+    cache.write(1, k, 2 * k, torch.tensor([5, 16 * 700, 16 * num_blocks - 1]))
+    assert me.memory_info().rss - before < 2**27
+    keys, values = cache.keys[1], cache.values[1]
+    assert torch.equal(keys[:, 0, 5], k[0]) and torch.equal(values[:, -1, -1], 2 * k[2])
+    assert torch.count_nonzero(keys) == torch.count_nonzero(k) and not cache.keys[0].any()
