@@ -21,6 +21,7 @@ whole stack keeps its configuration word for word. What needs processes (a SIGKI
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -52,6 +53,14 @@ _ENVIRON = threading.Lock()  # Settings read os.environ: one harness reads it at
 # read and parsed, ~35 ms of CPU a client, where a test may open several).
 TLS = httpx.create_ssl_context()
 
+
+@functools.cache
+def tokenizer_of(path: Path) -> Any:
+    """A model's tokenizer, loaded once per test process: the last stages of every harness started
+    on it only decode with it (Gemma 3's takes seconds to load). The API's catalog loads its own."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 def settings_from_env(env: dict[str, str]) -> Settings:
     """Settings as a process started with exactly `env`'s CONVEYOR_* variables and REDIS_URL reads them."""
@@ -200,7 +209,6 @@ class Harness:
 
     def _start_workers(self, redis: Any) -> None:
         import torch
-        from transformers import AutoTokenizer
 
         from app.core.keys import Keys
         from app.core.modelstore import registered_dtype
@@ -218,7 +226,7 @@ class Harness:
             stages = settings.stages
             chosen = registered_dtype(path)
             dtype = resolve_dtype(chosen if chosen not in (None, "auto") else settings.dtype, "cpu")
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = tokenizer_of(path)
             for stage in range(stages):
                 layers = stage_layers(settings, path, stage=stage, num_stages=stages)
                 for replica in range(settings.replicas):  # each replica its own weights, as its process

@@ -17,8 +17,8 @@ import pytest
 import torch
 from clients import events, submit, tokens, wait
 from conftest import ROOT, SMOLLM2
-from harness import start_harness
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from harness import start_harness, tokenizer_of
+from transformers import AutoModelForCausalLM
 
 from app.core.config import Settings
 from app.core.registry import add_model
@@ -61,7 +61,7 @@ def model_dir(request: pytest.FixtureRequest, name: str) -> Path:
 def greedy(path: Path, prompts: tuple[str, ...]) -> list[list[int]]:
     """`generate`'s greedy tokens for each prompt alone, end-of-sequence tokens left out (the pipeline
     ends a sequence on them without streaming them). Computed once per model for every test."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = tokenizer_of(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
