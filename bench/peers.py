@@ -5,7 +5,8 @@ Each system is started, measured and stopped in turn: SmolLM2-135M-Instruct, str
 output tokens forced with `ignore_eos`, greedy, closed-loop clients at each concurrency (4 x
 concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_sets`): a prefix
 cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
-p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM.
+p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM. With
+guidellm installed (`bench/guidellm.py`), it measures each level after the suite's own client.
 
     conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
                     one stage (on a CPU: the step engine); `--stages 1,2` adds it cut in two
@@ -49,6 +50,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from app.core.cpus import allowed, format_cpus, parse_cpus
+from bench import guidellm
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
 from bench.report import fmt, git_commit, load_cell, percentile, table, write_results
@@ -130,25 +132,46 @@ def measure(
     prompts: list[Prompt],
     concurrencies: Sequence[int],
     cpus: set[int] | None,
+    clients: str = "own",
 ) -> list[Run]:
     """Closed-loop clients at each concurrency, 4 requests a client (at least 8), streamed completions,
     no prompt sent twice (`prompt_sets`); the clients run on `cpus` (the system was started before,
-    unbound)."""
+    unbound). `clients`: own (the suite's), guidellm (`bench.guidellm`), or both, in turn at each
+    concurrency."""
     job = completions_job(OUTPUT_TOKENS, model=system.model)
     warm, per_level = prompt_sets(prompts, concurrencies)
     runs = []
     with client_on(cpus):
         warm_up(system, warm, job)
         for concurrency, mine in zip(concurrencies, per_level, strict=True):
-            run = closed_run(name, system.base_url, job, mine, concurrency)
-            failed = [j.error for j in run.jobs if not j.ok]
-            say(
-                f"{name} c{concurrency}: {len(run.ok)}/{len(run.jobs)} ok, {run.tokens_per_s():.1f} tok/s, "
-                f"TTFT p50 {ttft_ms(run) or 0:.0f} ms, ITL p50 {itl_ms(run) or 0:.1f} ms"
-                + (f"; first failure: {failed[0]}" if failed else "")
-            )
-            runs.append(run)
+            level = []
+            if clients in ("own", "both"):
+                level.append(closed_run(name, system.base_url, job, mine, concurrency))
+            if clients in ("guidellm", "both"):
+                level.append(
+                    guidellm.guidellm_run(
+                        system,
+                        name,
+                        concurrency,
+                        requests(concurrency),
+                        prompt_tokens=PROMPT_TOKENS,
+                        output_tokens=OUTPUT_TOKENS,
+                    )
+                )
+            for run in level:
+                failed = [j.error for j in run.jobs if not j.ok]
+                say(
+                    f"{run.name} c{concurrency}: {len(run.ok)}/{len(run.jobs)} ok, {run.tokens_per_s():.1f} "
+                    f"tok/s, TTFT p50 {ttft_ms(run) or 0:.0f} ms, ITL p50 {itl_ms(run) or 0:.1f} ms"
+                    + (f"; first failure: {failed[0]}" if failed else "")
+                )
+            runs += level
     return runs
+
+
+def peer_of(name: str) -> str:
+    """The vLLM row a row is compared with: the one measured by the same client."""
+    return "vllm" + guidellm.SUFFIX if name.endswith(guidellm.SUFFIX) else "vllm"
 
 
 def row_record(run: Run) -> dict[str, object]:
@@ -183,11 +206,11 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
     ]
-    peer = {(n, r.clients): r for n, r in runs if r.name == "vllm"}
+    peer = {(n, r.clients, r.name): r for n, r in runs if r.name.startswith("vllm")}
     cells = []
     for n, r in runs:
-        base = peer.get((n, r.clients))
-        compared = base is not None and r.name != "vllm" and bool(base.ok and r.ok)
+        base = peer.get((n, r.clients, peer_of(r.name)))
+        compared = base is not None and base is not r and bool(base.ok and r.ok)
         mine = figures(r)
         shown = [f"{mine[0]:.1f}", fmt(mine[1], digits=0, missing="-"), fmt(mine[2], digits=1, missing="-")]
         against = ratios(mine, figures(base)) if compared and base else [""] * 3
@@ -202,8 +225,8 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         }
         cells = []
         for (name, clients), median in medians.items():
-            base_median = medians.get(("vllm", clients))
-            against = ratios(median, base_median) if base_median and name != "vllm" else [""] * 3
+            base_median = medians.get((peer_of(name), clients))
+            against = ratios(median, base_median) if base_median and name != peer_of(name) else [""] * 3
             figures_shown = [fmt(median[1], digits=0, missing="-"), fmt(median[2], digits=1, missing="-")]
             cells.append([name, clients, f"{median[0]:.1f}", *figures_shown, *against])
         lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
@@ -264,6 +287,13 @@ def main() -> None:
         "servers: vLLM's reserved core, Conveyor's api and Redis), a list like 1 or 2-3, or any",
     )
     parser.add_argument("--rounds", type=int, default=1, help="the systems take turns this many times")
+    parser.add_argument(
+        "--client",
+        choices=("own", "guidellm", "both"),
+        default="both" if guidellm.GUIDELLM.exists() else "own",
+        help="the load's client: the suite's own, guidellm (bench/guidellm.py), or both in turn "
+        "(the default where guidellm is installed)",
+    )
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--name", default="peers", help="the results' file name under bench/results")
     args = parser.parse_args()
@@ -281,7 +311,8 @@ def main() -> None:
         for round_ in range(1, args.rounds + 1):  # the systems take turns: drift hits them alike
             for name, started in systems(args, Path(tmp)):  # each started, measured and stopped in turn
                 with started as system:
-                    runs += [(round_, r) for r in measure(system, name, prompts, concurrencies, client_cpus)]
+                    measured = measure(system, name, prompts, concurrencies, client_cpus, args.client)
+                    runs += [(round_, r) for r in measured]
     meta = {
         "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
         "client_cpus": format_cpus(client_cpus) if client_cpus else "any",
