@@ -3,10 +3,7 @@ tokens (`ignore_eos`), streamed `/v1/completions`, closed-loop streams, its own 
 (a seed per concurrency: no prompt sent twice). Its requests become a `Run` as the suite's own
 client's do; each request's mean inter-token latency stands for its gaps (guidellm keeps none).
 
-Install it beside the project (torch first, so pip does not fetch a CUDA build):
-
-    python3 -m venv .conveyor/bench-venvs/guidellm
-    .conveyor/bench-venvs/guidellm/bin/pip install torch==2.13.0 guidellm==0.8.1
+Installed beside the project: docs/benchmarks.md, "Installing the peers".
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ def guidellm_run(
             "--output": f"kind=json,path={out}",
         }
         command = [str(GUIDELLM), "run", *itertools.chain(*options.items()), "--disable-console"]
-        before = os.getloadavg()[0]
-        quiet = {**os.environ, "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
+        before, quiet = os.getloadavg()[0], {**os.environ, "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
         subprocess.run(command, check=True, cwd=tmp, stdout=subprocess.DEVNULL, env=quiet)
         (benchmark,) = json.loads(out.read_text())["benchmarks"]
     requests = benchmark["requests"]
@@ -50,7 +46,8 @@ def guidellm_run(
     jobs = [
         JobResult(
             prompt=i,
-            ok=True,
+            ok=r["output_tokens"] == output_tokens,  # as the suite's client counts a request
+            error=None if r["output_tokens"] == output_tokens else f"{r['output_tokens']} tokens",
             latency_s=r["request_latency"],
             ttft_s=r["time_to_first_token_ms"] / 1000,
             tokens=r["output_tokens"],
@@ -63,7 +60,6 @@ def guidellm_run(
         JobResult(prompt=-1, ok=False, latency_s=0.0, ttft_s=None, tokens=0, error=str(r.get("error")))
         for r in failed
     ]
-    wall_s = max((r["request_end_time"] for r in done), default=0.0) - min(
-        (r["request_start_time"] for r in done), default=0.0
-    )
+    span = [(r["request_start_time"], r["request_end_time"]) for r in done] or [(0.0, 0.0)]
+    wall_s = max(end for _, end in span) - min(start for start, _ in span)
     return Run(name + SUFFIX, jobs, wall_s=wall_s, load=(before, os.getloadavg()[0]), clients=concurrency)

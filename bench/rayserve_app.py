@@ -5,12 +5,8 @@ left-padded `generate` call for its longest answer (request-level batching), eac
 own length. Body, answer and prompt rendering are the naive server's (bench/naive_server.py), so
 bench.load's `naive_job` drives both.
 
-Run (bench.suite does this for you; needs the `bench` extra: `pip install -e '.[bench]'`):
-
-    .venv/bin/python -m bench.rayserve_app --model .conveyor/models/SmolLM2-135M-Instruct --port 8200
-
-It starts a local Ray instance (2 CPUs, no dashboard), deploys the app at / on `--port`, prints a line
-when it is ready, and serves until SIGTERM or SIGINT, then shuts Ray down.
+bench.suite runs it (`python -m bench.rayserve_app --model DIR --port N`; the `bench` extra): a local
+Ray (2 CPUs, no dashboard), the app at / on `--port`, a line once ready, until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations

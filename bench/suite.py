@@ -17,11 +17,9 @@ batch 32 and 64 (the raw limit). Every job asks for its own number of tokens wit
     .venv/bin/python -m bench.suite [--quick] [--model smollm2|tiny] [--systems "naive server,..."]
                                     [--rates 0.5,0.75,1] [--no-raw] [--results DIR]
 
---quick (`make bench`; with `--model tiny`, a check of the machinery) is under 10 minutes on 2 cores,
-the full plan (`make bench-full`) about an hour. Writes bench/results/suite.md, suite.json and three
-plots (matplotlib): the latency CDF per system at the comparison rate (suite_latency_cdf.png),
-throughput and P99 against the offered load (suite_load.png), and the burst's queue waits by submit
-time (suite_burst.png). docs/benchmarks.md says what a run can tell.
+--quick (`make bench`; `--model tiny` checks the machinery) takes under 10 minutes on 2 cores, the
+full plan (`make bench-full`) an hour. Writes bench/results/suite.md, suite.json and three plots:
+latency CDFs at the comparison rate, throughput and P99 against the load, the burst's queue waits.
 """
 
 from __future__ import annotations

@@ -4,16 +4,15 @@
                         (`Model`: SmolLM2 or the tests' tiny random Llama) and settings over them
     naive server        bench/naive_server.py under uvicorn: `model.generate` one request at a time
     ray serve           bench/rayserve_app.py: one replica, `@serve.batch` around `generate`
-    vllm                vLLM's CPU build in its own virtualenv (.conveyor/bench-venvs/vllm)
+    vllm, llama.cpp     the peers, in .conveyor/bench-venvs (docs/benchmarks.md: installing them)
     redis               an embedded redis-server of its own (app.core.redis.start_embedded)
 
 Each is a context manager that yields a `System` (name, base URL, log, process) once it answers,
 and on the way out stops it and whatever it started: a server runs in its own session with its
 output in a log file, gets SIGTERM, then SIGKILL after a timeout, and its leftover descendants are
-killed. A system that does not come up raises RuntimeError with the end of its log, which a
-benchmark reports in place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C.
-Raw `generate` (bench/suite.py) is loaded in process instead. Unlike the tests' `start_stack`, a
-benchmark passes the user's CONVEYOR_* settings through and runs the defaults it measures.
+killed. A system that does not come up raises RuntimeError with the end of its log, reported in
+place of its figures. `terminate_on_sigterm` makes SIGTERM unwind like Ctrl-C. Unlike the tests'
+`start_stack`, a benchmark passes the user's CONVEYOR_* settings through.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root: servers ru
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MODEL_DIR = ROOT / ".conveyor" / "models" / MODEL_NAME
 VLLM_VENV = ROOT / ".conveyor" / "bench-venvs" / "vllm"
+LLAMA_CPP = ROOT / ".conveyor" / "bench-venvs" / "llama.cpp"  # llama-server and the model as a bf16 GGUF
 READY_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 6
 
@@ -325,10 +325,10 @@ def ray_serve(workdir: Path, model: Model | None = None) -> Iterator[System]:
 
 @contextmanager
 def vllm(workdir: Path, model: Model | None = None) -> Iterator[System]:
-    """vLLM's OpenAI server from its virtualenv (`python -m bench.peers --help` says how to install it)."""
+    """vLLM's OpenAI server from its virtualenv (docs/benchmarks.md, "Installing the peers")."""
     python = VLLM_VENV / "bin" / "python"
     if not python.exists():
-        raise RuntimeError(f"vLLM is not installed in {VLLM_VENV}: see `python -m bench.peers --help`")
+        raise RuntimeError(f"vLLM is not installed in {VLLM_VENV}: see docs/benchmarks.md")
     model, port = model or smollm2(), free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     argv = [
@@ -340,6 +340,21 @@ def vllm(workdir: Path, model: Model | None = None) -> Iterator[System]:
     # vLLM compiles its model at start-up
     with started("vllm", argv, env, log, f"{base}/health", stop_timeout_s=60.0, ready_timeout_s=600.0) as p:
         yield System("vllm", base, log, process=p, model=model.name)
+
+
+@contextmanager
+def llama_cpp(workdir: Path) -> Iterator[System]:
+    """llama.cpp's `llama-server` on every core this process may use, SmolLM2 as a bf16 GGUF, 64
+    slots of 512 positions (docs/benchmarks.md, "Installing the peers", says how to build both)."""
+    server, gguf = LLAMA_CPP / "llama-server", LLAMA_CPP / f"{MODEL_NAME}-bf16.gguf"
+    if not (server.exists() and gguf.exists()):
+        raise RuntimeError(f"llama.cpp is not built into {LLAMA_CPP}: see docs/benchmarks.md")
+    port, threads = free_port(), str(len(os.sched_getaffinity(0)))
+    argv = [str(server), "-m", str(gguf), "--alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-t", threads, "-tb", threads, "-np", "64", "-c", str(64 * 512)]
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "llama.cpp")
+    with started("llama.cpp", argv, dict(os.environ), log, f"{base}/health", stop_timeout_s=30.0) as p:
+        yield System("llama.cpp", base, log, process=p, model=MODEL_NAME)
 
 
 def vllm_version() -> str:
