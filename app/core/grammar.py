@@ -3,9 +3,10 @@ compile it.
 
 The API checks a grammar when the job is submitted (`grammar_problem`: 422 naming the problem), the
 job's request carries it (`JobRequest.grammar`), and the last stage constrains each sampled token to
-it (`app.workers.grammar`). The engine is llguidance (bench/grammar.py: its token masks are the
-cheapest of the engines measured, it compiles a schema in under a millisecond, and it needs no
-other package); every kind of grammar becomes an llguidance grammar here (`engine_grammar`).
+it (`app.workers.grammar`). The engine is llguidance (docs/benchmarks.md, "Structured outputs": its
+token masks are the cheapest of the engines measured, it compiles a schema in under a millisecond,
+and it needs no other package); every kind of grammar becomes an llguidance grammar here
+(`engine_grammar`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from app.core.errors import InvalidRequest
 from app.core.grammar import Grammar, engine_grammar
 
-# Compiled grammars kept per worker. A JSON schema compiles in about a millisecond (bench/grammar.py),
+# Compiled grammars kept per worker. A JSON schema compiles in about a millisecond (docs/benchmarks.md),
 # so a miss costs little; the bound keeps a stream of distinct schemas from growing the worker's memory.
 GRAMMAR_CACHE_SIZE = 256
 
