@@ -21,6 +21,7 @@ __all__ = [
     "SamplingParams",
     "ban_tokens",
     "constrain",
+    "draw",
     "filter_logits",
     "make_generator",
     "sample",
@@ -62,11 +63,24 @@ def filter_logits(
     logits: [B, V]; top_k: [B] (0 = off); top_p: [B] in (0, 1]; min_p: [B] in [0, 1] (0 = off).
     Returns logits with -inf holes. min_p keeps a token at least min_p times as likely as the most
     likely one (the same set before or after the other cuts, which never drop the top token).
+
+    Only a nucleus needs the rows sorted (a sort of the vocabulary is most of a sampled step's
+    cost: 56 ms for 16 rows of 49,152 on one core); without one, top-k is a threshold at each row's
+    k-th largest logit (ties with it kept, as vLLM's) and min-p one at its share of the largest.
     """
     vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    if not bool((top_p < 1).any()):
+        kept = logits
+        if min_p is not None and bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            kept = kept.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        if bool((k < vocab).any()):
+            largest = logits.topk(int(k.max()), dim=-1).values  # [B, max k], descending
+            kept = kept.masked_fill(logits < largest.gather(-1, (k - 1)[:, None]), float("-inf"))
+        return kept
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     drop = rank >= k[:, None]
     if min_p is not None:
         probs = sorted_logits.softmax(dim=-1)
@@ -98,12 +112,29 @@ def sample(
         min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
     )
     probs = filtered.softmax(dim=-1)  # [R, V]
-    # NaN or infinite logits make no distribution (multinomial would raise): such a row stays greedy.
-    usable = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-    for j, row in enumerate(rows):
-        if usable[j]:
+    # NaN or infinite logits make no distribution: such a row stays greedy.
+    total = probs.sum(dim=-1)  # NaN or infinite where any of the row is
+    usable = (total.isfinite() & (total > 0)).tolist()
+    unseeded = [j for j, row in enumerate(rows) if usable[j] and params[row].seed is None]
+    if unseeded:
+        drawn = draw(probs[unseeded], [generators[rows[j]] for j in unseeded])
+        tokens[index[unseeded]] = drawn
+    for j, row in enumerate(rows):  # a seeded row: transformers' draw from its generator, seed for seed
+        if usable[j] and params[row].seed is not None:
             tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
     return tokens
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [R, V] (each a distribution), by inverting the row's cumulative
+    distribution (float64) at a uniform from the row's generator: a token of probability zero is
+    never drawn. For rows without a seed: torch.multinomial's draw, which a seeded row keeps (the
+    draws transformers makes), takes a random number per token of the vocabulary, 1 ms a row for
+    49,152; this takes one."""
+    cdf = probs.double().cumsum(dim=-1)  # [R, V]
+    uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    target = (uniform * cdf[:, -1]).unsqueeze(-1)  # [R, 1], below each row's total
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def constrain(

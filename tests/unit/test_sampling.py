@@ -82,3 +82,58 @@ def test_a_seeded_tokens_draw_depends_on_its_seed_and_index_only() -> None:
         generator.manual_seed(token_seed(1234, 7))
         draws.append(torch.multinomial(probs, 1, generator=generator).item())
     assert draws[0] == draws[1]
+
+
+def test_top_k_and_min_p_without_a_nucleus_keep_what_the_sorted_cut_keeps():
+    """The threshold path (no row with top_p < 1) keeps exactly the tokens a cut over the sorted
+    row keeps: each row's k most likely (distinct logits), and those at least min_p of the likeliest."""
+    x = logits(rows=4, vocab=500, seed=3)
+    top_k, min_p = torch.tensor([0, 1, 7, 499]), torch.tensor([0.0, 0.0, 0.05, 0.2])
+    kept = filter_logits(x, top_k=top_k, top_p=torch.ones(4), min_p=min_p).isfinite()
+    probs = x.softmax(-1)
+    for row in range(4):
+        k = int(top_k[row]) or 500
+        want = set(x[row].topk(k).indices.tolist())
+        want &= {t for t in range(500) if probs[row, t] >= min_p[row] * probs[row].max()}
+        assert set(kept[row].nonzero().squeeze(-1).tolist()) == want, row
+
+
+def test_a_row_whose_logits_make_no_distribution_takes_its_greedy_token():
+    """NaN or infinite logits in one row: that row's greedy token, the others sampled as usual."""
+    x = logits(rows=3, vocab=50, seed=5)
+    x[0, 7], x[2, 3] = float("nan"), float("inf")
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+    got = sample(x, params, [make_generator(p) for p in params])
+    alone = sample(x[1:2], params[1:2], [make_generator(params[1])])
+    assert got[0] == x[0].argmax() and got[2] == x[2].argmax() and got[1] == alone[0]
+
+
+def test_unseeded_draws_follow_the_distribution_and_never_take_a_zero():
+    """`draw` (rows without a seed) over 40,000 rows: each token's frequency within 2% of its
+    probability, the token of probability zero (between two others) never drawn; a generator
+    seeded alike draws alike."""
+    from app.workers.sampling import draw
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    generators = [torch.Generator().manual_seed(s) for s in range(40_000)]
+    drawn = draw(probs.expand(40_000, -1), generators)
+    counts = torch.bincount(drawn, minlength=5) / 40_000
+    assert counts[1] == 0 and (counts - probs).abs().max() < 0.02, counts.tolist()
+    again = draw(probs.expand(3, -1), [torch.Generator().manual_seed(s) for s in range(3)])
+    assert again.tolist() == drawn[:3].tolist()
+
+
+def test_unseeded_and_seeded_rows_in_one_batch_each_take_their_draw():
+    """A batch of seeded and unseeded rows: each seeded row draws what torch.multinomial draws
+    from its generator alone (transformers' draw), each unseeded row a token its filter allows."""
+    x = logits(rows=6, vocab=80, seed=9)
+    params = [SamplingParams(temperature=1.0, top_k=5, seed=s if s % 2 else None) for s in range(6)]
+    generators = [make_generator(p) for p in params]
+    got = sample(x, params, generators)
+    for row, p in enumerate(params):
+        allowed = set(x[row].topk(5).indices.tolist())
+        assert int(got[row]) in allowed
+        if p.seed is not None:
+            probs = filter_logits(x[row : row + 1], top_k=torch.tensor([5]), top_p=torch.ones(1)).softmax(-1)
+            want = torch.multinomial(probs[0], 1, generator=make_generator(p))[0]
+            assert got[row] == want, row
