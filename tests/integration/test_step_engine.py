@@ -211,6 +211,45 @@ def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(
     assert after[1] == reference_tokens(tiny_model, "one two three", 5)
 
 
+def test_a_failed_step_whose_jobs_cannot_be_failed_leaves_them_to_recovery_and_the_engine_goes_on(
+    tmp_path, redis_url, tiny_model
+):  # type: ignore[no-untyped-def]
+    """Redis away just as a step fails: its job cannot be failed, so it stays running; the engine's
+    steps go on (a later job is served) and the recovery monitor runs the first job again: both end
+    with generate's tokens. (The pump once died here and every later job stalled.)"""
+    import redis as redis_lib
+
+    env = {**ENGINE, "CONVEYOR_STALL_TIMEOUT_S": "2"}
+    with (
+        harness(
+            tmp_path, redis_url=redis_url, models={"tiny": tiny_model}, default_model="tiny", extra_env=env
+        ) as stack,
+        stack.client() as client,
+    ):
+        runtime = next(iter(stack.runtimes.values()))
+        run, fail, calls = runtime.loop.run, runtime.outcomes.fail, []
+
+        def broken(plan, *args):  # type: ignore[no-untyped-def]
+            calls.append(plan)
+            if len(calls) == 1:
+                raise redis_lib.ConnectionError("Connection reset by peer")
+            return run(plan, *args)
+
+        def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
+            runtime.outcomes.fail = fail
+            raise redis_lib.ConnectionError("Error 111 connecting: Connection refused")
+
+        runtime.loop.run, runtime.outcomes.fail = broken, unreachable
+        first = submit(client, prompt="one two three", max_tokens=5, temperature=0)
+        later = greedy(client, "hello", 4)
+        recovered = wait(client, first["id"], timeout_s=60)
+        streamed = [e.data["token_id"] for e in tokens(events(client, first["urls"]["events"]))]
+    assert later[0]["status"] == "succeeded" and later[1] == reference_tokens(tiny_model, "hello", 4)
+    assert recovered["status"] == "succeeded", recovered
+    assert int(recovered["attempts"]) >= 1
+    assert streamed == reference_tokens(tiny_model, "one two three", 5)
+
+
 def test_the_batcher_sends_the_engine_only_the_prompts_its_kv_cache_holds(
     tmp_path, redis_url, tiny_model, monkeypatch
 ):  # type: ignore[no-untyped-def]

@@ -175,6 +175,8 @@ class EngineRuntime(StageRuntime):
         waiting = set()
         for job_id, seq in sequences.items():
             asks = echo.asked({job_id: seq})
+            if job_id in self.rows:  # recovered while this loop still held it (it stalled): anew
+                self._leave(job_id)
             try:
                 rank = PRIORITIES.index(seq.priority) if seq.priority in PRIORITIES else 2
                 ids = tuple(self._input_ids(job_id, records[job_id]))
@@ -207,13 +209,16 @@ class EngineRuntime(StageRuntime):
             log.exception("an engine step of %s failed", self.identity.model)
             held = list(self.rows)
             when = {j: {"batch_id": self.rows[j].batch_id, "status": JobStatus.RUNNING} for j in held}
-            failed = self.outcomes.fail(
-                held,
-                code="worker_error",
-                message=f"the engine step failed: {type(exc).__name__}: {exc}",
-                when=when,
-            )
-            metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
+            try:
+                failed = self.outcomes.fail(
+                    held,
+                    code="worker_error",
+                    message=f"the engine step failed: {type(exc).__name__}: {exc}",
+                    when=when,
+                )
+                metrics.job_ended(self.identity.model, "failed", "worker_error", failed)
+            except Exception:  # Redis away too: the jobs stay running, and the recovery monitor takes them
+                log.exception("the jobs of the failed step could not be failed; they will be recovered")
             for job_id in held:
                 self._leave(job_id)
             self.loop.reset()  # the failed step's plan was never applied
@@ -349,5 +354,9 @@ class Pump(threading.Thread):
             if self.runtime.busy and not self.compute.stopping:
                 try:
                     self.compute.call(self.runtime.pump)
-                except RuntimeError:  # the compute thread stopped meanwhile
-                    return
+                except Exception:  # the compute thread stopped meanwhile, or a step's error escaped
+                    if self.compute.stopping:
+                        return
+                    log.exception(
+                        "the engine's steps of %s stopped; they start again", self.runtime.identity.model
+                    )
