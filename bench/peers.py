@@ -235,6 +235,7 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
 def gemm_gflops(repeats: int = 20) -> float:
     """One thread's bf16 matrix products in SmolLM2's shapes (128 tokens through an MLP projection),
     GFLOP/s, the best of `repeats`: the rate the machine's ceiling is read from."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a, b = torch.randn(128, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
     best = float("inf")
@@ -243,6 +244,7 @@ def gemm_gflops(repeats: int = 20) -> float:
         for _ in range(50):
             a @ b
         best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
     return 2 * 128 * 576 * 1536 * 50 / best / 1e9
 
 

@@ -354,7 +354,7 @@ def llama_cpp(workdir: Path) -> Iterator[System]:
     server, gguf = LLAMA_CPP / "llama-server", LLAMA_CPP / f"{MODEL_NAME}-bf16.gguf"
     if not (server.exists() and gguf.exists()):
         raise RuntimeError(f"llama.cpp is not built into {LLAMA_CPP}: see docs/benchmarks.md")
-    port, threads = free_port(), str(len(os.sched_getaffinity(0)))
+    port, threads = free_port(), str(len(allowed()))
     argv = [str(server), "-m", str(gguf), "--alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-t", threads, "-tb", threads, "-np", "64", "-c", str(64 * 512)]
     base, log = f"http://127.0.0.1:{port}", fresh_log(workdir, "llama.cpp")
