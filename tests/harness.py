@@ -62,6 +62,7 @@ def tokenizer_of(path: Path) -> Any:
 
     return AutoTokenizer.from_pretrained(path)
 
+
 def settings_from_env(env: dict[str, str]) -> Settings:
     """Settings as a process started with exactly `env`'s CONVEYOR_* variables and REDIS_URL reads them."""
     ours = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
@@ -246,7 +247,7 @@ class Harness:
                         settings,
                         identity,
                         partition,
-                        tokenizer if partition.is_last else None,
+                        tokenizer if partition.is_last or partition.is_first else None,
                         path=path,
                         layers=layers,
                         redis=redis,

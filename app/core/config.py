@@ -138,10 +138,10 @@ class Settings(BaseSettings):
     # without a GPU) and off choose. Prefill always runs eagerly.
     compile: Literal["auto", "graphs", "off"] = "auto"
     # What decides a pipeline's steps (docs/architecture.md, "The step engine"): batch runs the
-    # batcher's windows as batches that join running ones; step admits their jobs into one step
-    # scheduler over a paged KV cache (ragged steps, chunked prefill), for one-stage pipelines only (a
-    # worker of several stages refuses it). auto: step for a one-stage pipeline on a CPU whose model
-    # ragged steps can run (not a rope that depends on a sequence's length), batch otherwise.
+    # batcher's windows as batches that join running ones; step admits their jobs into stage 0's step
+    # scheduler over paged KV caches (ragged steps, chunked prefill, a plan in flight per stage).
+    # auto: step for a pipeline on CPUs whose model ragged steps can run (not a rope that depends on a
+    # sequence's length), batch otherwise (GPUs).
     engine: Literal["auto", "batch", "step"] = "auto"
     # Prefix caching (docs/models.md, "Prefix caching"): each stage keeps the keys and values of the
     # prompts it prefilled, in whole blocks of 16 tokens, and a later prompt that starts with the same

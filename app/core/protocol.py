@@ -21,7 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-Kind = Literal["prefill", "decode", "release"]
+# "step" and "sampled" are the step engine's (app/workers/engine/runtime.py): a step's plan and
+# hidden states from stage k to k + 1; the last stage's sampled tokens back to stage 0.
+Kind = Literal["prefill", "decode", "release", "step", "sampled"]
 STEP_TASK = "conveyor.stage.step"
 EMBED_TASK = "conveyor.embed.step"  # one batch of embeddings jobs through one embeddings stage
 PROTOCOL_VERSION = 1
@@ -44,6 +46,9 @@ class StepMessage:
     # The most urgent priority class among the batch's jobs (an index into PRIORITIES, 0 = realtime):
     # its prefill is fetched and run ahead of less urgent work on every stage.
     priority: int = 2
+    # The step engine's plan of a "step" (its rows, micro-batch, new and gone sequences) or the
+    # outcome of a "sampled" (tokens, sequences that left, an error): app/workers/engine/wire.py
+    plan: dict[str, Any] = field(default_factory=dict)
     sent_at: float = 0.0
     v: int = PROTOCOL_VERSION
 

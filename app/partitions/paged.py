@@ -120,12 +120,28 @@ class PagedCache:
         # uninitialised NaN there would poison the row
         self.keys = {i: zeros(shape, dtype, device) for i in layers}
         self.values = {i: zeros(shape, dtype, device) for i in layers}
-        # the decoding sequences' keys and values again, contiguous (`app.partitions.slab`)
-        self.slab = Slab(layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+        # the decoding sequences' keys and values again, contiguous (`app.partitions.slab`): one slab
+        # per micro-batch of a pipeline (a plan's `group`), each holding the same sequences step after
+        # step; `slab` is the one of the step being run
+        self._slab = (tuple(layers), kv_heads, head_dim, dtype, device)
+        self.slabs = {0: self._new_slab()}
+        self.slab = self.slabs[0]
 
-    def prepare(self, step: Ragged) -> SlabStep | None:
-        """The slab brought to a step's decode rows, when the step names their sequences and has at
-        least `SLAB_MIN_ROWS` of them (fewer: each row's gather is small, and the slab is let go)."""
+    def _new_slab(self) -> Slab:
+        layers, kv_heads, head_dim, dtype, device = self._slab
+        return Slab(layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+
+    def reset_slabs(self) -> None:
+        for slab in self.slabs.values():
+            slab.reset()
+
+    def prepare(self, step: Ragged, group: int = 0) -> SlabStep | None:
+        """The slab of micro-batch `group` brought to a step's decode rows, when the step names their
+        sequences and has at least `SLAB_MIN_ROWS` of them (fewer: each row's gather is small, and the
+        slab is let go)."""
+        if group not in self.slabs:
+            self.slabs[group] = self._new_slab()
+        self.slab = self.slabs[group]
         if len(step.decode_ids) < SLAB_MIN_ROWS:
             self.slab.reset()
             return None

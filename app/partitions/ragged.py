@@ -143,8 +143,9 @@ def forward(
     rules: dict[int, LayerAttention] | None = None,
     sample: Sequence[int] = (),
     final: list[torch.Tensor] | None = None,
+    group: int = 0,
 ) -> torch.Tensor:
-    """Run a ragged step over `stage`'s layers.
+    """Run a ragged step over `stage`'s layers (of micro-batch `group`: the decode slab it reads).
 
     x: the step's token ids [T] on the first stage, hidden states [T, D] on the others.
     Returns hidden states [T, D]; on the last stage, the float32 next-token logits [R, V] of the
@@ -160,7 +161,7 @@ def forward(
     x = x.to(device)
     hidden = stage._embed(x[None], position_ids) if stage.embed_tokens is not None else x[None]
     rotary = stage._rotary(hidden, position_ids)
-    slab = cache.prepare(step)
+    slab = cache.prepare(step, group)
     layout = StepLayout(step, rules if rules is not None else layer_rules(stage), cache, slab)
     paged = _StepCache(cache, step, slab)
     config = stage.config

@@ -99,7 +99,10 @@ def run_worker(
         return load_partition(path, layers, device, dtype, settings.compile), dtype
 
     partition, dtype = compute.call(load)
-    tokenizer = AutoTokenizer.from_pretrained(path) if partition.is_last else None
+    # the last stage samples; stage 0 of the step engine reads each job's request as it admits it
+    step_engine = engine_of(settings, num_stages, partition) == "step"
+    reads = partition.is_last or (partition.is_first and step_engine)
+    tokenizer = AutoTokenizer.from_pretrained(path) if reads else None
     info = served_info(settings, model, stage, layers, partition, dtype, device, num_stages)
     log.info(
         "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
@@ -139,9 +142,10 @@ def run_worker(
         hand_off=lambda message, key: lane.send(redis, key, message.to_wire()),
     )
 
-    # On the step engine a message only admits jobs: it runs between two of the loop's steps.
+    # On the step engine a message admits jobs, runs a step on a later stage or brings a step's
+    # tokens back to stage 0: each runs between two of stage 0's steps, in arrival order.
     engine = isinstance(runtime, EngineRuntime)
-    if isinstance(runtime, EngineRuntime):
+    if isinstance(runtime, EngineRuntime) and partition.is_first:
         Pump(runtime, compute).start()
 
     def handle(wire: dict[str, object]) -> None:
@@ -243,16 +247,19 @@ def stage_runtime(
     kind: type[StageRuntime] = StageRuntime
     if engine_of(settings, identity.num_stages, partition) == "step":
         kind = EngineRuntime
-        engine["engine"] = scheduler_config(
-            kv_positions=settings.max_batch_kv_positions,
-            max_running=settings.max_running_sequences,
-            step_tokens=settings.max_prefill_tokens,
-            caching=settings.prefix_cache_mb > 0,
-        )
-        # It advertises what it may still take: the batcher sends against that (app/core/credit.py).
-        engine["advertise"] = credit.Advertiser(
-            redis, keys, identity.model, identity.worker, ttl_s=settings.heartbeat_ttl_s
-        )
+        engine["heartbeat_ttl_s"] = settings.heartbeat_ttl_s
+        if partition.is_first:  # stage 0 plans every step of its pipeline replica
+            engine["engine"] = scheduler_config(
+                kv_positions=settings.max_batch_kv_positions,
+                max_running=settings.max_running_sequences,
+                step_tokens=settings.max_prefill_tokens,
+                caching=settings.prefix_cache_mb > 0,
+                depth=identity.num_stages,  # a plan in flight per stage
+            )
+            # It advertises what it may still take: the batcher sends against that (app/core/credit.py).
+            engine["advertise"] = credit.Advertiser(
+                redis, keys, identity.model, identity.worker, ttl_s=settings.heartbeat_ttl_s
+            )
     return kind(
         identity=identity,
         partition=partition,
@@ -285,10 +292,10 @@ def stage_runtime(
 
 def engine_of(settings: Settings, num_stages: int, partition: StagePartition) -> str:
     """The engine a stage of a pipeline of `num_stages` runs: the setting's, and for `auto` the step
-    engine where it serves the pipeline (one stage, on a CPU, a model ragged steps run exactly)."""
+    engine where it serves the pipeline (on a CPU, a model ragged steps run exactly)."""
     if settings.engine != "auto":
         return settings.engine
-    if num_stages != 1 or partition.device.type != "cpu":
+    if partition.device.type != "cpu":
         return "batch"
     try:
         ragged.check(partition)

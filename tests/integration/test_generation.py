@@ -52,9 +52,13 @@ def test_greedy_batch_equals_generate_token_for_token(stack, tiny_model):  # typ
     assert max(job["batch"]["size"] for job, _ in results) > 1, "prompts submitted together share a batch"
 
 
-def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts: int = 1) -> None:  # type: ignore[no-untyped-def]
+def joins_running_batch(  # type: ignore[no-untyped-def]
+    client, redis, namespace: str, model_dir: Path, *, hosts: int = 1, batches: bool = True
+) -> None:
     """Long jobs run, one batch per stage (a pipeline keeps that many circulating); two jobs
-    submitted meanwhile join one of those batches; every token equals generate()."""
+    submitted meanwhile join one of those batches (with `batches`: the batch engine's; the step
+    engine's sequences share steps without batches, and finish first here); every token equals
+    generate()."""
     long_prompts = [f"A long running job {i}" for i in range(hosts)]
     late = ["late joiner number one", "ok"]
     running = []
@@ -74,6 +78,10 @@ def joins_running_batch(client, redis, namespace: str, model_dir: Path, *, hosts
     for prompt, (job, stream) in zip(late, joined, strict=True):
         assert job["status"] == "succeeded"
         assert [e.data["token_id"] for e in tokens(stream)] == reference_tokens(model_dir, prompt, 12)
+    if not batches:  # the late jobs ran beside the long ones: they ended before them
+        ended = [wait(client, job["id"])["timings"]["finished_at"] for job in running]
+        assert max(job["timings"]["finished_at"] for job, _ in joined) < min(ended)
+        return
     late_batches = {job["batch"]["id"] for job, _ in joined}
     log = [{k.decode(): v.decode() for k, v in f.items()} for _, f in redis.xrange(f"{namespace}:batches")]
     assert any(e.get("joined") in host_batches and e["batch_id"] in late_batches for e in log), (
@@ -205,12 +213,12 @@ def test_inference_endpoint_returns_the_finished_job_or_streams_it(stack):  # ty
 
 
 @pytest.mark.parametrize(
-    ("stages", "claim_check_bytes"),
-    [(2, None), (3, None), (2, 1)],
-    ids=["2-stages", "3-stages", "2-stages-claim-check"],
+    ("stages", "claim_check_bytes", "engine"),
+    [(2, None, "step"), (3, None, "step"), (2, 1, "step"), (2, None, "batch"), (3, 1, "batch")],
+    ids=["2-stages", "3-stages", "2-stages-claim-check", "2-stages-batch-engine", "3-stages-batch-engine"],
 )
 def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # type: ignore[no-untyped-def]
-    tmp_path, redis_url, tiny_model, stages, claim_check_bytes, monkeypatch
+    tmp_path, redis_url, tiny_model, stages, claim_check_bytes, engine, monkeypatch
 ):
     from harness import start_harness
 
@@ -224,7 +232,7 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # ty
         redis_url=redis_url,
         models={"tiny": tiny_model},
         default_model="tiny",
-        extra_env={"CONVEYOR_STAGES": str(stages), "CONVEYOR_TORCH_THREADS": "1"},
+        extra_env={"CONVEYOR_STAGES": str(stages), "CONVEYOR_TORCH_THREADS": "1", "CONVEYOR_ENGINE": engine},
     )
     try:
         with two.client() as client:
@@ -233,7 +241,12 @@ def test_partitioned_pipeline_hands_hidden_states_on_and_matches_generate(  # ty
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 results = list(pool.map(lambda p: run_greedy(client, p, 16), PROMPTS))
             joins_running_batch(
-                client, redis_lib.Redis.from_url(redis_url), two.namespace, tiny_model, hosts=stages
+                client,
+                redis_lib.Redis.from_url(redis_url),
+                two.namespace,
+                tiny_model,
+                hosts=stages,
+                batches=engine == "batch",
             )
     finally:
         two.stop()

@@ -1,10 +1,10 @@
-"""A one-stage pipeline on the step engine (`CONVEYOR_ENGINE=step`), in process (tests/harness.py):
-jobs the batcher dispatches are admitted into one scheduler whose ragged steps give the tokens of
-`generate`, with prompts longer than a step's token budget (chunked prefill) and jobs arriving while
-others decode; echo's prompt logprobs are the model's log-softmax over chunked prompts; a cancelled
-job leaves and the others go on; a step that raises fails its jobs alone; a prompt seen before takes
-its cached blocks (and the prefix cache's metrics count them); a pipeline of several stages is
-refused at start."""
+"""Pipelines on the step engine (`CONVEYOR_ENGINE=step`), in process (tests/harness.py): jobs the
+batcher dispatches are admitted into stage 0's scheduler, whose ragged steps give the tokens of
+`generate` in 1, 2 and 3 stages (a plan in flight per stage), with prompts longer than a step's
+token budget (chunked prefill) and jobs arriving while others decode; echo's prompt logprobs are
+the model's log-softmax over chunked prompts; a cancelled job leaves and the others go on; a step
+that raises, on stage 0 or a later stage, fails its jobs with the reason and the pipeline goes on;
+a prompt seen before takes its cached blocks (and the prefix cache's metrics count them)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ PROMPTS = [
 ]
 
 
-def engine_stack(tmp_path, redis_url, tiny_model, **kwargs):  # type: ignore[no-untyped-def]
-    """The in-process stack serving the tiny model on the step engine."""
+def engine_stack(tmp_path, redis_url, tiny_model, stages: int = 1, **kwargs):  # type: ignore[no-untyped-def]
+    """The in-process stack serving the tiny model on the step engine, in `stages` stages."""
     return harness(
         tmp_path,
         redis_url=redis_url,
         models={"tiny": tiny_model},
         default_model="tiny",
-        extra_env=ENGINE,
+        extra_env={**ENGINE, "CONVEYOR_STAGES": str(stages)},
         **kwargs,
     )
 
@@ -57,10 +57,11 @@ def greedy(client, prompt: str, max_tokens: int):  # type: ignore[no-untyped-def
     return stream[-1].data, [e.data["token_id"] for e in tokens(stream)]
 
 
-def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_jobs_on_the_step_engine_stream_the_tokens_of_generate(tmp_path, redis_url, tiny_model, stages):  # type: ignore[no-untyped-def]
     lengths = [24, 9, 17, 30, 5, 12]  # they leave at different steps
     with (
-        engine_stack(tmp_path, redis_url, tiny_model) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model, stages) as stack,
         stack.client() as client,
         ThreadPoolExecutor(len(PROMPTS)) as pool,
     ):
@@ -107,9 +108,10 @@ def test_a_prompt_seen_before_takes_its_cached_blocks_and_the_metrics_say_so(  #
     assert first == second == reference_tokens(tiny_model, prompt, 6)
 
 
-def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis_url, tiny_model, stages):  # type: ignore[no-untyped-def]
     with (
-        engine_stack(tmp_path, redis_url, tiny_model) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model, stages) as stack,
         stack.client() as client,
     ):
         long = submit(client, prompt="one two three", max_tokens=400, temperature=0, ignore_eos=True)
@@ -121,7 +123,7 @@ def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis
         assert client.post(f"/v1/jobs/{long['id']}/cancel").status_code in (200, 202)
         cancelled = wait(client, long["id"])
         done = wait(client, other["id"])
-        runtime = next(iter(stack.runtimes.values()))
+        runtime = stack.runtimes[("tiny", 0, 0)]
         deadline = time.monotonic() + 30
         while runtime.busy:  # the cancelled job's sequence leaves at its next step
             assert time.monotonic() < deadline, "the cancelled job still holds the engine"
@@ -132,14 +134,15 @@ def test_a_cancelled_job_leaves_the_engine_and_the_others_finish(tmp_path, redis
     assert done["usage"]["completion_tokens"] == 12
 
 
-def test_echo_on_the_step_engine_gives_the_prompts_log_softmax(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [1, 2])
+def test_echo_on_the_step_engine_gives_the_prompts_log_softmax(tmp_path, redis_url, tiny_model, stages):  # type: ignore[no-untyped-def]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompt = PROMPTS[1]  # several chunks of the step's 16 tokens
     ids = tokenizer(prompt).input_ids
     want = reference(tiny_model, ids)  # [L - 1, V]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
     with (
-        engine_stack(tmp_path, redis_url, tiny_model) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model, stages) as stack,
         stack.client() as client,
         ThreadPoolExecutor(3) as pool,
     ):
@@ -161,14 +164,17 @@ def test_echo_on_the_step_engine_gives_the_prompts_log_softmax(tmp_path, redis_u
         assert job["status"] == "succeeded" and got == reference_tokens(tiny_model, p, 8)
 
 
-def test_an_echo_that_cannot_be_computed_fails_its_job_alone(tmp_path, redis_url, tiny_model, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stages", [1, 2])
+def test_an_echo_that_cannot_be_computed_fails_its_job_alone(  # type: ignore[no-untyped-def]
+    tmp_path, redis_url, tiny_model, monkeypatch, stages
+):
     def broken(*args):  # type: ignore[no-untyped-def]
         raise RuntimeError("the head failed")
 
     monkeypatch.setattr(echo, "prompt_logprobs", broken)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "echo": True, "logprobs": 1}
     with (
-        engine_stack(tmp_path, redis_url, tiny_model) as stack,
+        engine_stack(tmp_path, redis_url, tiny_model, stages) as stack,
         stack.client() as client,
         ThreadPoolExecutor(1) as pool,
     ):
@@ -179,10 +185,34 @@ def test_an_echo_that_cannot_be_computed_fails_its_job_alone(tmp_path, redis_url
     assert job["status"] == "succeeded" and got == reference_tokens(tiny_model, PROMPTS[3], 6)
 
 
-def test_the_step_engine_refuses_a_pipeline_of_several_stages(tmp_path, redis_url, tiny_model):  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match="one-stage pipelines"):
-        with engine_stack(tmp_path, redis_url, tiny_model, args=("--stages", "2")):
-            pass
+def test_a_step_that_fails_on_a_later_stage_fails_its_jobs_with_the_reason_and_the_pipeline_goes_on(  # type: ignore[no-untyped-def]
+    tmp_path, redis_url, tiny_model, monkeypatch
+):
+    """Stage 1 of 2 raises in a step: stage 0 hears it and fails the jobs it held with the reason
+    (stage 1's), starts again with none, and the next job streams generate's tokens."""
+    from app.partitions import ragged
+
+    forward, calls = ragged.forward, []
+
+    def broken(stage, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not stage.is_first:
+            calls.append(stage)
+            if len(calls) == 1:
+                raise RuntimeError("a kernel failed")
+        return forward(stage, *args, **kwargs)
+
+    monkeypatch.setattr(ragged, "forward", broken)
+    with (
+        engine_stack(tmp_path, redis_url, tiny_model, 2) as stack,
+        stack.client() as client,
+    ):
+        failed = wait(client, submit(client, prompt="one two three", max_tokens=5, temperature=0)["id"])
+        after = greedy(client, "one two three", 5)
+    assert failed["status"] == "failed", failed
+    assert failed["error"]["code"] == "worker_error"
+    assert "stage 1 failed" in failed["error"]["message"] and "a kernel failed" in failed["error"]["message"]
+    assert after[0]["status"] == "succeeded"
+    assert after[1] == reference_tokens(tiny_model, "one two three", 5)
 
 
 def test_a_step_that_raises_fails_its_jobs_with_a_reason_and_the_engine_goes_on(

@@ -18,7 +18,7 @@ from app.core.config import Settings
 from app.core.errors import UnsupportedModel
 from app.partitions import paged, ragged
 from app.partitions.layers import LayerRange, StagePartition
-from app.workers.engine.loop import EngineLoop
+from app.workers.engine.loop import EngineLoop, greedy, layout
 from app.workers.engine.scheduler import SchedulerConfig, Seq
 from app.workers.main import engine_of
 
@@ -50,9 +50,9 @@ def test_ragged_steps_decode_exactly_as_generate(
     slabbed = 0
     prepare = paged.PagedCache.prepare
 
-    def counted(cache: paged.PagedCache, step: paged.Ragged) -> Any:
+    def counted(cache: paged.PagedCache, step: paged.Ragged, group: int = 0) -> Any:
         nonlocal slabbed
-        at = prepare(cache, step)
+        at = prepare(cache, step, group)
         slabbed += at is not None
         return at
 
@@ -80,6 +80,66 @@ def test_ragged_steps_decode_exactly_as_generate(
         tokens, expected = reference(model, prompt, n)
         assert seq.output == tokens, k
         assert len(got[k]) == n
+        for i, (ours, theirs) in enumerate(zip(got[k], expected, strict=True)):
+            torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-4, msg=f"{k} step {i}")
+
+
+def pipelined(loop: EngineLoop, arrivals: dict[str, tuple[Seq, int]]) -> dict[str, list[torch.Tensor]]:
+    """Run `loop`'s stages as a pipeline of as many workers: a plan a tick enters stage 0 while the
+    plans before it move one stage on (each in its micro-batch's slab), the oldest is sampled and
+    updated when it leaves the last stage. Each sequence's logits, step after step."""
+    depth = len(loop.stages)
+    got: dict[str, list[torch.Tensor]] = {k: [] for k in arrivals}
+    flights: list[dict[str, Any]] = []  # oldest first: plan, layout, tensor, next stage, group
+    for tick in range(1000):
+        for seq, at in arrivals.values():
+            if at == tick:
+                loop.add(seq)
+        if not loop.has_work and not flights:
+            return got
+        for flight in flights:  # each moves one stage on, as each worker runs its next message
+            step, x, sample = flight["layout"]
+            flight["x"] = loop.run_stage(flight["stage"], step, flight["x"], sample, group=flight["group"])
+            flight["stage"] += 1
+        held = loop.scheduler.idle_sequences + sum(len(f["plan"]) for f in flights)
+        if loop.scheduler.in_flight < depth and loop.scheduler.idle_sequences:  # stage 0 meanwhile
+            plan = loop.scheduler.schedule(max_seqs=-(-held // depth))
+            if plan.rows:
+                group = min(set(range(depth)) - {f["group"] for f in flights})
+                step, ids, sample = layout(plan)
+                x = loop.run_stage(0, step, ids, sample, group=group)
+                flight = {"plan": plan, "layout": (step, ids, sample), "x": x, "stage": 1, "group": group}
+                flights.append(flight)
+        if flights and flights[0]["stage"] == depth:  # the oldest left the last stage: sampled
+            done = flights.pop(0)
+            sampling = [r.seq_id for r in done["plan"].rows if r.samples]
+            for seq_id, logits in zip(sampling, done["x"], strict=True):
+                got[seq_id].append(logits)
+            loop.scheduler.update(done["plan"], dict(zip(sampling, greedy(sampling, done["x"]), strict=True)))
+    raise AssertionError("the pipeline did not drain")
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_pipeline_with_a_plan_in_flight_per_stage_decodes_exactly_as_generate(
+    family_models: dict[str, tuple[Path, Any]], name: str, stages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage k runs step n while stage k + 1 runs step n - 1: the running sequences split into a
+    micro-batch per stage, and the tokens and logits are still `generate`'s."""
+    path, model = family_models[name]
+    monkeypatch.setattr(paged, "SLAB_MIN_ROWS", 1)  # every micro-batch's decode rows on its own slab
+    config = SchedulerConfig(
+        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_in_flight=stages
+    )
+    loop = EngineLoop(load(path, stages), config)
+    seqs = {k: (Seq(k, tuple(p), n), at) for k, (p, n, at) in SEQUENCES.items()}
+    got = pipelined(loop, seqs)
+    assert not loop.has_work and loop.scheduler.in_flight == 0
+    assert len(loop.caches[-1].slabs) == stages  # as many micro-batches as stages ran at once
+    for k, (seq, _) in seqs.items():
+        prompt, n, _ = SEQUENCES[k]
+        tokens, expected = reference(model, prompt, n)
+        assert seq.output == tokens, k
         for i, (ours, theirs) in enumerate(zip(got[k], expected, strict=True)):
             torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-4, msg=f"{k} step {i}")
 
@@ -117,6 +177,6 @@ def test_the_default_engine_is_the_step_engine_where_it_serves_the_pipeline(
     path, _ = family_models["llama"]
     whole = StagePartition.load(path)
     assert engine_of(Settings(engine="auto"), 1, whole) == "step"  # one stage on a CPU
-    assert engine_of(Settings(engine="auto"), 2, whole) == "batch"  # several stages
+    assert engine_of(Settings(engine="auto"), 2, whole) == "step"  # several stages too
     assert engine_of(Settings(engine="batch"), 1, whole) == "batch"  # a choice is kept
     assert Settings.model_fields["engine"].default == "auto"

@@ -346,7 +346,7 @@ def test_a_plan_must_be_updated_once_before_the_next() -> None:
     with pytest.raises(ValueError, match="the step samples"):
         s.update(plan, {"a": 1, "z": 1})
     s.update(plan, {"a": 1})
-    with pytest.raises(ValueError, match="not the step planned last"):
+    with pytest.raises(ValueError, match="not the oldest step planned"):
         s.update(plan, {"a": 1})
 
 
@@ -411,3 +411,67 @@ def test_an_urgent_arrival_that_would_not_fit_anyway_preempts_nobody() -> None:
     plan = s.schedule()
     assert plan.preempted == () and set(shape(plan)) == {"rt", "b"}
     assert s.sequences["high"].state is SeqState.WAITING
+
+
+# ---------------------------------------------------------------- plans in flight (pipelines)
+
+
+def in_flight(depth: int, **kw: object) -> Scheduler:
+    base = scheduler(**kw).config  # type: ignore[arg-type]
+    return Scheduler(SchedulerConfig(**{**base.__dict__, "max_in_flight": depth}))
+
+
+def test_a_sequence_in_a_plan_in_flight_is_in_no_plan_after_it_until_that_plan_is_updated() -> None:
+    s = in_flight(2)
+    for name in "ab":
+        s.add(seq(name, 4))
+    first = s.schedule(max_seqs=1)  # one micro-batch each
+    second = s.schedule(max_seqs=1)
+    assert set(shape(first)) == {"a"} and set(shape(second)) == {"b"}
+    assert s.in_flight == 2 and s.idle_sequences == 0
+    with pytest.raises(RuntimeError, match="not updated"):
+        s.schedule()  # as many plans in flight as the pipeline has stages
+    with pytest.raises(ValueError, match="oldest"):
+        s.update(second, {"b": 1})  # plans come back in the order they left
+    s.update(first, {"a": 1})
+    third = s.schedule()
+    assert [(r.seq_id, r.start) for r in third.decodes] == [("a", 4)]  # b is still in flight
+    s.update(second, {"b": 2})
+    s.update(third, {"a": 3})
+    assert s.sequences["a"].output == [1, 3] and s.sequences["b"].output == [2]
+
+
+def test_a_plan_with_nothing_to_run_is_not_in_flight() -> None:
+    s = in_flight(2)
+    s.add(seq("a", 4))
+    s.schedule()
+    empty = s.schedule()  # a is in flight: nothing else to run
+    assert not empty.rows and s.in_flight == 1
+    assert s.update(empty, {}) == []
+
+
+def test_a_sequence_in_flight_is_never_preempted_the_one_planning_gives_way_instead() -> None:
+    s = in_flight(2, num_blocks=2, block_size=4, caching=False)
+    s.add(seq("a", 4, max_tokens=4))
+    s.add(seq("b", 3, max_tokens=4, first=50))
+    step(s)  # a and b a block each, their prompts computed
+    first = s.schedule(max_seqs=1)  # a decodes into a second block: b is preempted, not in flight
+    assert set(shape(first)) == {"a"} and first.preempted == ("b",)
+    s.add(seq("c", 4, max_tokens=4, rank=REALTIME, first=90))  # urgent: a, in flight, is not its victim
+    second = s.schedule()
+    assert not second.rows and second.preempted == () and s.sequences["a"].state is SeqState.RUNNING
+    s.update(first, {"a": 1})
+    third = s.schedule()
+    assert third.preempted == ("a",) and set(shape(third)) == {"c"}  # now it is
+
+
+def test_an_aborted_sequence_in_flight_and_added_again_waits_for_that_plan() -> None:
+    s = in_flight(2)
+    s.add(seq("a", 4))
+    first = s.schedule()
+    s.abort("a")
+    s.add(seq("a", 4))  # recovered and sent here again
+    assert not s.schedule().rows
+    assert s.update(first, {"a": 1}) == []  # the aborted sequence's row is skipped
+    again = s.schedule()
+    assert shape(again) == {"a": (0, 4)}

@@ -8,7 +8,9 @@ padded, nothing moves when a sequence joins, leaves or is preempted, and a long 
 chunks that share steps with the running sequences' decode rows.
 
 It is the loop the stage worker's executor runs for a pipeline in one worker, and the harness the
-scheduler's rules are tested through on real models (`tests/unit/test_engine_loop.py`).
+scheduler's rules are tested through on real models (`tests/unit/test_engine_loop.py`). Stage 0's
+worker of a pipeline of several workers holds a loop of its own stage only (`run_stage`): the
+later stages run the plan's step in their own processes (`app.workers.engine.runtime`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class EngineLoop:
     """The stages of one pipeline in this process, their paged caches, and their scheduler."""
 
     def __init__(self, stages: Sequence[StagePartition], config: SchedulerConfig) -> None:
-        if not stages or not stages[0].is_first or not stages[-1].is_last:
-            raise ValueError("an engine loop needs a whole pipeline: its first stage to its last")
+        if not stages or not stages[0].is_first:
+            raise ValueError("an engine loop starts at its pipeline's first stage")
         for stage in stages:
             ragged.check(stage)
         self.stages = list(stages)
@@ -77,7 +79,7 @@ class EngineLoop:
         caches, whose contents no block table names any more."""
         self.scheduler = Scheduler(self.scheduler.config)
         for cache in self.caches:
-            cache.slab.reset()
+            cache.reset_slabs()
 
     def add(self, seq: Seq) -> None:
         self.scheduler.add(seq)
@@ -89,16 +91,36 @@ class EngineLoop:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def run(self, plan: StepPlan, final: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Run a plan through every stage: the sampling rows' logits [R, V] in row order (and the
-        last stage's final hidden states [T, D] appended to `final`, when given)."""
+    @property
+    def whole(self) -> bool:
+        """Whether this loop holds its pipeline's last stage too."""
+        return self.stages[-1].is_last
+
+    def run(self, plan: StepPlan, final: list[torch.Tensor] | None = None, group: int = 0) -> torch.Tensor:
+        """Run a plan through every stage held here: on a whole pipeline, the sampling rows' logits
+        [R, V] in row order (and the last stage's final hidden states [T, D] appended to `final`,
+        when given); else the hidden states [T, D] the next stage takes."""
         step, x, sample = layout(plan, self.stages[0].device)
-        for stage, cache, rules in zip(self.stages, self.caches, self.rules, strict=True):
-            x = ragged.forward(stage, cache, step, x, rules=rules, sample=sample, final=final)
+        for k in range(len(self.stages)):
+            x = self.run_stage(k, step, x, sample, final=final, group=group)
         return x
 
+    def run_stage(
+        self,
+        k: int,
+        step: Ragged,
+        x: torch.Tensor,
+        sample: Sequence[int],
+        *,
+        final: list[torch.Tensor] | None = None,
+        group: int = 0,
+    ) -> torch.Tensor:
+        """Run stage `k` held here over a step's layout (of micro-batch `group`)."""
+        stage, cache, rules = self.stages[k], self.caches[k], self.rules[k]
+        return ragged.forward(stage, cache, step, x, rules=rules, sample=sample, final=final, group=group)
+
     def step(self, choose: Choose = greedy) -> StepResult:
-        """Plan, run and apply one step."""
+        """Plan, run and apply one step (a whole pipeline's loop)."""
         plan = self.scheduler.schedule()
         sampling = [r.seq_id for r in plan.rows if r.samples]
         logits = self.run(plan) if plan.rows else torch.zeros(0)

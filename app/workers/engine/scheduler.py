@@ -24,6 +24,12 @@ batch of at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences. T
    the sequence's blocks are freed and it waits again with its prompt and the tokens it has
    generated as the ids to compute; its whole blocks stay cached, so it usually resumes cheaply.
 
+A pipeline of several stages keeps several plans in flight (`SchedulerConfig.max_in_flight`, one
+per stage: while stage 1 runs step k, stage 0 runs step k + 1). A sequence in a plan not yet
+updated is in none of the plans after it and is never preempted (a later stage may still be
+writing its blocks); plans are updated in the order they were made. `schedule(max_seqs=...)` caps
+a plan's rows, so that the running sequences split into as many micro-batches as there are stages.
+
 The sequences, their states and the plan follow vLLM v1's scheduler (`Request`, `RequestStatus`,
 `SchedulerOutput`); nothing here knows about Redis, torch or the stages.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -177,10 +184,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = True
+    max_in_flight: int = 1  # plans made and not yet updated: one per stage of the pipeline
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs, which must be at least 1")
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
 
 
 class Scheduler:
@@ -198,7 +208,9 @@ class Scheduler:
         self.waiting: list[Seq] = []
         self._arrivals = itertools.count()
         self._step = 0
-        self._pending: StepPlan | None = None  # planned, not yet updated
+        self._pending: deque[StepPlan] = deque()  # planned, not yet updated, oldest first
+        self._in_flight: set[str] = set()  # the sequences of those plans
+        self._room = config.max_num_seqs  # rows the plan being made may still have
         # the step being planned: tokens left in its budget, its rows, the sequences it preempted
         self._budget = 0
         self._rows: dict[str, Row] = {}
@@ -239,24 +251,43 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self) -> StepPlan:
-        """Plan the next step (the rules of the module's docstring). Blocks are taken for every row."""
-        if self._pending is not None:
-            raise RuntimeError(f"step {self._pending.step} was planned and not updated")
+    @property
+    def in_flight(self) -> int:
+        """Plans made and not yet updated."""
+        return len(self._pending)
+
+    @property
+    def idle_sequences(self) -> int:
+        """Sequences held here that no plan in flight holds: what a new plan may take."""
+        return sum(1 for s in self.sequences.values() if s.seq_id not in self._in_flight)
+
+    def schedule(self, max_seqs: int | None = None) -> StepPlan:
+        """Plan the next step (the rules of the module's docstring), of at most `max_seqs` rows when
+        given. Blocks are taken for every row. A plan without rows is not in flight: it needs no
+        `update`."""
+        if len(self._pending) >= self.config.max_in_flight:
+            raise RuntimeError(f"step {self._pending[0].step} was planned and not updated")
         self._budget = self.config.max_num_batched_tokens
         self._rows, self._preempted = {}, []
+        self._room = self.config.max_num_seqs if max_seqs is None else max(1, max_seqs)
         self._admit_urgent()
-        decoding = [s for s in self.running if s.remaining == 1 and s.computed > 0]
+        free = [s for s in self.running if s.seq_id not in self._in_flight]
+        decoding = [s for s in free if s.remaining == 1 and s.computed > 0]
         for seq in sorted(decoding, key=lambda s: s.order):
-            if seq.state is SeqState.RUNNING:  # not preempted for a row before it
+            if seq.state is SeqState.RUNNING and len(self._rows) < self._room:  # not preempted meanwhile
                 self._run(seq, 1)
-        prefilling = [s for s in self.running if s.seq_id not in self._rows]
+        prefilling = [s for s in free if s.seq_id not in self._rows]
         for seq in sorted(prefilling, key=lambda s: s.order):
-            if self._budget and seq.state is SeqState.RUNNING:
+            if self._budget and seq.state is SeqState.RUNNING and len(self._rows) < self._room:
                 self._run(seq, min(seq.remaining, self._budget))
         if not self._preempted:  # else the pool is short: admitting more would preempt again
-            for seq in sorted(self.waiting, key=lambda s: s.order):
-                if not self._budget or len(self.running) >= self.config.max_num_seqs or not self._admit(seq):
+            for seq in sorted(self._waiting_free(), key=lambda s: s.order):
+                if (
+                    not self._budget
+                    or len(self.running) >= self.config.max_num_seqs
+                    or len(self._rows) >= self._room
+                    or not self._admit(seq)
+                ):
                     break
                 self._run(seq, min(seq.remaining, self._budget))
         rows = list(self._rows.values())
@@ -267,7 +298,10 @@ class Scheduler:
             preempted=tuple(self._preempted),
             block_size=self.config.block_size,
         )
-        self._pending = plan
+        if rows:
+            self._step += 1
+            self._pending.append(plan)
+            self._in_flight.update(self._rows)
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Output]:
@@ -275,18 +309,20 @@ class Scheduler:
         (`sampled[seq_id]`, one for each and only for those rows) is appended, and the sequences
         that ended (a stop id, `max_tokens`) finish and free their blocks. Rows of sequences aborted
         since the plan are skipped."""
-        if plan is not self._pending:
-            raise ValueError(f"step {plan.step} is not the step planned last")
         sampling = {r.seq_id for r in plan.rows if r.samples}
         if set(sampled) != sampling:
             raise ValueError(f"sampled tokens for {sorted(sampled)}, the step samples {sorted(sampling)}")
-        self._pending = None
-        self._step += 1
+        if not plan.rows:
+            return []  # nothing was in flight
+        if not self._pending or plan is not self._pending[0]:
+            raise ValueError(f"step {plan.step} is not the oldest step planned and not updated")
+        self._pending.popleft()
+        self._in_flight.difference_update(r.seq_id for r in plan.rows)
         outputs = []
         for row in plan.rows:
             seq = self.sequences.get(row.seq_id)
             if seq is None or seq.state is not SeqState.RUNNING:
-                continue  # aborted meanwhile
+                continue  # aborted meanwhile (and perhaps added again since: waiting, not running)
             seq.computed = row.stop
             self.pool.commit(seq.seq_id, seq.ids, seq.computed)  # before a finish frees them
             if row.samples:
@@ -301,7 +337,7 @@ class Scheduler:
     def _run(self, seq: Seq, tokens: int) -> None:
         """Schedule `tokens` more ids of running `seq`, preempting for blocks if need be."""
         while not self.pool.grow(seq.seq_id, seq.computed + tokens):
-            victim = max(self.running, key=lambda s: s.order)
+            victim = max((s for s in self.running if s.seq_id not in self._in_flight), key=lambda s: s.order)
             self._preempt(victim)
             if victim is seq:
                 return
@@ -333,11 +369,11 @@ class Scheduler:
         """Rule 1: admit waiting sequences more urgent than a running one, preempting less urgent
         running sequences for a slot and their first chunk's blocks."""
         chunk = max(1, self.config.max_num_batched_tokens - len(self.running))  # after the decode rows
-        for seq in sorted(self.waiting, key=lambda s: s.order):
+        for seq in sorted(self._waiting_free(), key=lambda s: s.order):
             if not any(s.rank > seq.rank for s in self.running):
                 return  # neither it nor any after it is more urgent than a running sequence
             while not (len(self.running) < self.config.max_num_seqs and self._admit(seq, first_chunk=chunk)):
-                lesser = [s for s in self.running if s.rank > seq.rank]
+                lesser = [s for s in self.running if s.rank > seq.rank and s.seq_id not in self._in_flight]
                 if not lesser or not self._could_admit(seq, chunk, lesser):
                     return
                 self._preempt(max(lesser, key=lambda s: s.order))
@@ -350,6 +386,11 @@ class Scheduler:
         needed = self.pool.needed(seq.seq_id, cached + min(seq.length - cached, chunk), hits)
         freed = {i for s in lesser for i in self.pool.table(s.seq_id) if self.pool.refs(i) == 1}
         return needed <= self.pool.free_blocks + len(freed)
+
+    def _waiting_free(self) -> list[Seq]:
+        """Waiting sequences no plan in flight holds (one aborted in flight and added again waits
+        for that plan's update)."""
+        return [s for s in self.waiting if s.seq_id not in self._in_flight]
 
     def _hits(self, seq: Seq) -> list[int]:
         return self.pool.hits(seq.ids) if seq.reuse else []
