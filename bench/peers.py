@@ -47,6 +47,7 @@ import torch
 from transformers import AutoTokenizer
 
 from app.core.cpus import allowed, format_cpus, parse_cpus
+from app.partitions.precision import resolve_dtype
 from bench import guidellm
 from bench.load import Run, closed_run, completions_job
 from bench.prompts import Prompt, text_prompt
@@ -228,16 +229,17 @@ def markdown(runs: list[tuple[int, Run]], meta: dict[str, str]) -> str:
             cells.append([name, clients, f"{median[0]:.1f}", *figures_shown, *against])
         lines += ["", f"Medians over the {rounds} rounds:", "", *table(f"system | c> | {COLUMNS}", cells)]
     if "gemm_gflops" in meta:
-        lines += ceiling_lines(runs, float(meta["gemm_gflops"]), int(meta["cores"]))
+        dtype = meta.get("gemm_dtype", "bfloat16")
+        lines += ceiling_lines(runs, float(meta["gemm_gflops"]), int(meta["cores"]), dtype)
     return "\n".join([*lines, ""])
 
 
-def gemm_gflops(repeats: int = 20) -> float:
-    """One thread's bf16 matrix products in SmolLM2's shapes (128 tokens through an MLP projection),
-    GFLOP/s, the best of `repeats`: the rate the machine's ceiling is read from."""
+def gemm_gflops(dtype: torch.dtype = torch.bfloat16, repeats: int = 20) -> float:
+    """One thread's matrix products in SmolLM2's shapes (128 tokens through an MLP projection), in
+    `dtype`, GFLOP/s, the best of `repeats`: the rate the machine's ceiling is read from."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    a, b = torch.randn(128, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+    a, b = torch.randn(128, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -257,13 +259,16 @@ def gflop_per_output_token() -> float:
     return total / OUTPUT_TOKENS / 1e9
 
 
-def ceiling_lines(runs: list[tuple[int, Run]], gflops: float, cores: int) -> list[str]:
+def ceiling_lines(
+    runs: list[tuple[int, Run]], gflops: float, cores: int, dtype: str = "bfloat16"
+) -> list[str]:
     per_token = gflop_per_output_token()
     ceiling = gflops * cores / per_token
     return [
         "",
-        f"The machine's ceiling: bf16 GEMM at {gflops:.0f} GFLOP/s a core (`gemm_gflops`, at the run's "
-        f"start), {per_token:.2f} GFLOP an output token: {ceiling:.0f} tok/s on {cores} cores. Shares:",
+        f"The machine's ceiling: {dtype} GEMM at {gflops:.0f} GFLOP/s a core (`gemm_gflops`, at the run's "
+        f"start, in the precision the machine serves), {per_token:.2f} GFLOP an output token: "
+        f"{ceiling:.0f} tok/s on {cores} cores. Shares:",
         "",
         *table(
             "system | round> | c> | share>",
@@ -341,7 +346,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = make_prompts(tokenizer, WARM_UP_PROMPTS + sum(requests(c) for c in concurrencies))
     runs: list[tuple[int, Run]] = []
-    gflops = gemm_gflops()  # before any system runs: the machine quiet
+    # before any system runs (the machine quiet), in the precision it serves: bf16 where the CPU has
+    # it natively, else fp32 (emulated bf16 is slower, and no system here serves it)
+    precision = resolve_dtype("auto", "cpu")
+    gflops = gemm_gflops(precision)
     client_cpus: set[int] | None = None
     if args.client_cpus == "last":
         client_cpus = {allowed()[-1]}
@@ -360,6 +368,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "vllm": vllm_version() if (VLLM_VENV / "bin" / "python").exists() else "unknown",
         "gemm_gflops": f"{gflops:.1f}",
+        "gemm_dtype": str(precision).removeprefix("torch."),
         "cores": str(len(allowed())),
     }
     text = markdown(runs, meta)

@@ -317,17 +317,19 @@ def load_partition(
 
 
 def stage_layers(settings: Settings, path: Path, *, stage: int, num_stages: int) -> LayerRange:
-    """This stage's layers: from the plan file when one is given, else an even cut."""
-    if settings.plan_file is not None:
-        from app.partitions.planner import Plan
+    """This stage's layers: from the plan file when one is given, else cut where each stage computes
+    as evenly as can be (`conveyor plan --stages N`'s cut: the embedding, the layers and the norm and
+    head counted by their FLOPs; an even count of layers leaves the head's stage the slowest)."""
+    from app.partitions.planner import Plan, load_config, plan_decoder
 
+    if settings.plan_file is not None:
         ranges = Plan.from_json(Path(settings.plan_file).read_text()).ranges()
         if len(ranges) != num_stages:
             raise ValueError(f"plan {settings.plan_file} has {len(ranges)} stages, the pipeline {num_stages}")
         return LayerRange(*ranges[stage])
-    from transformers import AutoConfig
-
-    return LayerRange.even_split(int(AutoConfig.from_pretrained(path).num_hidden_layers), num_stages, stage)
+    if num_stages == 1:
+        return LayerRange(0, int(load_config(path).num_hidden_layers))
+    return LayerRange(*plan_decoder(load_config(path), stages=num_stages).ranges()[stage])
 
 
 def resolve_device(setting: str, stage: int) -> str:

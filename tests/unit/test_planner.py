@@ -225,3 +225,16 @@ def test_format_table(gpt3: PretrainedConfig) -> None:
     assert lines[0].startswith("gpt3-175b: 96 layers, float16, 5 stages, 81920 MiB per device")
     assert len(lines) == 2 + 5
     assert "0-18+emb" in table and "77-95+head" in table and "/ 80.0 GiB" in table
+
+
+def test_a_pipeline_started_without_a_plan_file_takes_the_planners_cut(tmp_path: Path) -> None:
+    """A stage worker cuts SmolLM2 as `conveyor plan --stages 2` does (19/11: the head's stage gets
+    fewer layers), not into even halves, whose head stage was the pipeline's slowest."""
+    from app.core.config import Settings
+    from app.workers.main import stage_layers
+
+    load_config("smollm2-135m").save_pretrained(tmp_path)
+    settings = Settings(plan_file=None)
+    ranges = [stage_layers(settings, tmp_path, stage=s, num_stages=2) for s in range(2)]
+    assert [(r.start, r.stop) for r in ranges] == [(0, 19), (19, 30)]
+    assert [(r.start, r.stop) for r in [stage_layers(settings, tmp_path, stage=0, num_stages=1)]] == [(0, 30)]
