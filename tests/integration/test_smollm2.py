@@ -66,8 +66,9 @@ def test_smollm2_greedy_batch_equals_generate(tmp_path, redis_url, smollm2_dir, 
     assert max(s[-1].data["batch"]["size"] for s in streams) > 1
     held = [info["param_bytes"] for info in served.values()]  # what each stage worker holds
     assert len(held) == stages
-    if stages > 1:  # each worker holds only its partition
-        assert max(held) <= 0.65 * whole, (held, whole)
+    if stages > 1:  # each worker holds only its partition: cut by compute, stage 0 holds the
+        # embedding and 19 of the 30 layers (0.71x of the model), stage 1 the other 11 and the head
+        assert max(held) <= 0.72 * whole, (held, whole)
 
 
 @pytest.mark.slow
