@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.core.jobs import text_of
 from app.core.keys import Keys
 
 CHECK_S = 5.0  # the replicas' heartbeats are read again this often
@@ -74,4 +75,4 @@ class Routes:
         pipe = self.redis.pipeline(transaction=False)
         for stage in range(1, self.num_stages):
             pipe.zrangebyscore(self.keys.workers(self.model, stage), since, "+inf")
-        return [sorted(w.decode() if isinstance(w, bytes) else str(w) for w in ws) for ws in pipe.execute()]
+        return [sorted(map(text_of, workers)) for workers in pipe.execute()]

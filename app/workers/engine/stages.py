@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.core import metrics
+from app.core.jobs import text_of
 from app.core.protocol import StepMessage
 from app.partitions import ragged
 from app.partitions.codecs import decode_tensor
@@ -166,7 +167,7 @@ class EngineStage(StageRuntime):
         self._swept_at = now
         since = time.time() - self.heartbeat_ttl_s
         beating = self.redis.zrangebyscore(self.keys.workers(self.identity.model, 0), since, "+inf")
-        live = {w.decode() if isinstance(w, bytes) else str(w) for w in beating}
+        live = set(map(text_of, beating))
         self._forget([j for j, head in self._head_of.items() if head not in live])
         for lane in [k for k, u in self.upstreams.items() if u.head not in live]:
             del self.upstreams[lane]
