@@ -123,6 +123,35 @@ def test_unseeded_draws_follow_the_distribution_and_never_take_a_zero():
     assert again.tolist() == drawn[:3].tolist()
 
 
+def test_unseeded_draws_across_the_vocabularys_blocks_follow_the_distribution():
+    """A vocabulary of several of `draw`'s blocks, the last one partial: tokens at the blocks' edges
+    drawn as often as their probabilities, none of probability zero (the blocks' own edges, the
+    padding past the vocabulary) ever; a row whose mass is all in the last block draws from it."""
+    from app.workers.sampling import DRAW_BLOCK, draw
+
+    vocab = 2 * DRAW_BLOCK + 452
+    mass = {
+        0: 0.1,
+        DRAW_BLOCK - 1: 0.2,
+        DRAW_BLOCK: 0.25,
+        2 * DRAW_BLOCK - 1: 0.05,
+        2 * DRAW_BLOCK: 0.3,
+        vocab - 1: 0.1,
+    }
+    probs = torch.zeros(vocab)
+    for token, p in mass.items():
+        probs[token] = p
+    rows = 40_000
+    drawn = draw(probs.expand(rows, -1), [torch.Generator().manual_seed(s) for s in range(rows)])
+    counts = torch.bincount(drawn, minlength=vocab) / rows
+    assert set(counts.nonzero().squeeze(-1).tolist()) <= set(mass), "a token of probability zero was drawn"
+    assert max(abs(float(counts[t]) - p) for t, p in mass.items()) < 0.02, counts[list(mass)].tolist()
+    last = torch.zeros(vocab)
+    last[vocab - 3 :] = torch.tensor([0.5, 0.0, 0.5])
+    tail = draw(last.expand(1_000, -1), [torch.Generator().manual_seed(s) for s in range(1_000)])
+    assert set(tail.tolist()) == {vocab - 3, vocab - 1}
+
+
 def test_unseeded_and_seeded_rows_in_one_batch_each_take_their_draw():
     """A batch of seeded and unseeded rows: each seeded row draws what torch.multinomial draws
     from its generator alone (transformers' draw), each unseeded row a token its filter allows."""
