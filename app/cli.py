@@ -132,6 +132,15 @@ def worker(
     stage: Annotated[int, typer.Option(help="Which stage of the pipeline this worker serves.")] = 0,
     stages: Annotated[int | None, typer.Option(help="Stages in the pipeline.")] = None,
     model: Annotated[str | None, typer.Option(help="Model name; the default model when omitted.")] = None,
+    share: Annotated[
+        int | None,
+        typer.Option(
+            help="Torch threads this worker keeps while other processes use the host's CPUs (its share "
+            "of a host it shares; `conveyor up` passes it); it takes the others while they are idle. "
+            "Default: every CPU but one. CONVEYOR_TORCH_THREADS fixes the count instead.",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """Run one stage worker (a Celery worker owning one partition of the model): layers of a
     generation model, or a piece of the embeddings model's graph (`--model all-MiniLM-L6-v2`)."""
@@ -154,7 +163,7 @@ def worker(
 
     name = model or settings.default_model
     try:
-        run_worker(settings, model=name, stage=stage, num_stages=settings.stages)
+        run_worker(settings, model=name, stage=stage, num_stages=settings.stages, share=share)
     except UnsupportedModel as exc:  # one line, and an exit `conveyor up` does not restart
         typer.echo(f"conveyor: model {name!r} cannot be served: {exc.message}", err=True)
         raise typer.Exit(UNSERVABLE_EXIT) from exc

@@ -165,8 +165,8 @@ def processes(
     batcher, the webhook processes, stages x replicas workers per model, the embeddings workers.
 
     Without CONVEYOR_TORCH_THREADS, each worker this host starts (`only`'s choice, every one
-    without it) is given its share of the host's cores (`torch_threads`); `cores` defaults to the
-    CPUs this process may run on.
+    without it) is given its share of the host's cores (`torch_threads`; a stage worker widens to
+    the others while they idle); `cores` defaults to the CPUs this process may run on.
     """
     planned = [
         (Part("batcher"), Child("batcher", [*me, "batcher"])),
@@ -203,5 +203,7 @@ def _share_cores(planned: list[tuple[Part, Child]], only: Only, cores: int) -> N
     stages = sum(part.kind == "stage" for part, _ in here)
     per_stage, per_embed = torch_threads(cores, stages, sum(part.kind == "embed" for part, _ in here))
     for part, child in here:
-        if part.kind in ("stage", "embed"):
-            child.env["CONVEYOR_TORCH_THREADS"] = str(per_stage if part.kind == "stage" else per_embed)
+        if part.kind == "stage":  # its share, and the other cores while they idle (app.workers.threads)
+            child.argv = [*child.argv, "--share", str(per_stage)]
+        elif part.kind == "embed":
+            child.env["CONVEYOR_TORCH_THREADS"] = str(per_embed)

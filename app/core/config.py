@@ -150,8 +150,9 @@ class Settings(BaseSettings):
     # about 11,000 prompt tokens. On the step engine the cache is the KV cache's own free blocks (no
     # budget of its own); 0 turns it off there too.
     prefix_cache_mb: int = Field(default=256, ge=0)
-    # Torch threads of a worker. None: `conveyor up` gives each stage worker its share of the host's
-    # cores but one (left to the api, the batcher and Redis); a worker started alone uses every core.
+    # Torch threads of a worker, fixed. None: `conveyor up` gives each worker its share of the host's
+    # cores but one (left to the api, the batcher and Redis; alone, every core but one), and a stage
+    # worker widens to the other cores while they idle (docs/architecture.md, "Threads").
     torch_threads: int | None = None
     # The CPUs a stage or embeddings worker runs on, a list like 0-3,6; empty: wherever the OS puts
     # it. A CPU this process may not use is refused.

@@ -21,6 +21,9 @@ an ordinary item's steps this thread's one loop runs the urgent items waiting, e
 resumes the suspended step where it was (its batch's state is its own). An urgent job's wait for
 the stage is one layer of the step in progress, not a whole decode step or a long prefill. Nothing
 runs inside anything else: the loop alone decides what runs next.
+
+Each item, and each step of an item, runs on the torch thread count its `Threads` gives
+(`app.workers.threads`): the worker's share of the host, widened while the host's other CPUs idle.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from app.core.steps import complete
+from app.workers.threads import Threads, apply
 
 T = TypeVar("T")
 # A background item waits as if it had arrived this many items later: past the interactive prefill
@@ -55,8 +60,9 @@ class _Work:
 class ComputeThread(threading.Thread):
     """Runs the callables handed to `call`, one at a time, urgent ones first."""
 
-    def __init__(self, name: str = "compute") -> None:
+    def __init__(self, name: str = "compute", threads: Threads | None = None) -> None:
         super().__init__(name=name, daemon=True)
+        self.threads = threads  # the torch threads each item (and each step of one) runs on
         self._ready = threading.Condition()
         self._tickets = itertools.count()
         self._waiting: list[_Work] = []
@@ -111,7 +117,7 @@ class ComputeThread(threading.Thread):
 
     def _run(self, work: _Work) -> None:
         try:
-            result = work.fn()
+            result = self._measured(work.fn, told=False)
             if isinstance(result, Generator):
                 result = self._steps(result, work)
             work.result = result
@@ -123,7 +129,7 @@ class ComputeThread(threading.Thread):
         """Run an item's steps; between two steps of an ordinary item, the urgent items waiting."""
         while True:
             try:
-                next(steps)
+                self._measured(lambda: next(steps))
             except StopIteration as done:
                 return done.value
             if work.rank != 1:
@@ -134,6 +140,22 @@ class ComputeThread(threading.Thread):
                         break
                     urgent = self._pop()
                 self._run(urgent)
+
+    def _measured(self, fn: Callable[[], T], *, told: bool = True) -> T:
+        """`fn()` on the thread count `threads` says; `told`: telling it what the call took. Only
+        the steps of a generator item are told (an engine's steps, a batch's layers): a plain item
+        (an admission, a step's tokens taken in) is host work, whose one thread says nothing of
+        how the team runs."""
+        if self.threads is None:
+            return fn()
+        apply(self.threads)
+        if not told:
+            return fn()
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return fn()
+        finally:
+            self.threads.ran(time.perf_counter() - wall, time.process_time() - cpu)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Run what is already queued, then end the thread; later calls raise."""

@@ -38,6 +38,7 @@ from app.workers.engine.runtime import EngineRuntime, Pump, scheduler_config
 from app.workers.health import HealthMonitor, gated
 from app.workers.latency import StepLatency
 from app.workers.stage import Send, StageIdentity, StageRuntime
+from app.workers.threads import elastic, fixed
 
 # Stage tensors of at least this many bytes go through Redis by reference (claim check): inline,
 # kombu's JSON + base64 costs CPU at both ends. The measured break-even is 18 to 37 KB
@@ -64,8 +65,16 @@ def _generation_config(path: str) -> GenerationConfig | None:
 
 
 def run_worker(
-    settings: Settings, *, model: str, stage: int, num_stages: int, loglevel: str = "INFO"
+    settings: Settings,
+    *,
+    model: str,
+    stage: int,
+    num_stages: int,
+    share: int | None = None,
+    loglevel: str = "INFO",
 ) -> None:
+    """Serve stage `stage` of `model`'s pipeline until stopped. `share`: the torch threads this
+    worker keeps while other processes use the host (`conveyor up` passes its share of the cores)."""
     path = settings.model_path(model)
     if path is None:
         raise ModelNotFound(f"model {model!r} is not available; run `conveyor model pull`", model=model)
@@ -87,13 +96,14 @@ def run_worker(
     check_servable(path)  # a model the stages cannot serve is refused here, before any weight is read
     layers = stage_layers(settings, path, stage=stage, num_stages=num_stages)
     device = resolve_device(settings.device, stage)
-    compute = ComputeThread()
+    # a count that is set stays; else this worker's share (every CPU but one alone), widened while
+    # the host's other CPUs are idle. Everything on the compute thread, load and warm-up first, runs on it.
+    threads = fixed(settings.torch_threads) if settings.torch_threads else elastic(share)
+    compute = ComputeThread(threads=threads)
     compute.start()
 
     def load() -> tuple[StagePartition, torch.dtype]:
         bound_kernel_caches()  # before the warm-up runs the first kernel
-        if settings.torch_threads:  # before anything is measured or run on this thread
-            torch.set_num_threads(settings.torch_threads)
         chosen = registered_dtype(path)  # `model add --dtype`; else the setting
         dtype = resolve_dtype(chosen if chosen not in (None, "auto") else settings.dtype, device)
         return load_partition(path, layers, device, dtype, settings.compile), dtype
@@ -105,7 +115,7 @@ def run_worker(
     tokenizer = AutoTokenizer.from_pretrained(path) if reads else None
     info = served_info(settings, model, stage, layers, partition, dtype, device, num_stages)
     log.info(
-        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %d CPU threads "
+        "stage %d/%d of %s (%s): layers %d-%d on %s in %s, %.1f MiB of parameters, %s CPU threads "
         "on CPUs %s, decode steps %s, prefix cache %d MiB, engine %s",
         stage,
         num_stages,
@@ -116,7 +126,7 @@ def run_worker(
         device,
         dtype_name(dtype),
         partition.param_bytes() / 2**20,
-        torch.get_num_threads(),
+        threads.describe(),
         format_cpus(allowed()),
         info["decode_steps"],
         settings.prefix_cache_mb,

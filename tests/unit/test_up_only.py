@@ -81,20 +81,29 @@ def test_the_stack_leaves_one_core_to_the_api_and_splits_the_rest_among_its_work
 
 def test_each_worker_is_given_its_share_unless_the_operator_chose():
     settings = Settings(stages=2, replicas=1, embedding_stages=1)
-    env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, cores=9)}
-    assert env["stage0"] == env["stage1"] == {"CONVEYOR_TORCH_THREADS": "4"}
-    assert env["embed0"] == {"CONVEYOR_TORCH_THREADS": "2"}
-    assert env["batcher"] == {}
-    chosen = Settings(stages=2, replicas=1, embedding_stages=1, torch_threads=3)
-    assert all(not child.env for _, child in processes(chosen, ["tiny"], ME, cores=9))
+    children = {child.name: child for _, child in processes(settings, ["tiny"], ME, cores=9)}
+    # a stage worker keeps its share and widens while the other cores idle; an embeddings worker's is fixed
+    assert children["stage0"].argv[-2:] == children["stage1"].argv[-2:] == ["--share", "4"]
+    assert children["stage0"].env == {}
+    assert children["embed0"].env == {"CONVEYOR_TORCH_THREADS": "2"}
+    assert children["batcher"].env == {}
+    chosen = Settings(stages=2, replicas=2, embedding_stages=1, torch_threads=3)
+    picked = [child for _, child in processes(chosen, ["tiny"], ME, cores=9)]
+    assert all(not child.env and "--share" not in child.argv for child in picked)
+
+
+def test_replicas_of_a_stage_each_get_one_share():
+    settings = Settings(stages=1, replicas=2, embedding_stages=0)
+    argvs = [child.argv for part, child in processes(settings, ["tiny"], ME, cores=9) if part.kind == "stage"]
+    assert [argv.count("--share") for argv in argvs] == [1, 1]
 
 
 def test_a_host_running_part_of_the_stack_shares_its_cores_among_its_own_workers():
     settings = Settings(stages=2, replicas=1, embedding_stages=1)
     here = Only.parse(["stage:1"])
-    env = {child.name: child.env for _, child in processes(settings, ["tiny"], ME, here, cores=9)}
-    assert env["stage1"] == {"CONVEYOR_TORCH_THREADS": "8"}  # the one worker here: every core but one
-    assert env["stage0"] == {}  # another host's: not started here
+    argv = {child.name: child.argv for _, child in processes(settings, ["tiny"], ME, here, cores=9)}
+    assert argv["stage1"][-2:] == ["--share", "8"]  # the one worker here: every core but one
+    assert "--share" not in argv["stage0"]  # another host's: not started here
 
 
 @pytest.mark.parametrize(
