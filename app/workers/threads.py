@@ -10,18 +10,16 @@ the other core idle the same team is faster: a 150-token prefill 150 against 240
 decode step 141 against 220 ms (docs/benchmarks.md, "Threads that follow the host's load").
 
 So a worker whose thread count is not fixed (`CONVEYOR_TORCH_THREADS` unset) runs its steps on its
-share, and on every CPU it may use while the others are idle. Two readings decide, each taken over
-a window of about half a second:
+share, and on every CPU it may use (a cgroup's CPU quota bounds them) while the others are idle.
+Two readings decide:
 
-- **On its share**, what the other processes use of this worker's CPUs: the host's busy time on
-  them (`/proc/stat`) less this process's own CPU time. Below `IDLE` of the cores it would borrow,
-  the worker widens.
-- **Wide**, how much of its thread team ran: this process's CPU time over its steps' wall time (a
-  team whose threads all run uses a core each, spinning at its barriers included). Below `RAN` of
-  the borrowed cores, a thread waited for a core it shares, and the worker goes back to its share.
-
-A window is a second of wall time on its share (the others' use, busy or not) and half a second of
-steps wide (the team's use while it works).
+- **On its share**, what the other processes use of this worker's CPUs over a second of wall time:
+  the host's busy time on them (`/proc/stat`) less this process's own CPU time. Below `IDLE` of
+  the cores it would borrow (quiet: 0.01-0.03 cores; a busy loop: 1.0), the worker widens.
+- **Wide**, how much of its thread team ran over half a second of steps: this process's CPU time
+  over the steps' wall time (a team whose threads all run uses a core each, spinning at its
+  barriers included: 1.97-1.99 of 2 quiet, 1.25-1.31 beside a busy loop). Below its share plus
+  `RAN` of the borrowed cores, a thread waited for a core it shares: the worker goes back.
 """
 
 from __future__ import annotations
