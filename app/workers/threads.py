@@ -15,7 +15,9 @@ Two readings decide:
 
 - **On its share**, what the other processes use of this worker's CPUs over a second of wall time:
   the host's busy time on them (`/proc/stat`) less this process's own CPU time. Below `IDLE` of
-  the cores it would borrow (quiet: 0.01-0.03 cores; a busy loop: 1.0), the worker widens.
+  the cores it would borrow, the worker widens (quiet: 0.01-0.03 cores; the api and the load's
+  client at 64 streams: about 0.3; the other stage of a pipeline at one stream, which works while
+  this one waits for it: about 0.5; a busy loop: 1.0).
 - **Wide**, how much of its thread team ran over half a second of steps: this process's CPU time
   over the steps' wall time (a team whose threads all run uses a core each, spinning at its
   barriers included: 1.97-1.99 of 2 quiet, 1.25-1.31 beside a busy loop). Below its share plus
@@ -35,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-IDLE = 0.3  # widen while the others use less than this of the cores to borrow (their count, in cores)
+IDLE = 0.6  # widen while the others use less than this of the cores to borrow (their count, in cores)
 RAN = 0.4  # go back while the team's use is below its share plus this of the borrowed cores
 SHARE_WINDOW_S = 1.0
 WIDE_WINDOW_S = 0.5

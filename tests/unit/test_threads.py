@@ -41,9 +41,9 @@ def test_a_worker_on_its_share_widens_while_the_other_cores_idle() -> None:
     threads = host.threads()
     assert threads.count == 1
     for _ in range(7):  # 7/8 s: not a whole window yet
-        host.step(threads, 0.125, ours=1.0, others=0.1)
+        host.step(threads, 0.125, ours=1.0, others=0.5)  # e.g. another stage, busy half the time
     assert threads.count == 1
-    host.step(threads, 0.125, ours=1.0, others=0.1)
+    host.step(threads, 0.125, ours=1.0, others=0.5)
     assert threads.count == 2
 
 
@@ -51,7 +51,7 @@ def test_a_worker_stays_on_its_share_while_another_process_is_busy() -> None:
     host = Host()
     threads = host.threads()
     for _ in range(50):
-        host.step(threads, 0.1, ours=1.0, others=0.5)
+        host.step(threads, 0.1, ours=1.0, others=0.7)
     assert threads.count == 1 and threads.changes == 0
 
 
