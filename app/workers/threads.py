@@ -1,5 +1,5 @@
 """How many torch threads a stage worker's steps run on: its share of the host, and the host's
-other CPUs while nothing else uses them.
+other CPUs while the other processes leave them mostly idle.
 
 On a host it shares with other processes (`conveyor up`: the api, the batcher, Redis, the other
 stages), a stage worker is given a share of the cores (`app.stack.torch_threads`: the cores but
@@ -10,7 +10,8 @@ the other core idle the same team is faster: a 150-token prefill 150 against 240
 decode step 141 against 220 ms (docs/benchmarks.md, "Threads that follow the host's load").
 
 So a worker whose thread count is not fixed (`CONVEYOR_TORCH_THREADS` unset) runs its steps on its
-share, and on every CPU it may use (a cgroup's CPU quota bounds them) while the others are idle.
+share, and on every CPU it may use (a cgroup's CPU quota bounds them) while the others are mostly
+idle.
 Two readings decide:
 
 - **On its share**, what the other processes use of this worker's CPUs over a second of wall time:
