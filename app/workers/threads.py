@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from app.core.cpus import allowed
+
 log = logging.getLogger(__name__)
 
 IDLE = 0.6  # widen while the others use less than this of the cores to borrow (their count, in cores)
@@ -135,13 +137,13 @@ class Threads:
 
 def fixed(count: int) -> Threads:
     """A thread count that never moves (`CONVEYOR_TORCH_THREADS`)."""
-    return Threads(count, sorted(os.sched_getaffinity(0)), fixed=True)
+    return Threads(count, allowed(), fixed=True)
 
 
 def elastic(share: int | None) -> Threads:
     """A worker's thread count: `share` (default: every CPU it may use but one), widened to all of
     them while the others are idle."""
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = allowed()
     return Threads(share or max(1, len(cpus) - 1), cpus)
 
 
