@@ -88,7 +88,7 @@ def keys(redis: redis_lib.Redis) -> Iterator[Any]:
 
     keys = Keys(f"test-{uuid.uuid4().hex[:8]}")
     yield keys
-    for key in redis.scan_iter(match=f"{keys.namespace}:*"):
+    for key in redis.scan_iter(count=1000, match=f"{keys.namespace}:*"):
         redis.delete(key)
 
 

@@ -102,6 +102,25 @@ class Pipeline:
     def record(self, job_id: str) -> dict[str, str]:
         return decode_record(self.redis.hgetall(self.keys.job(job_id)))
 
+    def queued(self) -> list[str]:
+        """The ids of this namespace's jobs that wait to be dispatched (the API made them)."""
+        found = [
+            k.decode().rsplit(":", 1)[1] for k in self.redis.scan_iter(count=1000, match=self.keys.job("*"))
+        ]
+        return [j for j in found if self.record(j).get("status") == "queued"]
+
+    def wait_queued(
+        self, count: int = 1, *, timeout_s: float = 30.0, alive: Callable[[], bool] = lambda: True
+    ) -> list[str]:
+        """The queued jobs once there are `count` of them; fewer once `alive()` turns false (the
+        request it waits for was answered, an error, before it made them) or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            queued = self.queued()
+            if len(queued) >= count or time.monotonic() > deadline or not alive():
+                return queued
+            time.sleep(0.01)
+
     def tokens(self, job_id: str) -> list[int]:
         entries = self.redis.xrange(self.keys.events(job_id))
         data = [json.loads(f[b"data"]) for _, f in entries if f[b"event"] == b"token"]

@@ -35,5 +35,5 @@ def tiny_settings(redis_url: str, tiny_model: Path, **overrides: object) -> Sett
 def forget_namespace(redis_url: str, namespace: str) -> None:
     """Delete every key of `namespace` (what a test wrote)."""
     client = redis_lib.Redis.from_url(redis_url)
-    for key in client.scan_iter(match=f"{namespace}:*"):
+    for key in client.scan_iter(count=1000, match=f"{namespace}:*"):
         client.delete(key)

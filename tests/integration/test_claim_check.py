@@ -18,7 +18,7 @@ THRESHOLD = 64 * 1024
 def claims(redis):
     namespace = f"test-claim-{uuid.uuid4().hex[:8]}"
     yield ClaimCheck(redis, namespace=namespace, threshold_bytes=THRESHOLD, ttl_s=30)
-    for key in redis.scan_iter(match=f"{namespace}:*"):
+    for key in redis.scan_iter(count=1000, match=f"{namespace}:*"):
         redis.delete(key)
 
 
@@ -57,7 +57,7 @@ def test_below_the_threshold_stays_inline(claims, redis):
     assert len(wire["data"]) < THRESHOLD
     assert claims.put(wire) is wire
     assert claims.get(wire) is wire
-    assert list(redis.scan_iter(match=f"{claims.namespace}:*")) == []
+    assert list(redis.scan_iter(count=1000, match=f"{claims.namespace}:*")) == []
 
 
 def test_the_threshold_counts_encoded_bytes(claims):
@@ -99,7 +99,7 @@ def test_a_stage_message_carries_claims_through_msgpack(claims, redis):
     resolved = claims.get_all(back.tensors)
     assert torch.equal(decode_tensor(resolved["hidden"]), hidden)
     assert torch.equal(decode_tensor(resolved["attention_mask"]), mask)
-    assert list(redis.scan_iter(match=f"{claims.namespace}:*")) == []
+    assert list(redis.scan_iter(count=1000, match=f"{claims.namespace}:*")) == []
 
 
 def test_bad_settings_and_clients_are_refused(redis_url):

@@ -150,7 +150,7 @@ class Line:
 def line(redis, redis_url, minilm_worker_plans) -> Iterator[Line]:  # type: ignore[no-untyped-def]
     line = Line(redis, redis_url, minilm_worker_plans[2])
     yield line
-    for key in redis.scan_iter(match=f"{line.keys.namespace}:*"):
+    for key in redis.scan_iter(count=1000, match=f"{line.keys.namespace}:*"):
         redis.delete(key)
 
 

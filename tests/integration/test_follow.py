@@ -53,7 +53,7 @@ def run(redis_url: str, body):  # type: ignore[no-untyped-def]
         try:
             return await body(AsyncJobStore(client, keys))
         finally:
-            async for key in client.scan_iter(match=f"{keys.namespace}:*"):
+            async for key in client.scan_iter(count=1000, match=f"{keys.namespace}:*"):
                 await client.delete(key)
             await client.aclose()
 

@@ -92,11 +92,7 @@ def answer(served: tuple[TestClient, Pipeline], path: str, body: dict[str, Any],
 
     thread = threading.Thread(target=post)
     thread.start()
-    deadline = time.monotonic() + 30
-    queued: list[str] = []
-    while len(queued) < jobs and time.monotonic() < deadline and thread.is_alive():
-        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
-        queued = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    queued = pipeline.wait_queued(jobs, alive=thread.is_alive)
     if len(queued) < jobs:  # the API answered (an error) before it made them, or made fewer
         thread.join(5)
     assert len(queued) == jobs, f"the API made {len(queued)} jobs, not {jobs}: {result}"
@@ -244,7 +240,7 @@ def test_what_is_not_served_is_refused_naming_it(served, path, fields, named):  
     response = client.post(path, json={"max_tokens": 2, **body, **fields})
     assert response.status_code == 422, response.text
     assert named in response.json()["error"]["message"]
-    assert not list(pipeline.redis.scan_iter(match=pipeline.keys.job("*"))), "no job was made"
+    assert not list(pipeline.redis.scan_iter(count=1000, match=pipeline.keys.job("*"))), "no job was made"
 
 
 @pytest.fixture()
@@ -266,7 +262,9 @@ def queue_only(redis_url: str, tiny_model: Path, request: pytest.FixtureRequest)
 
 
 def statuses(keys: Keys, redis: redis_lib.Redis) -> dict[str, str]:
-    found = [k.decode().rsplit(":", 1)[1] for k in redis.scan_iter(match=keys.job("*"), _type="hash")]
+    found = [
+        k.decode().rsplit(":", 1)[1] for k in redis.scan_iter(count=1000, match=keys.job("*"), _type="hash")
+    ]
     return {j: (redis.hget(keys.job(j), "status") or b"").decode() for j in found}
 
 

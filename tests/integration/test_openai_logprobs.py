@@ -60,11 +60,7 @@ def answer(served: tuple[TestClient, Pipeline], path: str, body: dict[str, Any])
 
     thread = threading.Thread(target=post)
     thread.start()
-    deadline = time.monotonic() + 30
-    jobs: list[str] = []
-    while not jobs and time.monotonic() < deadline:
-        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
-        jobs = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    jobs = pipeline.wait_queued()
     assert jobs, "the API made no job"
     pipeline.dispatch(jobs)
     pipeline.pump()

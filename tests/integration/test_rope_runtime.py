@@ -53,7 +53,7 @@ def pipelines(redis):  # type: ignore[no-untyped-def]
     made: list[Pipeline] = []
     yield made
     for pipeline in made:
-        for key in redis.scan_iter(match=f"{pipeline.keys.namespace}:*"):
+        for key in redis.scan_iter(count=1000, match=f"{pipeline.keys.namespace}:*"):
             redis.delete(key)
 
 

@@ -34,7 +34,7 @@ Reference = tuple[Callable[[], list[LogitsProcessor]], bool]
 def pipeline(redis, tiny_model):  # type: ignore[no-untyped-def]
     made = build(redis, tiny_model, stages=1)
     yield made
-    for key in redis.scan_iter(match=f"{made.keys.namespace}:*"):
+    for key in redis.scan_iter(count=1000, match=f"{made.keys.namespace}:*"):
         redis.delete(key)
 
 

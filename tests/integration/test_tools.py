@@ -103,11 +103,7 @@ def generated(pipeline: Pipeline, call: Callable[[], T]) -> tuple[T, list[int]]:
 
     thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 60
-    jobs: list[str] = []
-    while not jobs and time.monotonic() < deadline and thread.is_alive():
-        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
-        jobs = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    jobs = pipeline.wait_queued(timeout_s=60, alive=thread.is_alive)
     prompt = json.loads(pipeline.record(jobs[0])["prompt_ids"]) if jobs else []
     if jobs:
         pipeline.dispatch(jobs)
@@ -276,10 +272,7 @@ def test_a_batch_lines_forced_call_is_in_its_output(tiny):  # type: ignore[no-un
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     deadline = time.monotonic() + 60
-    jobs: list[str] = []
-    while not jobs and time.monotonic() < deadline:
-        found = [k.decode().rsplit(":", 1)[1] for k in pipeline.redis.scan_iter(match=pipeline.keys.job("*"))]
-        jobs = [j for j in found if pipeline.record(j).get("status") == "queued"]
+    jobs = pipeline.wait_queued(timeout_s=60)
     assert jobs, "the batch fed no job"
     pipeline.dispatch(jobs)
     pipeline.pump()

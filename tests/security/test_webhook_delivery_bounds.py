@@ -138,7 +138,7 @@ def settings(redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
     )
     yield config
     keys = Keys(config.namespace)
-    for key in redis.scan_iter(f"{config.namespace}:*"):
+    for key in redis.scan_iter(f"{config.namespace}:*", count=1000):
         redis.delete(key)
     assert keys.namespace.startswith("test-")
 
