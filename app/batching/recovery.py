@@ -18,7 +18,10 @@ batch of its own (`windows.Item.alone`): if it is what kills workers, it dies al
 Recovering only helps where the job can run again, and a worker that comes back still has to
 load its weights. So a model's jobs are left alone while one of its stages has no live worker
 (heartbeats), and for `stall_timeout_s` after a worker joins: the clock restarts then, instead of
-spending an attempt on a pipeline that is still warming up.
+spending an attempt on a pipeline that is still warming up. A worker counts as live here while it
+beats on time: one that has missed two beats (half the heartbeat TTL; it beats five times per TTL)
+has most likely died, though its last beat keeps it in the stage's set for the whole TTL, and a
+stall timeout shorter than that would otherwise spend every attempt of a job on a dead stage.
 """
 
 from __future__ import annotations
@@ -126,15 +129,21 @@ class Monitor:
         return moved
 
     def pipeline_ready(self, model: str, now: float) -> bool:
-        """Every stage has a live worker, and none joined within the last stall_timeout_s."""
+        """Every stage has a worker that beats on time, and none joined within the last
+        stall_timeout_s (a join is a worker new to the stage's set of the heartbeat TTL)."""
         pipe = self.redis.pipeline(transaction=False)
         for stage in range(self.stages_of(model)):
-            pipe.zrangebyscore(self.keys.workers(model, stage), now - self.heartbeat_ttl_s, "+inf")
-        live = [{text_of(m) for m in members} for members in pipe.execute()]
+            pipe.zrangebyscore(
+                self.keys.workers(model, stage), now - self.heartbeat_ttl_s, "+inf", withscores=True
+            )
+        beats = [{text_of(m): at for m, at in members} for members in pipe.execute()]
+        live = [set(stage) for stage in beats]
         before = self.members.get(model)
         if before is not None and any(now_ - was for now_, was in zip(live, before, strict=True)):
             self.joined_at[model] = now
         self.members[model] = live
         if before is None:  # first look: assume the pipeline just formed
             self.joined_at.setdefault(model, now - self.stall_timeout_s)
-        return all(live) and now - self.joined_at.get(model, -float("inf")) >= self.stall_timeout_s
+        on_time = now - self.heartbeat_ttl_s / 2  # two beats missed: most likely dead
+        beating = all(any(at >= on_time for at in stage.values()) for stage in beats)
+        return beating and now - self.joined_at.get(model, -float("inf")) >= self.stall_timeout_s

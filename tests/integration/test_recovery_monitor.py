@@ -64,7 +64,31 @@ def test_nothing_is_recovered_while_a_stage_has_no_live_worker_or_one_just_joine
     assert m.sweep(now) == {}  # no worker at all: nowhere to run it again
     live_worker(redis, keys, now)
     assert m.sweep(now + 1) == {}  # a worker just joined: it may still be warming up
+    live_worker(redis, keys, now + 6)  # it beats on (every 2 s)
     assert m.sweep(now + 7) == {job: "recovering"}
+
+
+def test_nothing_is_recovered_onto_a_stage_whose_worker_stopped_beating(redis, keys):  # type: ignore[no-untyped-def]
+    """A SIGKILLed worker's last beat keeps it in its stage's set for the heartbeat TTL (10 s); with a
+    shorter stall timeout, every sweep in that time would spend an attempt of the job on a stage that
+    has no worker. Two missed beats (5 s) take it out of the count; its replacement's join restarts
+    the clock."""
+    now = time.time()
+    live_worker(redis, keys, now - 60, name="w1")  # the pipeline has run a while
+    m = monitor(redis, keys, stall_timeout_s=3.0)
+    m.sweep(now - 60)
+    live_worker(redis, keys, now, name="w1")  # its last beat, then the kill
+    job = running_job(redis, keys, last_progress=now)
+    assert m.sweep(now + 3.5) == {job: "recovering"}  # the stall is real: the first attempt
+    redis.hset(keys.job(job), "status", "running")  # run again: the batcher dispatched it
+    redis.zadd(keys.progress(), {job: now + 4})
+    assert m.sweep(now + 7.5) == {}  # w1 missed two beats: no second attempt while it is gone
+    assert m.sweep(now + 9.5) == {}
+    live_worker(redis, keys, now + 12, name="w2")  # the replacement joins
+    assert m.sweep(now + 12) == {}  # and warms up for a stall timeout
+    live_worker(redis, keys, now + 15, name="w2")
+    assert m.sweep(now + 15.5) == {job: "recovering"}
+    assert redis.hget(keys.job(job), "attempts") == b"2"
 
 
 def test_an_ended_or_cancelled_job_is_only_forgotten(redis, keys):  # type: ignore[no-untyped-def]
