@@ -89,6 +89,11 @@ class Line:
                 stats=lambda _device: None,
             ).beat()
 
+    def beat(self, at: float) -> None:
+        """Both stages' workers beat at `at` (they beat every 2 s while they live)."""
+        for stage in range(2):
+            self.redis.zadd(self.keys.workers(EMBEDDING_MODEL, stage), {f"embed{stage}": at})
+
     def _send(self, message: Any, queue: str) -> None:
         assert isinstance(message, dict), message  # an embeddings batch, never a generation prefill
         self.queues.setdefault(queue, []).append(message)
@@ -184,7 +189,9 @@ def test_a_stalled_embeddings_job_is_run_again(line: Line) -> None:
     line.run(0)
     lost = line.queues.pop(line.keys.stage_queue(EMBEDDING_MODEL, 1))
     assert line.status(job_id) == "running"
-    moved = line.batcher.monitor.sweep(now=time.time() + STALL_S + 1)
+    later = time.time() + STALL_S + 1
+    line.beat(later)  # the workers of both stages live on
+    moved = line.batcher.monitor.sweep(now=later)
     assert moved == {job_id: "recovering"}
     (second,) = line.dispatch()
     assert second["job_ids"] == [job_id] and second["batch_id"] != first["batch_id"]
