@@ -43,9 +43,9 @@ run: $(STAMP)
 # own (test-bench, test-deploy). Each lane ends with its ten slowest tests (setup, call, teardown):
 # where the gate's time goes, every run.
 TEST_WORKERS ?= 2
-# Every test process (the xdist workers, the e2e lane, each stack's children) reuses the compiled
-# bytecode of what it imports: where the environment turns the cache off (PYTHONDONTWRITEBYTECODE),
-# pytest rewrites the asserts of ~500 modules again in each process, ~15 s of CPU apiece.
+# The Python processes started here (the tests' xdist workers and e2e lane, every stack's children)
+# reuse the compiled bytecode of what they import: where the environment turns the cache off
+# (PYTHONDONTWRITEBYTECODE), pytest rewrote the asserts of ~500 modules in each process again, 15 s.
 unexport PYTHONDONTWRITEBYTECODE
 SLOWEST := --durations=10
 APART  := not bench and not deploy
