@@ -45,7 +45,7 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 # The Python processes started here (the tests' xdist workers and e2e lane, every stack's children)
 # reuse the compiled bytecode of what they import: where the environment turns the cache off
-# (PYTHONDONTWRITEBYTECODE), pytest rewrote the asserts of ~500 modules in each process again, 15 s.
+# (PYTHONDONTWRITEBYTECODE), pytest rewrote the asserts of ~500 modules in each process again, 16 s.
 unexport PYTHONDONTWRITEBYTECODE
 SLOWEST := --durations=10
 APART  := not bench and not deploy
