@@ -85,11 +85,11 @@ def redis(redis_url: str) -> redis_lib.Redis:
 def keys(redis: redis_lib.Redis) -> Iterator[Any]:
     """A namespace of this test's own on the shared Redis (`app.core.keys.Keys`), emptied after it."""
     from app.core.keys import Keys
+    from tests.tinyapi import forget_keys
 
     keys = Keys(f"test-{uuid.uuid4().hex[:8]}")
     yield keys
-    for key in redis.scan_iter(count=1000, match=f"{keys.namespace}:*"):
-        redis.delete(key)
+    forget_keys(redis, keys.namespace)
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,7 @@ decode step 141 against 220 ms (docs/benchmarks.md, "Threads that follow the hos
 
 So a worker whose thread count is not fixed (`CONVEYOR_TORCH_THREADS` unset) runs its steps on its
 share, and on every CPU it may use (a cgroup's CPU quota bounds them) while the others are mostly
-idle.
-Two readings decide:
+idle. Two readings decide:
 
 - **On its share**, what the other processes use of this worker's CPUs over a second of wall time:
   the host's busy time on them (`/proc/stat`) less this process's own CPU time. Below `IDLE` of

@@ -10,6 +10,7 @@ import torch
 from app.core.protocol import StepMessage
 from app.partitions.claimcheck import ClaimCheck, ClaimMissing
 from app.partitions.codecs import decode_tensor, encode_tensor
+from tests.tinyapi import forget_keys, namespace_keys
 
 THRESHOLD = 64 * 1024
 
@@ -18,8 +19,7 @@ THRESHOLD = 64 * 1024
 def claims(redis):
     namespace = f"test-claim-{uuid.uuid4().hex[:8]}"
     yield ClaimCheck(redis, namespace=namespace, threshold_bytes=THRESHOLD, ttl_s=30)
-    for key in redis.scan_iter(count=1000, match=f"{namespace}:*"):
-        redis.delete(key)
+    forget_keys(redis, namespace)
 
 
 def over_msgpack(wire: dict) -> dict:
@@ -57,7 +57,7 @@ def test_below_the_threshold_stays_inline(claims, redis):
     assert len(wire["data"]) < THRESHOLD
     assert claims.put(wire) is wire
     assert claims.get(wire) is wire
-    assert list(redis.scan_iter(count=1000, match=f"{claims.namespace}:*")) == []
+    assert namespace_keys(redis, claims.namespace) == []
 
 
 def test_the_threshold_counts_encoded_bytes(claims):
@@ -99,7 +99,7 @@ def test_a_stage_message_carries_claims_through_msgpack(claims, redis):
     resolved = claims.get_all(back.tensors)
     assert torch.equal(decode_tensor(resolved["hidden"]), hidden)
     assert torch.equal(decode_tensor(resolved["attention_mask"]), mask)
-    assert list(redis.scan_iter(count=1000, match=f"{claims.namespace}:*")) == []
+    assert namespace_keys(redis, claims.namespace) == []
 
 
 def test_bad_settings_and_clients_are_refused(redis_url):

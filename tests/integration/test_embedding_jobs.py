@@ -30,6 +30,7 @@ from app.partitions.embedding import EmbeddingModel
 from app.partitions.graph import GraphPlan
 from app.workers.embedding import EmbeddingStage
 from app.workers.heartbeat import Heartbeat
+from tests.tinyapi import forget_keys
 
 pytestmark = pytest.mark.xdist_group("minilm")  # the MiniLM plans are built once per process
 
@@ -155,8 +156,7 @@ class Line:
 def line(redis, redis_url, minilm_worker_plans) -> Iterator[Line]:  # type: ignore[no-untyped-def]
     line = Line(redis, redis_url, minilm_worker_plans[2])
     yield line
-    for key in redis.scan_iter(count=1000, match=f"{line.keys.namespace}:*"):
-        redis.delete(key)
+    forget_keys(redis, line.keys.namespace)
 
 
 def test_the_batcher_batches_embeddings_jobs_for_the_embedding_pipeline(line: Line) -> None:

@@ -12,6 +12,7 @@ import transformers as tf
 from tiny import make_tokenizer
 
 from tests.stageharness import Pipeline, build, reference
+from tests.tinyapi import forget_keys
 
 LIMIT = 24
 
@@ -53,8 +54,7 @@ def pipelines(redis):  # type: ignore[no-untyped-def]
     made: list[Pipeline] = []
     yield made
     for pipeline in made:
-        for key in redis.scan_iter(count=1000, match=f"{pipeline.keys.namespace}:*"):
-            redis.delete(key)
+        forget_keys(redis, pipeline.keys.namespace)
 
 
 def test_jobs_growing_past_the_original_length_stream_what_generate_gives(redis, phi35, pipelines):  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from app.core.steps import complete
 from app.partitions.prefix import PrefixCache
 from tests.stageharness import Pipeline, build, reference
+from tests.tinyapi import forget_keys
 
 SHORT = [[5, 17, 42, 99], [7, 8, 9]]
 
@@ -24,8 +25,7 @@ def pipelines(redis):  # type: ignore[no-untyped-def]
     made: list[Pipeline] = []
     yield made
     for pipeline in made:
-        for key in redis.scan_iter(count=1000, match=f"{pipeline.keys.namespace}:*"):
-            redis.delete(key)
+        forget_keys(redis, pipeline.keys.namespace)
 
 
 def test_a_batch_run_in_process_matches_generate(redis, tiny_model, pipelines):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from tests.stageharness import Pipeline, build
+from tests.tinyapi import forget_keys
 from tests.unit.test_sampling_controls import OutputPenalties
 
 PROMPT = [37, 41, 40, 76, 51, 115, 69, 62]  # greedy repeats a prompt token and one of its own
@@ -34,8 +35,7 @@ Reference = tuple[Callable[[], list[LogitsProcessor]], bool]
 def pipeline(redis, tiny_model):  # type: ignore[no-untyped-def]
     made = build(redis, tiny_model, stages=1)
     yield made
-    for key in redis.scan_iter(count=1000, match=f"{made.keys.namespace}:*"):
-        redis.delete(key)
+    forget_keys(redis, made.keys.namespace)
 
 
 @pytest.fixture(scope="module")

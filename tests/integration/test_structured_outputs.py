@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from app.api.app import create_app
 from app.core.grammar import Grammar, json_schema
 from tests.stageharness import Pipeline, build
-from tests.tinyapi import forget_namespace, tiny_settings
+from tests.tinyapi import forget_keys, forget_namespace, tiny_settings
 
 PERSON = {
     "type": "object",
@@ -90,8 +90,7 @@ def pipelines(redis) -> Iterator[list[Pipeline]]:  # type: ignore[no-untyped-def
     made: list[Pipeline] = []
     yield made
     for pipeline in made:
-        for key in redis.scan_iter(count=1000, match=f"{pipeline.keys.namespace}:*"):
-            redis.delete(key)
+        forget_keys(redis, pipeline.keys.namespace)
 
 
 def submit(pipeline: Pipeline, grammar: Grammar | None, **request: Any) -> str:

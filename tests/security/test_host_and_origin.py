@@ -12,7 +12,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.api.app import create_app
 from app.core.config import Settings
-from tests.tinyapi import forget_namespace, tiny_settings
+from tests.tinyapi import forget_namespace, namespace_keys, tiny_settings
 
 DEFAULT_HOSTS = Settings.model_fields["allowed_hosts"].default_factory()  # type: ignore[misc]
 
@@ -47,7 +47,7 @@ def test_another_host_is_refused_with_400_and_nothing_is_queued(api: TestClient,
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["code"] == "host_not_allowed" and "CONVEYOR_ALLOWED_HOSTS" in error["message"]
-    assert not list(redis.scan_iter(count=1000, match=f"{api.app.state.settings.namespace}:job:*"))  # type: ignore[attr-defined]
+    assert not namespace_keys(redis, f"{api.app.state.settings.namespace}:job")  # type: ignore[attr-defined]
     # Probes and scrapers address a pod by its IP: health and metrics answer whatever the Host.
     assert api.get("/healthz", headers={"host": host}).status_code == 200
     assert api.get("/metrics", headers={"host": host}).status_code == 200

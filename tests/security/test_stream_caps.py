@@ -27,7 +27,7 @@ from app.api.auth import key_digest, new_api_key
 from app.core.jobrecord import JobRequest
 from app.core.keys import Keys
 from tests.conftest import free_port
-from tests.tinyapi import forget_namespace, tiny_settings
+from tests.tinyapi import forget_namespace, namespace_keys, tiny_settings
 
 CAP = 2
 
@@ -98,23 +98,13 @@ def test_a_tenant_past_its_stream_cap_is_refused_and_others_are_not(api, redis_u
             ws.recv(timeout=10)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 4429
 
-        before = sum(
-            1
-            for _ in redis_lib.Redis.from_url(redis_url).scan_iter(
-                count=1000, match=f"{keys.namespace}:job:*"
-            )
-        )
+        before = len(namespace_keys(redis_lib.Redis.from_url(redis_url), f"{keys.namespace}:job"))
         body = {"prompt": "hi", "max_tokens": 2, "stream": True}
         answer = client.post("/v1/completions", json={**body, "model": "tiny"}, headers=acme)
         assert answer.status_code == 429 and answer.json()["error"]["code"] == "too_many_streams"
         answer = client.post("/v1/inference", json=body, headers=acme)
         assert answer.status_code == 429
-        after = sum(
-            1
-            for _ in redis_lib.Redis.from_url(redis_url).scan_iter(
-                count=1000, match=f"{keys.namespace}:job:*"
-            )
-        )
+        after = len(namespace_keys(redis_lib.Redis.from_url(redis_url), f"{keys.namespace}:job"))
         assert after == before  # refused before any job was made
 
         with sse(client, f"/v1/jobs/{theirs}/events", other) as response:

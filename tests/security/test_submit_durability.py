@@ -21,7 +21,7 @@ from app.core.durability import DurabilityUnavailable
 from app.core.keys import Keys
 from app.core.redis import start_embedded
 from tests.conftest import free_port
-from tests.tinyapi import tiny_settings
+from tests.tinyapi import namespace_keys, tiny_settings
 
 
 def settings(url: str, tiny_model: Path, namespace: str) -> Settings:
@@ -85,9 +85,7 @@ def test_a_redis_that_stops_fsyncing_while_the_api_runs_refuses_submits_until_it
             assert refused.json()["error"]["code"] == "store_not_durable"
             assert int(refused.headers["retry-after"]) >= 1
             assert client.get("/readyz").json()["status"] == "not_ready"
-            queued = [
-                k for k in redis.scan_iter(count=1000, match=f"{namespace}:job:*") if k.count(b":") == 2
-            ]
+            queued = [k for k in namespace_keys(redis, f"{namespace}:job") if k.count(b":") == 2]
             redis.config_set("appendonly", "yes")
             wait_for_durability(client, True)
             assert client.post("/v1/jobs", json={"prompt": "after", "max_tokens": 2}).status_code == 202

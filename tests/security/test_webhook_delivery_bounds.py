@@ -27,6 +27,7 @@ from app.webhooks.delivery import Deliverer
 from app.webhooks.dispatcher import Dispatcher
 from app.webhooks.signing import SecretBook
 from app.webhooks.ssrf import Guard
+from tests.tinyapi import forget_keys
 
 SECRET = "whsec_" + base64.b64encode(b"delivery-bounds-test-secret-32by").decode()
 DEADLINE_S = 1.0
@@ -138,8 +139,7 @@ def settings(redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
     )
     yield config
     keys = Keys(config.namespace)
-    for key in redis.scan_iter(f"{config.namespace}:*", count=1000):
-        redis.delete(key)
+    forget_keys(redis, config.namespace)
     assert keys.namespace.startswith("test-")
 
 
