@@ -157,19 +157,18 @@ def build(
     stages: int = 1,
     namespace: str | None = None,
     prefix_cache_mb: int = 0,
+    dtype: torch.dtype = torch.float32,
     **runtime: Any,
 ) -> Pipeline:
-    """A pipeline of `stages` in-process stage runtimes over the model at `path` (fp32, CPU); each
-    stage with a prefix cache of `prefix_cache_mb` (0: none)."""
+    """A pipeline of `stages` in-process stage runtimes over the model at `path` (in `dtype`, on the
+    CPU); each stage with a prefix cache of `prefix_cache_mb` (0: none)."""
     keys = Keys(namespace or f"test-{uuid.uuid4().hex[:8]}")
     jobs = JobStore(redis, keys, ttl_s=600)
     tokenizer = AutoTokenizer.from_pretrained(path)
     num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     pipeline = Pipeline(redis, keys, path, [])
     for stage in range(stages):
-        partition = load_partition(
-            path, LayerRange.even_split(num_layers, stages, stage), "cpu", torch.float32
-        )
+        partition = load_partition(path, LayerRange.even_split(num_layers, stages, stage), "cpu", dtype)
         identity = StageIdentity(
             model=MODEL,
             stage=stage,

@@ -1,7 +1,9 @@
 """Tools with the official `openai` client, against the API in process whose jobs the in-process
-pipeline generates (fp32, CPU): on SmolLM2, a round trip (request -> tool_calls -> tool message ->
-answer) with tool_choice `required` and a named function, streamed and not; on the tiny random model
-sampled at temperature 1, forced calls that always parse; and the 422s as a client sees them."""
+pipeline generates on the CPU: on SmolLM2 (in bf16, as `auto` serves it on a CPU with native bf16:
+what is asserted is the answers' shape, not `generate`'s numbers), a round trip (request ->
+tool_calls -> tool message -> answer) with tool_choice `required` and a named function, streamed and
+not; on the tiny random model sampled at temperature 1, forced calls that always parse; and the
+422s as a client sees them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from unittest import mock
 import openai
 import pytest
 import redis as redis_lib
+import torch
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
@@ -61,13 +64,15 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 REPORT = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
 
 
-def serve(redis_url: str, path: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
-    """The API over the model at `path` and, in the same namespace, the pipeline that generates what
-    it submits."""
+def serve(
+    redis_url: str, path: Path, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
+    """The API over the model at `path` and, in the same namespace, the pipeline (in `dtype`) that
+    generates what it submits."""
     settings = tiny_settings(redis_url, path, auth="none")
     redis = redis_lib.Redis.from_url(redis_url)
     redis.zadd(Keys(settings.namespace).workers("tiny", 0), {"w0": time.time() + 3600})
-    pipeline = build(redis, path, namespace=settings.namespace)
+    pipeline = build(redis, path, namespace=settings.namespace, dtype=dtype)
     try:
         with mock.patch.object(batchfeed, "FEED_INTERVAL_S", 0.05), TestClient(create_app(settings)) as http:
             yield (
@@ -80,7 +85,7 @@ def serve(redis_url: str, path: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]
 
 @pytest.fixture(scope="module")
 def served(redis_url: str, smollm2_dir: Path) -> Iterator[tuple[openai.OpenAI, Pipeline]]:
-    yield from serve(redis_url, smollm2_dir)
+    yield from serve(redis_url, smollm2_dir, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
