@@ -198,24 +198,33 @@ class City(BaseModel):
 @pytest.mark.slow
 def test_the_official_client_parses_smollm2s_answers(tmp_path, redis_url, smollm2_dir):  # type: ignore[no-untyped-def]
     """`client.beta.chat.completions.parse(response_format=<pydantic model>)` against the stack (in
-    process) on SmolLM2 returns a parsed object for every prompt."""
+    process) on SmolLM2 returns a parsed object for every prompt (the three asked at once, so their
+    jobs share the batch's steps as concurrent clients' do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import openai
     from conftest import SMOLLM2
     from harness import start_harness
 
     stack = start_harness(tmp_path, redis_url=redis_url, models={SMOLLM2: smollm2_dir}, default_model=SMOLLM2)
     try:
-        with openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-            for city in ("Paris", "Tokyo", "Lagos"):
-                answer = client.beta.chat.completions.parse(
+        with (
+            openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120) as client,
+            ThreadPoolExecutor(3) as pool,
+        ):
+
+            def parse(city: str):  # type: ignore[no-untyped-def]
+                return client.beta.chat.completions.parse(
                     model=SMOLLM2,
                     messages=[{"role": "user", "content": f"Describe the city of {city} as JSON."}],
                     response_format=City,
                     max_completion_tokens=96,
                     temperature=0,
                 )
-                parsed = answer.choices[0].message.parsed
-                assert isinstance(parsed, City), answer
-                assert answer.choices[0].finish_reason == "stop"
+
+            answers = list(pool.map(parse, ("Paris", "Tokyo", "Lagos")))
     finally:
         stack.stop()
+    for answer in answers:
+        assert isinstance(answer.choices[0].message.parsed, City), answer
+        assert answer.choices[0].finish_reason == "stop"
