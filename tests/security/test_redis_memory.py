@@ -4,7 +4,7 @@ that is full must refuse work with a 503 a client can retry, never a 500.
 Each test runs its own embedded Redis (as `conveyor up` starts it, `maxmemory` included), so that
 `INFO memory` counts this test's keys alone, and the real API in process over it.
 
-- 2,000 jobs with 8,000-token prompts submitted and cancelled: Redis grows by a bounded amount
+- 500 jobs with 8,000-token prompts submitted and cancelled: Redis grows by a bounded amount
   per job (the ended records keep no prompt), far under what the prompts weigh; a live job keeps
   its prompt and its day, an ended one loses the prompt and lives ended_job_ttl_s, stream included;
 - a Redis at its maxmemory: submits (native and OpenAI) are 503 store_full with Retry-After, reads
@@ -36,12 +36,13 @@ from app.core.keys import Keys
 from app.core.redis import start_embedded
 from tests.tinyapi import TEST_HOSTS
 
-JOBS = 2_000  # enough to weigh each job's share (10,000 measured the same per job, 100 s longer)
+# Enough jobs to weigh each one's share: 500, 2,000 and 10,000 measured the same per job (6.4-6.6 KB).
+JOBS = 500
 PROMPT_TOKENS = 8_000  # the tiny tokenizer is byte-level: one character, one token
 # What the flood may add to Redis, whatever the prompts weigh: 10 KB a job. Measured: ~6.4 KB (its
 # ended record ~1.4 KB; its one-event stream ~4.7 KB, as Redis allocates a stream's first node
-# whole; its intake entry and two audit entries). The prompts alone are 2,000 x ~40 KB of token
-# ids: 80 MB, where the record kept them a day.
+# whole; its intake entry and two audit entries). The prompts alone are 500 x ~40 KB of token
+# ids: 20 MB, where the record kept them a day.
 BOUND_BYTES = JOBS * 10 * 1024
 
 
