@@ -1,15 +1,32 @@
-"""The stack as a user starts it (`conveyor up`), with no Redis configured: the embedded one runs."""
+"""The stack as a user starts it (`conveyor up`), with no Redis configured: the embedded one runs.
+
+One stack serves the module's tests in their order, the last of which stops it: a chat job and
+Flower behind its login; the embedded Redis's password (below); a killed worker restarted; SIGTERM
+stopping every child. SmolLM2 answering "Paris" starts a stack of its own.
+
+The embedded Redis of `conveyor up` requires a password: anything on the machine reaches a loopback
+port, and whoever writes to Redis can add an API key for any tenant or read every prompt. The
+password is generated into an owner-only file under CONVEYOR_HOME, the children get it in REDIS_URL,
+and it appears on no command line and in no log line; the stack works as before, and the CLI finds
+the password for itself.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+import redis as redis_lib
 from clients import events, submit, tokens, wait
-from conftest import SMOLLM2, start_stack
+from conftest import ROOT, SMOLLM2, start_stack
 
 # whole-stack smoke tests
 pytestmark = pytest.mark.e2e
@@ -71,6 +88,51 @@ def test_embedded_stack_serves_a_chat_job_and_flower_behind_its_login(embedded_s
     assert httpx.get(url, timeout=5, auth=("ops", "wrong")).status_code == 401
 
 
+def test_the_embedded_redis_refuses_unauthenticated_clients_and_the_stack_works(embedded_stack):  # type: ignore[no-untyped-def]
+    port = int(embedded_stack.env["CONVEYOR_EMBEDDED_REDIS_PORT"])
+    home = Path(embedded_stack.env["CONVEYOR_HOME"])
+    with pytest.raises(redis_lib.AuthenticationError):  # NOAUTH: no password, no commands
+        redis_lib.Redis(host="127.0.0.1", port=port, socket_timeout=5).ping()
+    with pytest.raises(redis_lib.AuthenticationError):
+        redis_lib.Redis(host="127.0.0.1", port=port, password="guess", socket_timeout=5).ping()
+
+    secret = home / "redis_password"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    password = secret.read_text().strip()
+    assert len(password) >= 32
+    assert redis_lib.Redis(host="127.0.0.1", port=port, password=password).ping()
+
+    with embedded_stack.client() as client:  # every child reaches Redis with the password it was given
+        job = submit(client, prompt="Hello", max_tokens=4, temperature=0)
+        assert wait(client, job["id"])["status"] == "succeeded"
+
+    everyone = psutil.Process(embedded_stack.process.pid).children(recursive=True)
+    assert any("redis-server" in " ".join(c.cmdline()) for c in everyone)
+    assert any("flower" in c.cmdline() for c in everyone)
+    for child in everyone:  # not on any command line (`ps` shows them to every local user)
+        assert password not in " ".join(child.cmdline()), child.cmdline()
+    assert password not in embedded_stack.log.read_text()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
+    env.update(
+        {
+            "CONVEYOR_HOME": str(home),
+            "CONVEYOR_EMBEDDED_REDIS_PORT": str(port),
+            "CONVEYOR_NAMESPACE": embedded_stack.namespace,
+        }
+    )
+    made = subprocess.run(
+        [sys.executable, "-m", "app.cli", "keys", "create", "--tenant", "ops"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr  # the CLI read the password file
+    assert made.stdout.strip().startswith("cvk_")
+
+
 def test_a_killed_worker_is_restarted_and_the_stack_keeps_serving(embedded_stack):  # type: ignore[no-untyped-def]
     worker = children(embedded_stack)["app.cli worker"]
     worker.send_signal(signal.SIGKILL)
@@ -88,14 +150,14 @@ def test_a_killed_worker_is_restarted_and_the_stack_keeps_serving(embedded_stack
     assert job["status"] == "succeeded"
 
 
-def test_sigterm_stops_every_child(tmp_path, tiny_model):  # type: ignore[no-untyped-def]
-    stack = start_stack(tmp_path, redis_url=None, models={"tiny": tiny_model}, default_model="tiny")
-    procs = list(children(stack).values())
-    assert len(procs) == 4
-    assert stack.stop() == 0
+def test_sigterm_stops_every_child(embedded_stack):  # type: ignore[no-untyped-def]
+    """The module's last test on its stack: it stops it."""
+    procs = list(children(embedded_stack).values())
+    assert len(procs) == 5  # redis-server, the api, the batcher, the worker, Flower
+    assert embedded_stack.stop() == 0
     gone, alive = psutil.wait_procs(procs, timeout=5)
     assert not alive, [p.cmdline() for p in alive]
-    assert "[conveyor] stopped" in stack.log.read_text()
+    assert "[conveyor] stopped" in embedded_stack.log.read_text()
 
 
 @pytest.mark.slow
