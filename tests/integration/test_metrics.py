@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from clients import submit, wait
-from conftest import Stack, free_ports, start_stack
+from conftest import Stack
 from prometheus_client.parser import text_string_to_metric_families
 
 # every process's own metrics port
@@ -47,21 +46,11 @@ def ports(log: Path) -> dict[str, int]:
     raise AssertionError("conveyor up printed no metrics ports")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model: Path) -> Iterator[Stack]:
-    s = start_stack(
-        tmp_path_factory.mktemp("metrics"),
-        redis_url=redis_url,
-        models={"tiny": tiny_model},
-        default_model="tiny",
-        extra_env={
-            "CONVEYOR_STAGES": "2",
-            "CONVEYOR_TORCH_THREADS": "1",
-            "CONVEYOR_METRICS_PORT": str(free_ports(5)),
-        },
-    )
-    yield s
-    s.stop()
+@pytest.fixture()
+def stack(two_stage_stack: Stack) -> Stack:
+    """The whole stack of two stages, two embeddings workers and a metrics port each (conftest.py),
+    shared with test_embeddings.py: what these tests count is the tiny model's."""
+    return two_stage_stack
 
 
 def test_after_one_job_every_process_exposes_live_metrics(stack: Stack) -> None:
@@ -72,7 +61,7 @@ def test_after_one_job_every_process_exposes_live_metrics(stack: Stack) -> None:
         assert done["status"] == "succeeded"
         refused = client.post("/v1/jobs", json={"prompt": "x", "priority": "high", "timeout_s": 0.001})
     on = ports(stack.log)
-    assert set(on) == {"batcher", "webhooks", "callbacks", "stage0", "stage1"}
+    assert set(on) == {"batcher", "webhooks", "callbacks", "stage0", "stage1", "embed0", "embed1"}
 
     api = scrape(f"{stack.url}/metrics")
     assert value(api, "conveyor_http_requests_total", route="/v1/jobs", method="POST", status="202") >= 1
