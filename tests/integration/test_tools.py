@@ -96,28 +96,47 @@ def tiny(
     yield from serve(redis_url, make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", context=4096))
 
 
-def generated(pipeline: Pipeline, call: Callable[[], T]) -> tuple[T, list[int]]:
-    """`call()` (a request), its job generated meanwhile; its result and the job's prompt."""
-    result: dict[str, Any] = {}
+def generated(pipeline: Pipeline, *calls: Callable[[], T]) -> tuple[list[T], list[list[int]]]:
+    """Each of `calls` (a request) on a thread of its own, their jobs generated meanwhile as one
+    batch; their results in order, and the jobs' prompts (in the order the jobs were queued)."""
+    results: list[dict[str, Any]] = [{} for _ in calls]
 
-    def run() -> None:
+    def run(call: Callable[[], T], result: dict[str, Any]) -> None:
         try:
             result["value"] = call()
         except Exception as exc:  # raised again in the test's thread
             result["error"] = exc
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    jobs = pipeline.wait_queued(timeout_s=60, alive=thread.is_alive)
-    prompt = json.loads(pipeline.record(jobs[0])["prompt_ids"]) if jobs else []
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(calls, results, strict=True)]
+    for thread in threads:
+        thread.start()
+    jobs = pipeline.wait_queued(
+        len(calls), timeout_s=60, alive=lambda: all(thread.is_alive() for thread in threads)
+    )
+    prompts = [json.loads(pipeline.record(job)["prompt_ids"]) for job in jobs]
     if jobs:
         pipeline.dispatch(jobs)
         pipeline.pump()
-    thread.join(120)
-    if "error" in result:
-        raise result["error"]
-    assert jobs, "the request made no job"
-    return result["value"], prompt
+    for thread in threads:
+        thread.join(120)
+    for result in results:
+        if "error" in result:
+            raise result["error"]
+    assert len(jobs) == len(calls), f"{len(calls)} requests made {len(jobs)} jobs"
+    return [result["value"] for result in results], prompts
+
+
+def request(client: openai.OpenAI, *, stream: bool, **body: Any) -> Callable[[], dict[str, Any]]:
+    """One chat completion, streamed or not, to be made: the message and finish reason it adds up to."""
+    body = {"model": "tiny", "tools": TOOLS, "max_completion_tokens": 128, "temperature": 0, **body}
+
+    def call() -> dict[str, Any]:
+        if stream:
+            return joined(list(client.chat.completions.create(stream=True, **body)))
+        choice = client.chat.completions.create(**body).choices[0]
+        return {**choice.message.model_dump(exclude_none=True), "finish_reason": choice.finish_reason}
+
+    return call
 
 
 def ask(
@@ -126,14 +145,8 @@ def ask(
     """One chat completion, streamed or not: the message and finish reason it adds up to, and the
     prompt its job was given."""
     client, pipeline = served
-    body = {"model": "tiny", "tools": TOOLS, "max_completion_tokens": 128, "temperature": 0, **body}
-    if not stream:
-        answer, prompt = generated(pipeline, lambda: client.chat.completions.create(**body))
-        choice = answer.choices[0]
-        message = choice.message.model_dump(exclude_none=True)
-        return {**message, "finish_reason": choice.finish_reason}, prompt
-    chunks, prompt = generated(pipeline, lambda: list(client.chat.completions.create(stream=True, **body)))
-    return joined(chunks), prompt
+    (message,), (prompt,) = generated(pipeline, request(client, stream=stream, **body))
+    return message, prompt
 
 
 def joined(chunks: list[Any]) -> dict[str, Any]:
@@ -217,10 +230,23 @@ def test_streamed_and_whole_answers_agree(served):  # type: ignore[no-untyped-de
 def test_forced_calls_parse_whatever_a_random_model_samples(tiny, stream):  # type: ignore[no-untyped-def]
     """A random model at temperature 1 writes calls that parse when they are forced: required (one or
     more of the tools) and named (that one), each with arguments that follow its schema."""
+    client, pipeline = tiny
+    choices = ["required", NAMED, "required", NAMED]
+    asked = [
+        request(
+            client,
+            stream=stream,
+            messages=QUESTION,
+            tool_choice=choice,
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=600,
+        )
+        for seed, choice in enumerate(choices)
+    ]
+    messages, _ = generated(pipeline, *asked)  # the four at once, one batch
     called = []
-    for seed, choice in enumerate(["required", NAMED, "required", NAMED]):
-        body = {"tool_choice": choice, "temperature": 1.0, "seed": seed, "max_completion_tokens": 600}
-        message, _ = ask(tiny, stream=stream, messages=QUESTION, **body)
+    for choice, message in zip(choices, messages, strict=True):
         if message["finish_reason"] == "length":
             continue  # a random model may fill max_tokens inside a string: then nothing is a call
         assert message["finish_reason"] == "tool_calls", message
