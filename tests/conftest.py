@@ -161,6 +161,21 @@ class Stack:
                 self.process.wait()
         return self.process.returncode
 
+    def keys_create(self, tenant: str) -> subprocess.CompletedProcess[str]:
+        """`conveyor keys create` from another shell: no REDIS_URL, the stack's home (the embedded
+        Redis's password file) and ports, none of the stack's auth settings."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
+        for name in ("CONVEYOR_HOME", "CONVEYOR_NAMESPACE", "CONVEYOR_EMBEDDED_REDIS_PORT"):
+            env[name] = self.env[name]
+        return subprocess.run(
+            [sys.executable, "-m", "app.cli", "keys", "create", "--tenant", tenant],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
 
 def start_stack(
     tmp: Path,

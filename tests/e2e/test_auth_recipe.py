@@ -5,9 +5,7 @@ is accepted, and a key made while that stack runs is accepted at once, without a
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,22 +19,6 @@ pytestmark = pytest.mark.e2e
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 RECIPE = ("CONVEYOR_AUTH=keys make run", ".venv/bin/conveyor keys create --tenant me")
 JOB = {"prompt": "Hello", "max_tokens": 2}
-
-
-def keys_create(stack: Stack, tenant: str) -> subprocess.CompletedProcess[str]:
-    """`conveyor keys create` from another shell: no REDIS_URL, the stack's home (the embedded Redis's
-    password file) and ports, none of the stack's auth settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
-    for name in ("CONVEYOR_HOME", "CONVEYOR_NAMESPACE", "CONVEYOR_EMBEDDED_REDIS_PORT"):
-        env[name] = stack.env[name]
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", "keys", "create", "--tenant", tenant],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def redis_cli_line() -> str:
@@ -62,7 +44,7 @@ def test_the_quickstart_recipe_turns_auth_on(tmp_path, tiny_model) -> None:  # t
         tmp_path, redis_url=None, extra_env={**threads, "CONVEYOR_AUTH": "none"}, **common
     )
     try:
-        made = keys_create(open_stack, "me")
+        made = open_stack.keys_create("me")
         assert made.returncode == 0, made.stderr
         assert "WITHOUT AUTHENTICATION" in made.stderr and RECIPE[0] in made.stderr
         key = made.stdout.strip()
@@ -105,7 +87,7 @@ def test_the_quickstart_recipe_turns_auth_on(tmp_path, tiny_model) -> None:  # t
         with closed.client() as client:
             assert replay(client, shown.argv, {}, key=key).status_code == shown.status == 202
 
-        second = keys_create(closed, "you")  # made while the closed stack runs: no warning
+        second = closed.keys_create("you")  # made while the closed stack runs: no warning
         assert second.returncode == 0, second.stderr
         assert "WITHOUT AUTHENTICATION" not in second.stderr and "no API" not in second.stderr
         assert submit(closed, second.stdout.strip()) == 202  # from the next request on

@@ -13,11 +13,8 @@ the password for itself.
 
 from __future__ import annotations
 
-import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +23,7 @@ import psutil
 import pytest
 import redis as redis_lib
 from clients import events, submit, tokens, wait
-from conftest import ROOT, SMOLLM2, start_stack
+from conftest import SMOLLM2, start_stack
 
 # whole-stack smoke tests
 pytestmark = pytest.mark.e2e
@@ -113,22 +110,7 @@ def test_the_embedded_redis_refuses_unauthenticated_clients_and_the_stack_works(
         assert password not in " ".join(child.cmdline()), child.cmdline()
     assert password not in embedded_stack.log.read_text()
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "REDIS_URL"}
-    env.update(
-        {
-            "CONVEYOR_HOME": str(home),
-            "CONVEYOR_EMBEDDED_REDIS_PORT": str(port),
-            "CONVEYOR_NAMESPACE": embedded_stack.namespace,
-        }
-    )
-    made = subprocess.run(
-        [sys.executable, "-m", "app.cli", "keys", "create", "--tenant", "ops"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    made = embedded_stack.keys_create("ops")
     assert made.returncode == 0, made.stderr  # the CLI read the password file
     assert made.stdout.strip().startswith("cvk_")
 
