@@ -8,13 +8,11 @@ only fake is the model (a tiny random Llama, see tiny.py).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,31 +32,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import TLS, Harness, start_harness  # noqa: E402
 from keyaudit import unbounded_keys  # noqa: E402
 
+from tests.ports import free_port, free_ports  # noqa: E402  (tests import them from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # A stack given any of these runs with authentication; any other is started open (CONVEYOR_AUTH=none).
 AUTH_SETTINGS = {"CONVEYOR_AUTH", "CONVEYOR_API_KEYS", "CONVEYOR_JWT_KEY", "CONVEYOR_JWT_KEY_FILE"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive free ports (`conveyor up` numbers metrics ports upwards)."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + n):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @pytest.fixture(scope="session")

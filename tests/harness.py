@@ -26,7 +26,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ import redis as redis_lib
 
 from app.core.config import EMBEDDING_MODEL, Settings
 from app.core.protocol import StepMessage, broker_priority
+from tests.ports import free_port
 from tests.tinyapi import forget_namespace
 
 log = logging.getLogger(__name__)
@@ -319,9 +319,7 @@ class Harness:
         from app.api.app import create_app
         from app.api.connections import serving
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         config = uvicorn.Config(
             create_app(self.settings),
             host="127.0.0.1",
