@@ -23,7 +23,7 @@ import pytest
 import redis as redis_lib
 import redis.asyncio
 from clients import events, submit, tokens, wait
-from harness import Harness, start_harness
+from harness import TLS, Harness, start_harness
 from tiny import make_tiny_model
 
 from app.core import admission as adm
@@ -304,13 +304,14 @@ def job_from_key(stack: Harness, key: str) -> str:
 
 
 def simultaneously(stack: Harness, bodies: list[dict[str, Any]], **kwargs: Any) -> list[httpx.Response]:
-    """POST every body to /v1/jobs at the same moment: one thread and connected client per body,
-    released together by a barrier, so the API really handles them at once."""
+    """POST every body to /v1/jobs at the same moment: one thread and client per body, released
+    together by a barrier, so the API really handles them at once. Each connects once released: a
+    connection opened before would be closed by the API's keep-alive timeout (5 s) where reaching
+    the barrier takes longer, on a busy machine, and its POST would find it gone."""
     barrier = threading.Barrier(len(bodies))
 
     def post(body: dict[str, Any]) -> httpx.Response:
-        with httpx.Client(base_url=stack.url, timeout=60) as c:
-            c.get("/healthz")  # the connection is open and warm
+        with httpx.Client(base_url=stack.url, timeout=60, verify=TLS) as c:  # one TLS context for all
             barrier.wait()
             return c.post("/v1/jobs", json=body, **kwargs)
 
